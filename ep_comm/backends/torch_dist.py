@@ -1,0 +1,125 @@
+"""Portable transport: ``torch.distributed.all_to_all_single`` with split sizes.
+
+The same code runs on gloo (CPU), NCCL (NVIDIA) and RCCL (AMD). A gloo group with GPU tensors
+(mixed-vendor jobs) is host-staged: payloads go through CPU memory.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeoutError
+from .base import PendingExchange, Transport
+
+
+class TorchDistTransport(Transport):
+    """All-to-all over a ``torch.distributed`` process group with a bounded wait.
+
+    Every wait is bounded by ``timeout_s``. When it runs out, the surviving ranks find who is
+    missing through the job's key-value store (each survivor writes a marker; a rank that writes
+    none within a short grace period is named) and raise ``CommTimeoutError``.
+    """
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, device: torch.device,
+                 instance_id: str) -> None:
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        self.group = group
+        self.timeout_s = float(timeout_s)
+        self.backend_name = str(dist.get_backend(group))
+        self.host_staged = self.backend_name == "gloo" and device.type != "cpu"
+        self.instance_id = instance_id
+        self._incidents = 0
+
+    @staticmethod
+    def agree_instance_id(group: dist.ProcessGroup) -> str:
+        """A name all ranks of ``group`` share, for this Buffer's keys in the store."""
+        box = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return str(box[0])
+
+    # -- exchanges -------------------------------------------------------------------------
+    def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       phase: str) -> PendingExchange:
+        if send.dtype != torch.uint8 or send.dim() != 1:
+            raise ValueError("transport payloads are 1-D uint8 tensors")
+        comm_device = torch.device("cpu") if self.host_staged else send.device
+        send_c = send.to(comm_device).contiguous()
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
+        self.num_collectives += 1
+        started = time.monotonic()
+        try:
+            work = dist.all_to_all_single(recv, send_c, list(recv_splits), list(send_splits),
+                                          group=self.group, async_op=True)
+        except RuntimeError as error:
+            self._raise_timeout(phase, error, started)
+
+        def finish() -> torch.Tensor:
+            self._wait(work, phase, started)
+            return recv.to(self.device) if self.host_staged else recv
+
+        return PendingExchange(finish)
+
+    def exchange_counts(self, counts: torch.Tensor, phase: str) -> torch.Tensor:
+        if counts.dim() != 2 or counts.shape[0] != self.num_ranks:
+            raise ValueError(f"counts must be [num_ranks, C], got {tuple(counts.shape)}")
+        comm_device = (self.device if self.backend_name != "gloo" else torch.device("cpu"))
+        send = counts.to(comm_device, torch.int64).contiguous()
+        recv = torch.empty_like(send)
+        self.num_collectives += 1
+        started = time.monotonic()
+        try:
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        except RuntimeError as error:
+            self._raise_timeout(phase, error, started)
+        self._wait(work, phase, started)
+        return recv.cpu()
+
+    # -- timeouts --------------------------------------------------------------------------
+    def _grace_s(self) -> float:
+        return min(3.0, 0.25 * self.timeout_s)
+
+    def _wait(self, work: dist.Work, phase: str, started: float) -> None:
+        budget = max(self.timeout_s - self._grace_s() - (time.monotonic() - started), 0.001)
+        try:
+            finished = work.wait(timeout=timedelta(seconds=budget))
+        except RuntimeError as error:
+            self._raise_timeout(phase, error, started)
+        if finished is False:
+            self._raise_timeout(phase, None, started)
+
+    def _raise_timeout(self, phase: str, cause: BaseException | None, started: float) -> None:
+        missing = self._find_missing_peers()
+        waited = time.monotonic() - started
+        who = (f"rank(s) {missing}" if missing else "a peer (could not tell which)")
+        reason = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
+        raise CommTimeoutError(
+            f"ep_comm {phase}: rank {self.rank} waited {waited:.1f}s; {who} did not take part "
+            f"within timeout_s={self.timeout_s:g}{reason}", peers=missing, phase=phase) from cause
+
+    def _find_missing_peers(self) -> list[int]:
+        """Survivors each write a marker to the store; whoever writes none is missing."""
+        self._incidents += 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: cannot name the peer
+            return []
+        prefix = f"ep_comm/{self.instance_id}/incident{self._incidents}/"
+        try:
+            store.set(prefix + str(self.rank), "alive")
+            keys = [prefix + str(r) for r in range(self.num_ranks)]
+            deadline = time.monotonic() + self._grace_s()
+            present: set[int] = set()
+            while time.monotonic() < deadline:
+                present = {r for r in range(self.num_ranks) if store.check([keys[r]])}
+                if len(present) == self.num_ranks:
+                    break
+                time.sleep(0.05)
+            return [r for r in range(self.num_ranks) if r not in present]
+        except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
+            return []

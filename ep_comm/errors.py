@@ -1,0 +1,17 @@
+"""Exceptions raised by ep_comm."""
+from __future__ import annotations
+
+
+class CommTimeoutError(RuntimeError):
+    """A peer stopped answering: raised on the surviving ranks within ``Buffer.timeout_s``.
+
+    Attributes:
+        peers: ranks (within the Buffer's group) that did not take part in the collective.
+            Empty when the library could not tell which peer was missing.
+        phase: the step that was waiting (for example ``"dispatch/counts"``).
+    """
+
+    def __init__(self, message: str, peers: list[int] | None = None, phase: str = "") -> None:
+        super().__init__(message)
+        self.peers = list(peers or [])
+        self.phase = phase

@@ -1,0 +1,59 @@
+"""Packing typed per-row fields into byte rows and back (the wire format of one message)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One per-row field: ``width`` elements of ``dtype``, stored as bytes."""
+
+    name: str
+    dtype: torch.dtype
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """The byte layout of a row made of several fields, in order."""
+
+    fields: tuple[FieldSpec, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(f.nbytes for f in self.fields)
+
+    def pack(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``{name: [S, width] tensor}`` -> ``[S, row_bytes]`` uint8."""
+        parts = []
+        for f in self.fields:
+            v = values[f.name]
+            if v.dtype != f.dtype:
+                raise ValueError(f"field {f.name}: expected {f.dtype}, got {v.dtype}")
+            parts.append(v.reshape(v.shape[0], f.width).contiguous().view(torch.uint8))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, dim=1)
+
+    def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[S, row_bytes]`` uint8 -> ``{name: [S, width] tensor}`` (fresh, contiguous)."""
+        if rows.dim() != 2 or rows.shape[1] != self.row_bytes:
+            raise ValueError(f"rows must be [S, {self.row_bytes}] uint8, got {tuple(rows.shape)}")
+        out = {}
+        start = 0
+        for f in self.fields:
+            chunk = rows[:, start:start + f.nbytes].contiguous()
+            out[f.name] = chunk.view(f.dtype).reshape(rows.shape[0], f.width)
+            start += f.nbytes
+        return out
+
+
+def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[S, ...]`` any dtype -> ``[S, bytes per row]`` uint8 view of a contiguous copy."""
+    return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)

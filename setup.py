@@ -1,0 +1,52 @@
+"""Builds ep_comm: the pure-Python package, the C++ codec core (always) and, when nvcc is found,
+the CUDA/NVSHMEM extension ``ep_comm._cuda``.
+
+Environment:
+    EP_COMM_CUDA=0 skips the CUDA build, EP_COMM_CUDA=1 makes a missing toolkit an error.
+    EP_COMM_CUDA_ARCHS="90" (default) or e.g. "80;90": target architectures.
+"""
+import glob
+import os
+import sys
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+from cuda_build import CudaBuildExt, cuda_extensions  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cpu_extensions():
+    """The host build of the codec cores (the same sources the GPU build compiles)."""
+    sources = sorted(glob.glob("csrc/host/*.cpp"))
+    if not sources:
+        return []
+    return [Pybind11Extension(
+        "ep_comm._host", sources, include_dirs=[os.path.join(HERE, "csrc")],
+        cxx_std=17, extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
+
+
+class BuildExt(CudaBuildExt, build_ext):
+    pass
+
+
+setup(
+    name="ep_comm",
+    version="0.1.0",
+    description="Mixture-of-Experts expert-parallel dispatch/combine with DeepEP's API",
+    packages=find_packages(include=["ep_comm", "ep_comm.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy", "rich"],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis", "pybind11>=2.12", "ruff", "matplotlib"],
+        "nvshmem": ["nvshmem4py-cu13", "cuda-python"],
+        "megatron": ["megatron-core", "triton"],
+    },
+    ext_modules=cpu_extensions() + cuda_extensions(),
+    cmdclass={"build_ext": BuildExt},
+    entry_points={"console_scripts": ["ep-bench=ep_comm.cli.main:main"]},
+    zip_safe=False,
+)
