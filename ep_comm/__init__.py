@@ -1,0 +1,21 @@
+"""ep_comm: Mixture-of-Experts expert-parallel dispatch/combine with DeepEP's V1 API.
+
+Public API (see DESIGN.md §3): ``Buffer``, ``DispatchHandle``, ``LowLatencyHandle``, ``CommStats``,
+``CommTimeoutError``, ``EventOverlap``, ``Config``, the differentiable ``dispatch`` / ``combine``,
+and ``build_info()``.
+"""
+from ._build import build_info
+from .autograd import combine, dispatch
+from .buffer import Buffer
+from .config import Config
+from .errors import CommTimeoutError
+from .event import EventHandle, EventOverlap
+from .handle import DispatchHandle, LowLatencyHandle
+from .placement_map import ExpertPlacement
+from .stats import CommStats
+
+__all__ = [
+    "Buffer", "CommStats", "CommTimeoutError", "Config", "DispatchHandle", "EventHandle",
+    "EventOverlap", "ExpertPlacement", "LowLatencyHandle", "build_info", "combine", "dispatch",
+]
+__version__ = "0.1.0"

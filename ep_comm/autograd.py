@@ -1,0 +1,237 @@
+"""Differentiable dispatch and combine, registered as torch.library custom ops.
+
+The ops take tensors and plain scalars only (so ``torch.compile`` treats them as opaque calls);
+a Buffer is passed by its id, looked up in a registry of live Buffers. Gradients:
+
+* dispatch: ``recv_x = S x`` where ``S`` copies each token to the ranks it goes to, so
+  ``grad_x = S^T grad_recv_x``, a combine (sum over ranks) of the gradients; likewise for
+  ``topk_weights`` (entries of non-local experts were zeroed, so their gradient is masked).
+* combine: ``out = S^T x`` so ``grad_x = S grad_out``, a cached dispatch.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+
+import torch
+
+from .buffer import Buffer
+from .handle import DispatchHandle
+from .plan import SendPlan
+
+_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
+
+
+def _buffer(buffer_id: int) -> Buffer:
+    try:
+        return _live_buffers[buffer_id]
+    except KeyError:
+        raise ValueError(f"no live ep_comm.Buffer with id {buffer_id}") from None
+
+
+def _handle(buffer: Buffer, token_index: torch.Tensor, send_counts: torch.Tensor,
+            recv_counts: torch.Tensor, num_tokens: int, hidden: int) -> DispatchHandle:
+    num_recv = int(recv_counts.sum())
+    return DispatchHandle(
+        buffer_id=buffer.buffer_id, send_plan=SendPlan(token_index, send_counts),
+        recv_counts=recv_counts.cpu(), is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
+        num_tokens=num_tokens, num_recv_tokens=num_recv, num_worst_tokens=0, hidden=hidden,
+        num_experts=0, recv_src_token_index=torch.empty(0, dtype=torch.int64))
+
+
+# -- ep_comm::dispatch --------------------------------------------------------------------------
+@torch.library.custom_op("ep_comm::dispatch", mutates_args=())
+def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
+                 num_experts: int, codec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    buffer = _buffer(buffer_id)
+    num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_expert=num_tokens_per_expert,
+        codec=codec)
+    counts = torch.bincount(recv_idx[recv_idx >= 0],
+                            minlength=int(buffer.placement(num_experts).num_local_experts[buffer.rank]))
+    return (recv_x, recv_idx, recv_w.to(topk_weights.dtype), handle.send_plan.token_index.clone(),
+            handle.send_plan.send_counts.clone(), handle.recv_counts.clone(), counts)
+
+
+@_dispatch_op.register_fake
+def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec):
+    ctx = torch.library.get_ctx()
+    rows, sent = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    num_ranks = _buffer(buffer_id).group_size
+    local = ctx.new_dynamic_size()
+    k = topk_idx.shape[1]
+    return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, k), topk_weights.new_empty(rows, k),
+            topk_idx.new_empty(sent), topk_idx.new_empty(num_ranks), topk_idx.new_empty(num_ranks),
+            topk_idx.new_empty(local))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    _, _, _, buffer_id, _, codec = inputs
+    x = inputs[0]
+    _, recv_idx, _, token_index, send_counts, recv_counts, _ = output
+    ctx.save_for_backward(recv_idx, token_index, send_counts, recv_counts)
+    ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
+
+
+def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *unused):
+    recv_idx, token_index, send_counts, recv_counts = ctx.saved_tensors
+    grad_w = grad_w * (recv_idx >= 0).to(grad_w.dtype)
+    gx, gw = _combine_op(grad_x.contiguous(), grad_w.contiguous(), token_index, send_counts,
+                         recv_counts, ctx.num_tokens, ctx.buffer_id,
+                         "none" if ctx.codec == "fp8" else ctx.codec)
+    return gx, None, gw, None, None, None
+
+
+torch.library.register_autograd("ep_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+
+
+# -- ep_comm::combine ---------------------------------------------------------------------------
+@torch.library.custom_op("ep_comm::combine", mutates_args=())
+def _combine_op(x: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
+                send_counts: torch.Tensor, recv_counts: torch.Tensor, num_tokens: int, buffer_id: int,
+                codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    buffer = _buffer(buffer_id)
+    handle = _handle(buffer, token_index, send_counts, recv_counts, num_tokens, x.shape[1])
+    weights = topk_weights if topk_weights.shape[1] > 0 else None
+    combined, combined_w, _ = buffer.combine(x, handle, topk_weights=weights, codec=codec)
+    if combined_w is None:
+        combined_w = topk_weights.new_empty(num_tokens, topk_weights.shape[1])
+    return combined, combined_w.to(topk_weights.dtype)
+
+
+@_combine_op.register_fake
+def _(x, topk_weights, token_index, send_counts, recv_counts, num_tokens, buffer_id, codec):
+    return x.new_empty(num_tokens, x.shape[1]), topk_weights.new_empty(num_tokens, topk_weights.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    x, _, token_index, send_counts, recv_counts, _, buffer_id, codec = inputs
+    ctx.save_for_backward(token_index, send_counts, recv_counts)
+    ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
+
+
+def _combine_backward(ctx, grad_out, grad_w):
+    token_index, send_counts, recv_counts = ctx.saved_tensors
+    gx = _scatter_op(grad_out.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, ctx.codec)
+    gw = _scatter_op(grad_w.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, "none")
+    return gx, gw, None, None, None, None, None, None
+
+
+torch.library.register_autograd("ep_comm::combine", _combine_backward, setup_context=_combine_setup)
+
+
+# -- ep_comm::scatter (cached dispatch) ---------------------------------------------------------
+@torch.library.custom_op("ep_comm::scatter", mutates_args=())
+def _scatter_op(x: torch.Tensor, token_index: torch.Tensor, send_counts: torch.Tensor,
+                recv_counts: torch.Tensor, buffer_id: int, codec: str) -> torch.Tensor:
+    buffer = _buffer(buffer_id)
+    handle = _handle(buffer, token_index, send_counts, recv_counts, x.shape[0], x.shape[1])
+    if x.dtype != torch.bfloat16 and codec == "lossless":
+        codec = "none"
+    recv_x, *_ = buffer.dispatch(x, handle=handle, codec=codec)
+    return recv_x
+
+
+@_scatter_op.register_fake
+def _(x, token_index, send_counts, recv_counts, buffer_id, codec):
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size(), x.shape[1])
+
+
+def _scatter_setup(ctx, inputs, output):
+    x, token_index, send_counts, recv_counts, buffer_id, codec = inputs
+    ctx.save_for_backward(token_index, send_counts, recv_counts)
+    ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
+
+
+def _scatter_backward(ctx, grad):
+    token_index, send_counts, recv_counts = ctx.saved_tensors
+    empty = grad.new_empty(grad.shape[0], 0)
+    gx, _ = _combine_op(grad.contiguous(), empty, token_index, send_counts, recv_counts,
+                        ctx.num_tokens, ctx.buffer_id, ctx.codec)
+    return gx, None, None, None, None, None
+
+
+torch.library.register_autograd("ep_comm::scatter", _scatter_backward, setup_context=_scatter_setup)
+
+
+# -- public functions ---------------------------------------------------------------------------
+def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0, *,
+             codec: str | None = None):
+    """Differentiable ``Buffer.dispatch`` (gradients flow to ``x`` and ``topk_weights``).
+
+    Args:
+        buffer: the ``Buffer``. x: ``[N, H]`` float tensor. topk_idx: ``[N, K]`` int64.
+        topk_weights: ``[N, K]`` float32/float64. num_experts: ``E``.
+    Returns:
+        the same ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)`` as ``Buffer.dispatch``.
+    """
+    if not isinstance(buffer, Buffer):
+        raise ValueError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("x must be a tensor (FP8 tuples are not differentiable)")
+    if not isinstance(topk_weights, torch.Tensor):
+        raise ValueError("topk_weights must be a [N, K] float tensor")
+    _live_buffers[buffer.buffer_id] = buffer
+    codec_name = "none" if codec is None else codec
+    if codec_name == "auto":
+        codec_name = buffer._resolve_codec("auto", x, x.shape[1])
+    recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
+        x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
+    from .layout import align_up
+
+    handle = DispatchHandle(
+        buffer_id=buffer.buffer_id, send_plan=SendPlan(token_index, send_counts),
+        recv_counts=recv_counts, is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
+        num_tokens=x.shape[0], num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0,
+        hidden=x.shape[1], num_experts=num_experts,
+        recv_src_token_index=torch.empty(0, dtype=torch.int64))
+    counts_list = align_up(counts.tolist(), expert_alignment)
+    if num_worst_tokens > 0:
+        rows = handle.num_recv_tokens
+        if rows > num_worst_tokens:
+            raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the {rows} "
+                             "tokens this rank received")
+        pad = num_worst_tokens - rows
+        recv_x = torch.nn.functional.pad(recv_x, (0, 0, 0, pad))
+        recv_w = torch.nn.functional.pad(recv_w, (0, 0, 0, pad))
+        recv_idx = torch.nn.functional.pad(recv_idx, (0, 0, 0, pad), value=-1)
+        handle = replace(handle, num_worst_tokens=num_worst_tokens)
+        counts_list = []
+    from .event import EventOverlap
+
+    return recv_x, recv_idx, recv_w, counts_list, handle, EventOverlap(None)
+
+
+def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
+            topk_weights: torch.Tensor | None = None, *, codec: str | None = None):
+    """Differentiable ``Buffer.combine`` (gradients flow to ``x`` and ``topk_weights``).
+
+    Args:
+        x: ``[M, H]`` rows in the received order (or ``[num_worst_tokens, H]``).
+        handle: the dispatch's handle. topk_weights: ``[M, K]`` float or None.
+    Returns:
+        ``(combined_x [N, H], combined_topk_weights [N, K]`` or None, ``event)``.
+    """
+    if not isinstance(buffer, Buffer):
+        raise ValueError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
+    buffer._check_handle(handle, "handle")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != handle.num_recv_rows:
+        raise ValueError(f"x must be [{handle.num_recv_rows}, H] to match the handle")
+    _live_buffers[buffer.buffer_id] = buffer
+    rows = handle.num_recv_tokens
+    codec_name = "none" if codec is None else codec
+    if codec_name == "auto":
+        codec_name = buffer._resolve_codec("auto", x, x.shape[1])
+    weights = (topk_weights[:rows] if topk_weights is not None
+               else x.new_empty(rows, 0, dtype=torch.float32))
+    combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(),
+                                       handle.send_plan.token_index, handle.send_plan.send_counts,
+                                       handle.recv_counts, handle.num_tokens, buffer.buffer_id, codec_name)
+    from .event import EventOverlap
+
+    return combined, (combined_w if topk_weights is not None else None), EventOverlap(None)

@@ -1,0 +1,496 @@
+"""Buffer: the public facade with DeepEP's V1 calls (layout, dispatch, combine, low-latency)."""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import low_latency, normal
+from .backends.base import Transport
+from .config import Config, default_combine_config, default_dispatch_config
+from .event import EventOverlap, finish_event, wait_previous
+from .handle import DispatchHandle, LowLatencyHandle
+from .layout import align_up, compute_dispatch_layout
+from .placement_map import ExpertPlacement
+from .stats import CommStats
+from .validation import (
+    PAYLOAD_DTYPES,
+    check_codec,
+    check_nonneg_int,
+    check_num_experts,
+    check_topk_idx,
+    check_topk_weights,
+    require_shape,
+    require_tensor,
+)
+
+_buffer_ids = itertools.count(1)
+FP8_INPUT_SCALE_DTYPES = (torch.float32, torch.int32)
+
+
+class Buffer:
+    """Expert-parallel communication buffer over one process group (DeepEP V1 API).
+
+    Construction is collective: every rank of ``group`` must create its Buffer together.
+
+    Args:
+        group: the ``torch.distributed`` process group of the EP ranks (``R`` ranks).
+        num_nvl_bytes / num_rdma_bytes: NVLink / RDMA buffer sizes for the NVSHMEM backend (the
+            portable backend allocates per call and ignores them).
+        low_latency_mode: whether the low-latency calls will be used (kept for DeepEP parity).
+        num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM backend).
+        backend: ``"auto"`` (NVSHMEM when built and on NVIDIA GPUs, else torch), ``"torch"`` or
+            ``"nvshmem"``.
+        timeout_s: the longest any call waits for a peer before ``CommTimeoutError``.
+        expert_placement: optional ``[E]`` int64 map from global expert to owning rank (default:
+            contiguous ``E / R`` blocks).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24, *, backend: str = "auto",
+                 timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None) -> None:
+        if group is None or not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+        check_nonneg_int("num_nvl_bytes", num_nvl_bytes)
+        check_nonneg_int("num_rdma_bytes", num_rdma_bytes)
+        check_nonneg_int("num_qps_per_rank", num_qps_per_rank, positive=True)
+        if backend not in ("auto", "torch", "nvshmem"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'nvshmem', got {backend!r}")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.group = group
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.timeout_s = float(timeout_s)
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.buffer_id = next(_buffer_ids)
+        self.device = self._pick_device(group)
+        self._placement: ExpertPlacement | None = None
+        if expert_placement is not None:
+            self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
+            self._check_no_replication(expert_placement)
+        self.transport: Transport = self._make_transport(backend)
+        self.backend = self.transport.name
+        self.last_stats: CommStats | None = None
+
+    # -- construction helpers ------------------------------------------------------------------
+    @staticmethod
+    def _pick_device(group: dist.ProcessGroup) -> torch.device:
+        backend = str(dist.get_backend(group))
+        if backend in ("nccl", "rccl") and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check_no_replication(self, expert_placement: torch.Tensor) -> None:
+        if expert_placement.dim() != 1:
+            raise ValueError("expert_placement must be a 1-D [num_experts] tensor")
+
+    def _make_transport(self, backend: str) -> Transport:
+        from .backends.torch_dist import TorchDistTransport
+
+        want_nvshmem = backend == "nvshmem" or (backend == "auto" and self.device.type == "cuda")
+        if want_nvshmem:
+            try:
+                from .backends.nvshmem import NvshmemTransport  # type: ignore[attr-defined]
+            except (ImportError, AttributeError) as error:
+                if backend == "nvshmem":
+                    raise ValueError(f"backend='nvshmem' is not available: {error}") from error
+            else:
+                if backend == "nvshmem" or NvshmemTransport.usable(self.group):
+                    return NvshmemTransport(self.group, self.timeout_s, self.device,
+                                            num_nvl_bytes=self.num_nvl_bytes,
+                                            num_rdma_bytes=self.num_rdma_bytes,
+                                            num_qps_per_rank=self.num_qps_per_rank)
+        instance_id = TorchDistTransport.agree_instance_id(self.group)
+        return TorchDistTransport(self.group, self.timeout_s, self.device, instance_id)
+
+    def placement(self, num_experts: int) -> ExpertPlacement:
+        """The expert -> rank map for ``num_experts`` experts."""
+        check_num_experts(num_experts, self.group_size, self._placement is not None)
+        if self._placement is not None:
+            if self._placement.num_experts != num_experts:
+                raise ValueError(f"num_experts ({num_experts}) does not match expert_placement, "
+                                 f"which places {self._placement.num_experts} experts")
+            return self._placement
+        return ExpertPlacement.contiguous(num_experts, self.group_size)
+
+    # -- DeepEP static helpers -----------------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SM count the normal-mode kernels use (an even number)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A tuned dispatch ``Config`` for ``num_ranks`` ranks."""
+        return default_dispatch_config(num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A tuned combine ``Config`` for ``num_ranks`` ranks."""
+        return default_combine_config(num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of RDMA buffer the low-latency mode needs (send + receive, dispatch + combine)."""
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            check_nonneg_int(name, value, positive=True)
+        # dispatch row: bf16 payload (the larger of bf16 and fp8+scales) + top-k ids + header
+        dispatch_row = hidden * 2 + 16 * 4 + 16
+        combine_row = hidden * 2
+        slots = num_max_dispatch_tokens_per_rank * num_ranks
+        local_experts = max(num_experts // num_ranks, 1)
+        send = num_max_dispatch_tokens_per_rank * max(dispatch_row, combine_row)
+        recv = slots * local_experts * max(dispatch_row, combine_row)
+        return ((send + recv) * 2 + 128 * num_ranks + 127) // 128 * 128
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        raise ValueError("the portable backend has no registered communication buffer; "
+                         "pass tensors to dispatch/combine instead")
+
+    # -- layout --------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: EventOverlap | None = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Computes the dispatch layout of this rank's tokens (no communication).
+
+        Args:
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
+            num_experts: ``E``.
+        Returns:
+            ``(num_tokens_per_rank [R]`` int32, ``num_tokens_per_rdma_rank [R / 8]`` int32 or
+            None, ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [N, R]`` bool,
+            ``event)``.
+        """
+        placement = self.placement(num_experts)
+        topk_idx = check_topk_idx(topk_idx, num_experts, self.device)
+        wait_previous(previous_event)
+        layout = compute_dispatch_layout(topk_idx, placement)
+        event = finish_event(async_finish, self.device)
+        return (layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank,
+                layout.num_tokens_per_expert, layout.is_token_in_rank, event)
+
+    # -- normal dispatch / combine -------------------------------------------------------------
+    def _check_x(self, x: object) -> tuple[int, int]:
+        """Validates ``x`` (a tensor or DeepEP's FP8 tuple); returns ``(N, H)``."""
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError("x as a tuple must be (fp8 values [N, H], scales [N, H // 128])")
+            q = require_tensor("x[0]", x[0], dtypes=(torch.float8_e4m3fn,), dim=2, device=self.device)
+            s = require_tensor("x[1]", x[1], dtypes=FP8_INPUT_SCALE_DTYPES, dim=2, device=self.device)
+            if s.shape[0] != q.shape[0]:
+                raise ValueError(f"x[1] (scales) has {s.shape[0]} rows but x[0] has {q.shape[0]}")
+            return int(q.shape[0]), int(q.shape[1])
+        t = require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self.device)
+        return int(t.shape[0]), int(t.shape[1])
+
+    def dispatch(self, x, handle: DispatchHandle | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, *, codec: str | None = None):
+        """Sends every token once to each rank holding one of its experts.
+
+        Args:
+            x: ``[N, H]`` bf16/fp16/fp32 (fp64 for gradient checks), or DeepEP's FP8 input
+                ``(float8_e4m3fn [N, H], float32 scales [N, H // 128])``, carried unchanged.
+            handle: a ``DispatchHandle`` from an earlier dispatch: re-send ``x`` along its plan.
+            num_tokens_per_rank / num_tokens_per_rdma_rank / num_tokens_per_expert: the layout
+                (accepted for DeepEP parity; recomputed from ``topk_idx`` when absent).
+            is_token_in_rank: ``[N, R]`` bool (computed from ``topk_idx`` when absent).
+            topk_idx: ``[N, K]`` int64 global ids in ``[-1, E)``; needed unless ``handle``.
+            topk_weights: ``[N, K]`` float32.
+            expert_alignment: each per-expert count is rounded up to a multiple of this.
+            num_worst_tokens: when > 0, the received tensors have exactly this many rows (padded
+                with zeros, ids ``-1``) and the counts list is empty.
+            codec: ``None``/``"none"``, ``"fp8"``, ``"lossless"`` or ``"auto"``.
+        Returns:
+            ``(recv_x, recv_topk_idx [M, K]`` int64 local ids, ``recv_topk_weights [M, K]``
+            float32, ``num_recv_tokens_per_expert_list``, ``handle``, ``event)``; received rows are
+            ordered by source rank, then source token. With ``handle``, only ``recv_x`` and
+            ``event`` are set.
+        """
+        num_tokens, hidden = self._check_x(x)
+        codec_name = check_codec(codec, ("none", "fp8", "lossless", "auto"))
+        check_nonneg_int("expert_alignment", expert_alignment, positive=True)
+        check_nonneg_int("num_worst_tokens", num_worst_tokens)
+        if config is not None and not isinstance(config, Config):
+            raise ValueError(f"config must be an ep_comm.Config, got {type(config).__name__}")
+        codec_name = self._resolve_codec(codec_name, x, hidden)
+        wait_previous(previous_event)
+
+        if handle is not None:
+            self._check_handle(handle, "handle")
+            if num_tokens != handle.num_tokens or hidden != handle.hidden:
+                raise ValueError(f"x has shape [{num_tokens}, {hidden}] but handle was made for "
+                                 f"[{handle.num_tokens}, {handle.hidden}]")
+            recv_x, stats = normal.cached_dispatch(self.transport, handle, x, codec_name)
+            self.last_stats = stats
+            recv_x = self._pad_rows(recv_x, handle.num_worst_tokens)
+            return recv_x, None, None, None, None, finish_event(async_finish, self.device)
+
+        if topk_idx is None:
+            raise ValueError("topk_idx is required for a dispatch without a handle")
+        num_experts = self._infer_num_experts(num_tokens_per_expert)
+        topk_idx = check_topk_idx(topk_idx, num_experts, self.device, num_tokens)
+        if topk_weights is not None:
+            topk_weights = check_topk_weights(topk_weights, topk_idx, self.device)
+        placement = self.placement(num_experts)
+        if is_token_in_rank is None:
+            is_token_in_rank = compute_dispatch_layout(topk_idx, placement).is_token_in_rank
+        else:
+            require_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), dim=2,
+                           device=self.device)
+            require_shape("is_token_in_rank", is_token_in_rank, (num_tokens, self.group_size))
+        if num_tokens_per_rank is not None:
+            require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self.device)
+            require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
+
+        out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
+                              is_token_in_rank, placement, codec_name)
+        self.last_stats = out.stats
+        handle_out = out.handle
+        recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
+        if recv_w is not None:
+            recv_w = recv_w.float()
+        if num_worst_tokens > 0:
+            if handle_out.num_recv_tokens > num_worst_tokens:
+                raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the "
+                                 f"{handle_out.num_recv_tokens} tokens this rank received")
+            handle_out = _with_worst(handle_out, num_worst_tokens)
+            recv_x = self._pad_rows(recv_x, num_worst_tokens)
+            recv_topk = _pad(recv_topk, num_worst_tokens, -1)
+            recv_w = _pad(recv_w, num_worst_tokens, 0)
+            counts_list: list[int] = []
+        else:
+            counts_list = align_up(out.counts_per_expert.tolist(), expert_alignment)
+        event = finish_event(async_finish, self.device)
+        return recv_x, recv_topk, recv_w, counts_list, handle_out, event
+
+    def _infer_num_experts(self, num_tokens_per_expert: torch.Tensor | None) -> int:
+        if num_tokens_per_expert is not None:
+            require_tensor("num_tokens_per_expert", num_tokens_per_expert, dim=1, device=self.device)
+            return int(num_tokens_per_expert.numel())
+        if self._placement is not None:
+            return self._placement.num_experts
+        raise ValueError("num_tokens_per_expert is required (it tells the number of experts); "
+                         "pass the value get_dispatch_layout returned")
+
+    def _resolve_codec(self, codec: str, x: object, hidden: int) -> str:
+        if codec == "auto":
+            from .codecs.auto import choose_codec
+
+            return choose_codec(x, self.transport)
+        if codec in ("fp8", "lossless") and isinstance(x, tuple):
+            raise ValueError(f"codec={codec!r} cannot apply to an FP8 tuple input (already encoded)")
+        if codec == "fp8" and hidden % 128 != 0:
+            raise ValueError(f"codec='fp8' needs a hidden size divisible by 128, got {hidden}")
+        if codec == "lossless" and x.dtype != torch.bfloat16:  # type: ignore[union-attr]
+            raise ValueError(f"codec='lossless' codes bf16 payloads, x is {x.dtype}")  # type: ignore[union-attr]
+        return codec
+
+    def _check_handle(self, handle: object, name: str, kind: type = DispatchHandle) -> None:
+        if not isinstance(handle, kind):
+            raise ValueError(f"{name} must be an ep_comm.{kind.__name__}, got {type(handle).__name__}")
+        if handle.buffer_id != self.buffer_id:  # type: ignore[attr-defined]
+            raise ValueError(f"{name} was made by another Buffer")
+
+    @staticmethod
+    def _pad_rows(x, rows: int):
+        if rows <= 0:
+            return x
+        if isinstance(x, tuple):
+            q, s = x
+            return (_pad(q.view(torch.uint8), rows, 0).view(torch.float8_e4m3fn), _pad(s, rows, 0))
+        return _pad(x, rows, 0)
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
+                bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False, *, codec: str | None = None):
+        """Returns every received row to its source and sums them per token.
+
+        Args:
+            x: ``[M, H]`` (or ``[num_worst_tokens, H]``) rows in the received order.
+            handle: the dispatch's ``DispatchHandle``.
+            topk_weights: ``[M, K]`` float32, summed the same way (optional).
+            bias: up to two ``[N, H]`` tensors added to the result.
+            codec: ``None``/``"none"``, ``"lossless"`` or ``"auto"``.
+        Returns:
+            ``(combined_x [N, H]`` x's dtype, ``combined_topk_weights [N, K]`` float32 or None,
+            ``event)``. A token routed to no rank combines to zeros.
+        """
+        self._check_handle(handle, "handle")
+        require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self.device)
+        if x.shape[0] != handle.num_recv_rows:
+            raise ValueError(f"x has {x.shape[0]} rows but the handle received "
+                             f"{handle.num_recv_rows}: x and handle do not match")
+        codec_name = check_codec(codec, ("none", "lossless", "auto"))
+        codec_name = self._resolve_codec(codec_name, x, x.shape[1])
+        if topk_weights is not None:
+            require_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float64), dim=2,
+                           device=self.device)
+            if topk_weights.shape[0] != x.shape[0]:
+                raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {x.shape[0]}")
+        biases: tuple[torch.Tensor, ...] = ()
+        if bias is not None:
+            biases = bias if isinstance(bias, tuple) else (bias,)
+            if len(biases) > 2:
+                raise ValueError("bias takes at most two tensors")
+            for i, b in enumerate(biases):
+                require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self.device)
+                require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
+        wait_previous(previous_event)
+        combined, combined_w, stats = normal.combine(self.transport, handle, x, topk_weights, biases,
+                                                     codec_name)
+        self.last_stats = stats
+        if combined_w is not None and combined_w.dtype != torch.float64:
+            combined_w = combined_w.float()
+        return combined, combined_w, finish_event(async_finish, self.device)
+
+    # -- low-latency mode ----------------------------------------------------------------------
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False, *,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None):
+        """Decode-time dispatch into fixed per-expert slots.
+
+        Args:
+            x: ``[N, H]`` bf16 with ``N <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
+            use_fp8 / round_scale / use_ue8m0: cast to e4m3 on the sender with per-128-channel
+                scales (power-of-two with ``round_scale``; packed UE8M0 with ``use_ue8m0``).
+            return_recv_hook: return right after sending; calling the hook completes the receive.
+            cumulative_local_expert_recv_stats: optional ``[L]`` int32, incremented by recv_count.
+        Returns:
+            ``(recv_x, recv_count [L]`` int32, ``handle``, ``event``, ``hook`` or None): ``recv_x``
+            is ``[L, R * T, H]`` bf16 or ``(e4m3 [L, R*T, H], scales [L, R*T, H // 128]`` float32
+            / ``[L, R*T, H // 512]`` int32 with UE8M0); local expert ``j``'s tokens are rows
+            ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by source rank.
+        """
+        num_experts = check_num_experts(num_experts, self.group_size, self._placement is not None)
+        require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
+        topk_idx = check_topk_idx(topk_idx, num_experts, self.device, x.shape[0])
+        check_nonneg_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
+                         positive=True)
+        if x.shape[0] > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank "
+                             f"({num_max_dispatch_tokens_per_rank}): low-latency capacity overflow")
+        if use_fp8 and x.shape[1] % 128 != 0:
+            raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {x.shape[1]}")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+        if use_ue8m0 and x.shape[1] % 512 != 0:
+            raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of "
+                             f"512, got {x.shape[1]}")
+        placement = self.placement(num_experts)
+        num_local = int(placement.num_local_experts[self.rank])
+        if cumulative_local_expert_recv_stats is not None:
+            require_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                           dtypes=(torch.int32, torch.int64), dim=1, device=self.device)
+            require_shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                          (num_local,))
+        out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                   placement, use_fp8, round_scale, use_ue8m0)
+        self.last_stats = out.stats
+        handle = LowLatencyHandle(
+            buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
+            topk_idx=topk_idx.clone(), state=out.state, recv_count=out.recv_count)
+
+        def receive() -> None:
+            out.receive()
+            if cumulative_local_expert_recv_stats is not None and not handle.stats_added:
+                cumulative_local_expert_recv_stats.add_(out.recv_count.to(
+                    cumulative_local_expert_recv_stats.dtype))
+                handle.stats_added = True
+
+        hook: Callable[[], None] | None = receive
+        if not return_recv_hook:
+            receive()
+            hook = None
+        event = finish_event(async_finish, self.device)
+        return out.recv_x, out.recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, async_finish: bool = False,
+                            return_recv_hook: bool = False, *, zero_copy: bool = False,
+                            out: torch.Tensor | None = None):
+        """Returns expert outputs and reduces them with the top-k weights.
+
+        Args:
+            x: ``[L, R * T, H]`` bf16 expert outputs in the dispatch's slots.
+            topk_idx: ``[N, K]`` int64, the routing that was dispatched.
+            topk_weights: ``[N, K]`` float32.
+            handle: the ``LowLatencyHandle`` of the dispatch (its receive must be complete).
+            return_recv_hook: return after sending; the hook completes the receive into the
+                returned tensor.
+            zero_copy: accepted for DeepEP parity (no effect on this backend).
+            out: optional ``[N, H]`` bf16 output tensor.
+        Returns:
+            ``(combined_x [N, H]`` bf16, ``event``, ``hook`` or None), where
+            ``combined_x[i] = sum_k topk_weights[i, k] * x[expert of k][slot of i]``.
+        """
+        self._check_handle(handle, "handle", LowLatencyHandle)
+        if not handle.state.done:
+            raise ValueError("handle: the dispatch's receive hook has not been called yet")
+        num_ranks = self.group_size
+        slots = num_ranks * handle.num_max_dispatch_tokens_per_rank
+        require_tensor("x", x, dtypes=(torch.bfloat16,), dim=3, device=self.device)
+        require_shape("x", x, (handle.num_local_experts, slots, handle.hidden))
+        topk_idx = check_topk_idx(topk_idx, handle.num_experts, self.device)
+        if topk_idx.shape != handle.topk_idx.shape or not torch.equal(topk_idx, handle.topk_idx):
+            raise ValueError("topk_idx differs from the routing the handle dispatched")
+        topk_weights = check_topk_weights(topk_weights, topk_idx, self.device)
+        if out is not None:
+            require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self.device)
+            require_shape("out", out, (topk_idx.shape[0], handle.hidden))
+        placement = self.placement(handle.num_experts)
+        finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
+                                            placement, out)
+        self.last_stats = stats
+        result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self.device) \
+            if out is None else out
+        done = [False]
+
+        def receive() -> None:
+            if not done[0]:
+                result.copy_(finish())
+                done[0] = True
+
+        hook: Callable[[], None] | None = receive
+        if not return_recv_hook:
+            receive()
+            hook = None
+        return result, finish_event(async_finish, self.device), hook
+
+
+def _pad(t: torch.Tensor | None, rows: int, value: float) -> torch.Tensor | None:
+    if t is None:
+        return None
+    out = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _with_worst(handle: DispatchHandle, num_worst_tokens: int) -> DispatchHandle:
+    from dataclasses import replace
+
+    return replace(handle, num_worst_tokens=num_worst_tokens)

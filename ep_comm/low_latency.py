@@ -1,0 +1,179 @@
+"""Low-latency mode: fixed-capacity dispatch into per-expert slots, and weighted combine.
+
+Wire format of dispatch: every rank sends every rank one block of
+``num_max_dispatch_tokens_per_rank`` row slots plus an 8-byte row count, so the exchange has
+fixed, equal sizes and needs no count exchange first. A row is one token (sent once per rank, not
+once per expert): its payload (bf16, or e4m3 plus scales when ``use_fp8``) and its top-k ids
+renumbered to the destination's local experts. The receiver copies each row into the slot of
+every local expert it selected; an expert's slots are grouped by source rank, ascending token
+order within a rank.
+
+Combine: each expert owner returns one row per (token, local expert) pair, in the order the pairs
+were received; the source multiplies by the top-k weights and sums over k in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .backends.base import PendingExchange, Transport
+from .codecs import fp8
+from .handle import LowLatencyReceiveState
+from .layout import token_rank_mask
+from .placement_map import ExpertPlacement
+from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
+from .stats import CommStats
+from .wire import FieldSpec, RowFormat
+
+COUNT_HEADER_BYTES = 8
+
+
+@dataclass
+class LowLatencyDispatchOutput:
+    """Outputs of ``low_latency_dispatch``; the tensors are filled by ``receive()``.
+
+    Attributes:
+        recv_x: ``[L, R*T, H]`` bf16, or ``(e4m3 [L, R*T, H], scales [L, R*T, H//128]`` float32
+            or packed UE8M0 ``[L, R*T, H//512]`` int32).
+        recv_count: ``[L]`` int32.
+        state: routing facts the combine needs.
+        receive: completes the exchange and fills the tensors (idempotent).
+        stats: bytes moved.
+    """
+
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    recv_count: torch.Tensor
+    state: LowLatencyReceiveState
+    receive: Callable[[], None]
+    stats: CommStats
+
+
+def _row_format(hidden: int, topk: int, use_fp8: bool, use_ue8m0: bool) -> RowFormat:
+    if not use_fp8:
+        payload = (FieldSpec("x", torch.bfloat16, hidden),)
+    elif use_ue8m0:
+        payload = (FieldSpec("x", torch.uint8, hidden), FieldSpec("scales", torch.int32, hidden // 512))
+    else:
+        payload = (FieldSpec("x", torch.uint8, hidden), FieldSpec("scales", torch.float32, hidden // 128))
+    return RowFormat((*payload, FieldSpec("topk", torch.int32, topk)))
+
+
+def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
+             placement: ExpertPlacement, use_fp8: bool, round_scale: bool,
+             use_ue8m0: bool) -> LowLatencyDispatchOutput:
+    """Sends this rank's tokens (``x [N, H]`` bf16, ``topk_idx [N, K]`` int64, ``N <= T``) and
+    returns outputs whose ``receive()`` completes the exchange."""
+    rank, num_ranks = transport.rank, transport.num_ranks
+    num_tokens, hidden = x.shape
+    topk = topk_idx.shape[1]
+    num_local = int(placement.num_local_experts[rank])
+    fmt = _row_format(hidden, topk, use_fp8, use_ue8m0)
+    block_bytes = max_tokens * fmt.row_bytes + COUNT_HEADER_BYTES
+    before = transport.num_collectives
+
+    mask = token_rank_mask(topk_idx, placement)  # [N, R]
+    position = torch.cumsum(mask.to(torch.int64), 0) - 1
+    token, dest = torch.nonzero(mask, as_tuple=True)
+    if use_fp8:
+        q, scales = fp8.quantize(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        values = {"x": q.view(torch.uint8)[token], "scales": scales[token]}
+    else:
+        values = {"x": x[token]}
+    sent_topk = topk_idx[token]
+    safe = sent_topk.clamp(min=0)
+    here = (sent_topk >= 0) & (placement.expert_to_rank.to(x.device)[safe] == dest.unsqueeze(1))
+    local = placement.expert_to_local.to(x.device)[safe]
+    values["topk"] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
+
+    send = torch.zeros(num_ranks, block_bytes, dtype=torch.uint8, device=x.device)
+    slots = send[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes))
+    slots[dest, position[token, dest]] = fmt.pack(values)
+    counts = mask.sum(0, dtype=torch.int64)
+    send[:, max_tokens * fmt.row_bytes:] = counts.unsqueeze(1).view(torch.uint8)
+    splits = [block_bytes] * num_ranks
+    pending: PendingExchange = transport.exchange_bytes(send.reshape(-1), splits, splits,
+                                                        "low_latency_dispatch/payload")
+
+    slots_per_expert = num_ranks * max_tokens
+    if use_fp8:
+        groups = hidden // 512 if use_ue8m0 else hidden // 128
+        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (
+            torch.zeros(num_local, slots_per_expert, hidden, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.zeros(num_local, slots_per_expert, groups,
+                        dtype=torch.int32 if use_ue8m0 else torch.float32, device=x.device))
+    else:
+        recv_x = torch.zeros(num_local, slots_per_expert, hidden, dtype=torch.bfloat16, device=x.device)
+    recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
+    state = LowLatencyReceiveState()
+    raw_row = hidden * 2 + topk * 4
+    stats = CommStats("low_latency_dispatch", "fp8" if use_fp8 else "none",
+                      [int(c) * raw_row for c in counts.tolist()], splits, [0] * num_ranks, splits,
+                      rank=rank)
+
+    def receive() -> None:
+        if state.done:
+            return
+        received = pending.wait().view(num_ranks, block_bytes)
+        rows_from = received[:, max_tokens * fmt.row_bytes:].contiguous().view(torch.int64).reshape(-1)
+        valid = torch.arange(max_tokens, device=x.device).unsqueeze(0) < rows_from.unsqueeze(1)
+        src_rank, src_slot = torch.nonzero(valid, as_tuple=True)
+        rows = received[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes))
+        fields = fmt.unpack(rows[src_rank, src_slot])
+        slot_plan = build_expert_slot_plan(fields["topk"].to(torch.int64), rows_from, num_local)
+        if use_fp8:
+            recv_x[0].view(torch.uint8)[slot_plan.local_expert, slot_plan.slot] = fields["x"][slot_plan.row]
+            recv_x[1][slot_plan.local_expert, slot_plan.slot] = fields["scales"][slot_plan.row]
+        else:
+            recv_x[slot_plan.local_expert, slot_plan.slot] = fields["x"][slot_plan.row]
+        recv_count.copy_(slot_plan.recv_count.to(torch.int32))
+        state.pair_rank = src_rank[slot_plan.row]
+        state.pair_slot = slot_plan.slot
+        state.pair_expert = slot_plan.local_expert
+        state.pairs_from_rank = torch.bincount(state.pair_rank, minlength=num_ranks)
+        state.layout_range = slot_plan.layout_range
+        stats.bytes_recv_raw = [int(c) * raw_row for c in rows_from.tolist()]
+        stats.num_collectives = transport.num_collectives - before
+        state.done = True
+
+    return LowLatencyDispatchOutput(recv_x, recv_count, state, receive, stats)
+
+
+def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            state: LowLatencyReceiveState, placement: ExpertPlacement,
+            out: torch.Tensor | None = None) -> tuple[Callable[[], torch.Tensor], CommStats]:
+    """Starts returning expert outputs ``x [L, R*T, H]`` bf16; the returned callable finishes
+    and gives ``[N, H]`` bf16 (written into ``out`` when given)."""
+    rank = transport.rank
+    before = transport.num_collectives
+    hidden = x.shape[2]
+    row_bytes = hidden * x.element_size()
+    back = x[state.pair_expert, state.pair_slot]  # [P, H] in (source rank, row, k) order
+    send_splits = [int(n) * row_bytes for n in state.pairs_from_rank.tolist()]
+    plan = build_send_plan(token_rank_mask(topk_idx, placement))
+    pair_token, pair_k, pairs_per_rank = combine_pair_order(topk_idx, plan.token_index,
+                                                            plan.send_counts, placement)
+    recv_splits = [int(n) * row_bytes for n in pairs_per_rank.tolist()]
+    pending = transport.exchange_bytes(back.contiguous().view(torch.uint8).reshape(-1), send_splits,
+                                       recv_splits, "low_latency_combine/payload")
+    stats = CommStats("low_latency_combine", "none", send_splits, send_splits, recv_splits,
+                      recv_splits, rank=rank)
+
+    def finish() -> torch.Tensor:
+        rows = pending.wait().view(x.dtype).reshape(-1, hidden)
+        num_tokens, topk = topk_idx.shape
+        per_k = torch.zeros(num_tokens, topk, hidden, dtype=torch.float32, device=x.device)
+        per_k[pair_token, pair_k] = rows.float()
+        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        weights = topk_weights.float()
+        for k in range(topk):
+            acc += weights[:, k:k + 1] * per_k[:, k]
+        stats.num_collectives = transport.num_collectives - before
+        result = acc.to(x.dtype)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    return finish, stats

@@ -1,0 +1,229 @@
+"""Normal-mode dispatch and combine: the algorithm, on any transport.
+
+Dispatch sends every token once to each rank that holds at least one of its experts, with its
+top-k ids already renumbered to the destination's local experts (``-1`` elsewhere) and its weights
+(``0`` elsewhere). Combine returns one row per received token and sums them at the source in a
+fixed order (source rank ascending), in float32, so results are deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends.base import Transport
+from .handle import DispatchHandle
+from .layout import count_per_local_expert
+from .payload import pack, unpack
+from .placement_map import ExpertPlacement
+from .plan import SendPlan, build_send_plan
+from .stats import CommStats
+from .wire import FieldSpec, RowFormat
+
+
+@dataclass
+class DispatchOutput:
+    """Received tensors of a normal dispatch (before padding to ``num_worst_tokens``).
+
+    Attributes:
+        x: ``[M, H]`` received rows (input dtype) or, for FP8 input/codec, ``(q [M, H]`` e4m3,
+            ``scales [M, G])``.
+        topk_idx: ``[M, K]`` int64 local expert ids or None. topk_weights: ``[M, K]`` float32 or None.
+        counts_per_expert: ``[L]`` int64 received tokens per local expert (None without topk_idx).
+        handle: the dispatch handle. stats: bytes moved.
+    """
+
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    counts_per_expert: torch.Tensor | None
+    handle: DispatchHandle
+    stats: CommStats
+
+
+def _row_rank(send_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    ranks = torch.arange(send_counts.numel(), device=send_counts.device)
+    return torch.repeat_interleave(ranks, send_counts, output_size=num_rows)
+
+
+def _payload_fields(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[FieldSpec, ...]:
+    if isinstance(x, tuple):
+        q, scales = x
+        return (FieldSpec("x", torch.uint8, q.shape[1]),
+                FieldSpec("scales", scales.dtype, scales.shape[1]))
+    return (FieldSpec("x", x.dtype, x.shape[1]),)
+
+
+def _payload_values(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    if isinstance(x, tuple):
+        q, scales = x
+        return {"x": q.view(torch.uint8)[rows], "scales": scales[rows]}
+    return {"x": x[rows]}
+
+
+def _stats(op: str, codec: str, transport: Transport, sent_raw: list[int], sent_wire: list[int],
+           recv_raw: list[int], recv_wire: list[int], collectives_before: int) -> CommStats:
+    return CommStats(op, codec, sent_raw, sent_wire, recv_raw, recv_wire, rank=transport.rank,
+                     num_collectives=transport.num_collectives - collectives_before)
+
+
+def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+             topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+             is_token_in_rank: torch.Tensor, placement: ExpertPlacement, codec: str) -> DispatchOutput:
+    """Runs a normal-mode dispatch of this rank's tokens.
+
+    Args:
+        x: ``[N, H]`` bf16/fp16/fp32/fp64, or DeepEP's FP8 tuple ``(e4m3 [N, H], scales [N, G])``.
+        topk_idx: ``[N, K]`` int64 global ids or None; topk_weights: ``[N, K]`` float or None.
+        is_token_in_rank: ``[N, R]`` bool.
+        codec: ``"none"``, ``"fp8"`` (quantized on the sender) or ``"lossless"``.
+    """
+    before = transport.num_collectives
+    rank = transport.rank
+    if codec == "fp8":
+        from .codecs import fp8
+
+        x = fp8.quantize(x)
+    plan = build_send_plan(is_token_in_rank)
+    row_rank = _row_rank(plan.send_counts, plan.num_rows)
+    fields = list(_payload_fields(x))
+    values = _payload_values(x, plan.token_index)
+    fields.append(FieldSpec("src", torch.int32, 1))
+    values["src"] = plan.token_index.to(torch.int32).unsqueeze(1)
+    if topk_idx is not None:
+        sent_topk = topk_idx[plan.token_index]
+        safe = sent_topk.clamp(min=0)
+        owner = placement.expert_to_rank.to(safe.device)[safe]
+        here = (sent_topk >= 0) & (owner == row_rank.unsqueeze(1))
+        local = placement.expert_to_local.to(safe.device)[safe]
+        values["topk"] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
+        fields.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))
+        if topk_weights is not None:
+            sent_w = topk_weights[plan.token_index]
+            values["weights"] = torch.where(here, sent_w, torch.zeros_like(sent_w))
+            fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
+    fmt = RowFormat(tuple(fields))
+    row_splits = plan.splits()
+    outbox = pack(fmt, values, row_splits, codec)
+    table = torch.tensor([[n, b] for n, b in zip(row_splits, outbox.byte_splits)], dtype=torch.int64)
+    received_table = transport.exchange_counts(table, "dispatch/counts")
+    rows_from = received_table[:, 0].tolist()
+    bytes_from = received_table[:, 1].tolist()
+    received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
+                                        "dispatch/payload").wait()
+    fields_in = unpack(fmt, received, rows_from, bytes_from, codec)
+
+    recv_counts = torch.tensor(rows_from, dtype=torch.int64)
+    if isinstance(x, tuple):
+        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (
+            fields_in["x"].view(torch.float8_e4m3fn), fields_in["scales"])
+        hidden = x[0].shape[1]
+    else:
+        recv_x = fields_in["x"]
+        hidden = x.shape[1]
+    recv_topk = recv_w = counts = None
+    num_local = int(placement.num_local_experts[rank])
+    if topk_idx is not None:
+        recv_topk = fields_in["topk"].to(torch.int64)
+        recv_w = fields_in.get("weights")
+        counts = count_per_local_expert(recv_topk, num_local)
+    handle = DispatchHandle(
+        buffer_id=buffer_id, send_plan=plan, recv_counts=recv_counts,
+        is_token_in_rank=is_token_in_rank, num_tokens=int(is_token_in_rank.shape[0]),
+        num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0, hidden=hidden,
+        num_experts=placement.num_experts,
+        recv_src_token_index=fields_in["src"].reshape(-1).to(torch.int64))
+    recv_raw = [n * fmt.row_bytes for n in rows_from]
+    stats = _stats("dispatch", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
+                   recv_raw, bytes_from, before)
+    return DispatchOutput(recv_x, recv_topk, recv_w, counts, handle, stats)
+
+
+def cached_dispatch(transport: Transport, handle: DispatchHandle,
+                    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    codec: str) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], CommStats]:
+    """Re-sends ``x [N, H]`` (or an FP8 tuple) along the plan of ``handle``; no layout exchange.
+
+    Returns ``([M, H]`` rows ordered like the original dispatch, stats).
+    """
+    before = transport.num_collectives
+    plan = handle.send_plan
+    fmt = RowFormat(_payload_fields(x))
+    outbox = pack(fmt, _payload_values(x, plan.token_index), plan.splits(), codec)
+    rows_from = handle.recv_counts.tolist()
+    bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, "cached_dispatch/counts")
+    received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
+                                        "cached_dispatch/payload").wait()
+    fields_in = unpack(fmt, received, rows_from, bytes_from, codec)
+    recv_x = ((fields_in["x"].view(torch.float8_e4m3fn), fields_in["scales"])
+              if isinstance(x, tuple) else fields_in["x"])
+    stats = _stats("cached_dispatch", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
+                   [n * fmt.row_bytes for n in rows_from], bytes_from, before)
+    return recv_x, stats
+
+
+def _bytes_from(transport: Transport, outbox, rows_from: list[int], fmt: RowFormat, codec: str,
+                phase: str) -> list[int]:
+    """Bytes each source sends here: known from row counts unless the codec is variable-size."""
+    if codec != "lossless":
+        return [n * fmt.row_bytes for n in rows_from]
+    table = torch.tensor(outbox.byte_splits, dtype=torch.int64).unsqueeze(1)
+    return transport.exchange_counts(table, phase)[:, 0].tolist()
+
+
+def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
+            topk_weights: torch.Tensor | None, bias: tuple[torch.Tensor, ...],
+            codec: str) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
+    """Returns every received row to its source and sums per token.
+
+    Args:
+        x: ``[M', H]`` rows in the received order (``M' >= M``; padding rows are ignored).
+        topk_weights: ``[M', K]`` float or None, summed the same way.
+        bias: up to two ``[N, H]`` tensors added to the sum.
+    Returns:
+        ``(combined [N, H]`` x's dtype, ``combined_weights [N, K]`` or None, stats).
+    """
+    before = transport.num_collectives
+    num_rows = handle.num_recv_tokens
+    fields = [FieldSpec("x", x.dtype, x.shape[1])]
+    values = {"x": x[:num_rows]}
+    if topk_weights is not None:
+        fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
+        values["weights"] = topk_weights[:num_rows]
+    fmt = RowFormat(tuple(fields))
+    send_rows = handle.recv_counts.tolist()
+    outbox = pack(fmt, values, send_rows, codec)
+    rows_from = handle.send_plan.splits()
+    bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, "combine/counts")
+    received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
+                                        "combine/payload").wait()
+    fields_in = unpack(fmt, received, rows_from, bytes_from, codec)
+    combined = reduce_by_source(fields_in["x"], handle.send_plan, handle.num_tokens, bias)
+    combined_w = None
+    if topk_weights is not None:
+        combined_w = reduce_by_source(fields_in["weights"], handle.send_plan, handle.num_tokens, ())
+    stats = _stats("combine", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
+                   [n * fmt.row_bytes for n in rows_from], bytes_from, before)
+    return combined, combined_w, stats
+
+
+def reduce_by_source(rows: torch.Tensor, plan: SendPlan, num_tokens: int,
+                     bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Sums returned rows per source token, one destination rank at a time (deterministic).
+
+    Args:
+        rows: ``[S, W]`` returned rows in ``plan.token_index`` order.
+    Returns:
+        ``[num_tokens, W]`` in ``rows``' dtype, accumulated in float32 (float64 for float64).
+    """
+    acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(num_tokens, rows.shape[1], dtype=acc_dtype, device=rows.device)
+    start = 0
+    for count in plan.splits():
+        segment = slice(start, start + count)
+        acc.index_add_(0, plan.token_index[segment], rows[segment].to(acc_dtype))
+        start += count
+    for b in bias:
+        acc += b.to(acc_dtype)
+    return acc.to(rows.dtype)

@@ -1,0 +1,22 @@
+"""Inputs shared by multi-rank tests: deterministic per-rank random routings and payloads."""
+from __future__ import annotations
+
+import torch
+
+
+def make_routing(rank: int, seed: int, num_tokens: int, num_experts: int, topk: int,
+                 drop_prob: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_idx [N, K]`` int64 (distinct experts per token, some ``-1``) and ``weights [N, K]``
+    float32 for ``rank``; the same (rank, seed) always gives the same tensors."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    topk_idx = scores.topk(min(topk, num_experts), dim=1).indices.to(torch.int64)
+    drop = torch.rand(topk_idx.shape, generator=g) < drop_prob
+    topk_idx = topk_idx.masked_fill(drop, -1)
+    weights = torch.rand(topk_idx.shape, generator=g).to(torch.float32)
+    return topk_idx, weights
+
+
+def make_x(rank: int, seed: int, num_tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    return torch.randn(num_tokens, hidden, generator=g).to(dtype)
