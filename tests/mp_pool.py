@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,7 +49,6 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
             results.put((rank, True, task.fn(rank, world_size, group, *task.args)))
         except BaseException as error:  # noqa: BLE001 - reported to the parent
             results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
-    dist.destroy_process_group()
 
 
 class RankPool:
@@ -103,10 +103,12 @@ class RankPool:
         for q in getattr(self, "_tasks", []):
             try:
                 q.put(None)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the queue may already be broken
                 pass
+        deadline = time.monotonic() + 3.0
         for p in self._procs:
-            p.join(timeout=2)
+            p.join(timeout=max(deadline - time.monotonic(), 0.01))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -1,0 +1,1 @@
+"""Integrations: the ``deep_ep`` import shim and trainer adapters (Megatron-core)."""

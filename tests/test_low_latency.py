@@ -1,0 +1,107 @@
+"""Low-latency dispatch/combine on 2 and 4 gloo ranks against the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import reference
+from ep_comm.codecs import fp8
+from ep_comm.placement_map import ExpertPlacement
+from rank_cases import make_routing, make_x
+
+MAX_TOKENS = 16
+
+
+def _ll_case(rank, world, group, experts, topk, hidden, tokens, use_fp8, round_scale, use_ue8m0, hook):
+    n = tokens[rank]
+    idx, w = make_routing(rank, 11, n, experts, topk, 0.15)
+    x = make_x(rank, 11, n, hidden, torch.bfloat16)
+    buf = ep_comm.Buffer(group, low_latency_mode=True)
+    stats_acc = torch.zeros(experts // world, dtype=torch.int32)
+    recv_x, recv_count, handle, event, recv_hook = buf.low_latency_dispatch(
+        x, idx, MAX_TOKENS, experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+        return_recv_hook=hook, cumulative_local_expert_recv_stats=stats_acc)
+    if hook:
+        assert recv_hook is not None
+        recv_hook()
+        recv_hook()  # idempotent
+    else:
+        assert recv_hook is None
+    if use_fp8:
+        q, scales = recv_x
+        expert_in = fp8.dequantize(q, scales)
+    else:
+        expert_in = recv_x
+    y = (expert_in.float() * torch.arange(1, expert_in.shape[0] + 1).view(-1, 1, 1)).to(torch.bfloat16)
+    combined, _, combine_hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+    if hook:
+        combine_hook()
+    return dict(x=x, idx=idx, w=w, recv_x=recv_x, recv_count=recv_count, y=y, combined=combined,
+                stats_acc=stats_acc, layout_range=handle.layout_range, wire=buf.last_stats)
+
+
+@pytest.mark.parametrize("world,experts,topk,hidden,tokens,hook", [
+    (2, 4, 2, 128, (5, 16), False),
+    (2, 8, 6, 256, (0, 9), True),
+    (4, 16, 8, 512, (16, 3, 0, 11), False),
+    (4, 32, 1, 7168, (4, 4, 4, 4), True),
+])
+def test_low_latency_bf16_matches_reference(ranks, world, experts, topk, hidden, tokens, hook):
+    results = ranks(world, _ll_case, experts, topk, hidden, tokens, False, False, False, hook)
+    placement = ExpertPlacement.contiguous(experts, world)
+    ref = reference.low_latency_dispatch([r["x"] for r in results], [r["idx"] for r in results],
+                                         MAX_TOKENS, placement)
+    for rank, (got, want) in enumerate(zip(results, ref)):
+        assert got["recv_x"].shape == (experts // world, world * MAX_TOKENS, hidden)
+        assert torch.equal(got["recv_x"], want.x), f"rank {rank}"
+        assert got["recv_count"].dtype == torch.int32
+        assert got["recv_count"].tolist() == want.count
+        assert torch.equal(got["stats_acc"], got["recv_count"])
+        # layout_range: per (expert, source rank) the (first slot, count) of that rank's tokens
+        for j, slots in enumerate(want.slots):
+            for src in range(world):
+                positions = [i for i, (s, _) in enumerate(slots) if s == src]
+                first, count = got["layout_range"][j, src].tolist()
+                assert count == len(positions)
+                if positions:
+                    assert positions == list(range(first, first + count))
+    combined_ref = reference.low_latency_combine([r["y"] for r in results], ref, [r["idx"] for r in results],
+                                                 [r["w"] for r in results], placement)
+    for rank, got in enumerate(results):
+        assert torch.equal(got["combined"], combined_ref[rank]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_low_latency_fp8(ranks, round_scale, use_ue8m0):
+    experts, hidden, tokens = 8, 1024, (16, 12)
+    results = ranks(2, _ll_case, experts, 4, hidden, tokens, True, round_scale, use_ue8m0, False)
+    placement = ExpertPlacement.contiguous(experts, 2)
+    ref = reference.low_latency_dispatch([r["x"] for r in results], [r["idx"] for r in results],
+                                         MAX_TOKENS, placement)
+    for got, want in zip(results, ref):
+        q, scales = got["recv_x"]
+        assert q.dtype == torch.float8_e4m3fn and q.shape == want.x.shape
+        if use_ue8m0:
+            assert scales.dtype == torch.int32 and scales.shape == (*want.x.shape[:2], hidden // 512)
+        else:
+            assert scales.dtype == torch.float32 and scales.shape == (*want.x.shape[:2], hidden // 128)
+        decoded = fp8.dequantize(q, scales)
+        for j, count in enumerate(want.count):
+            diff = fp8.calc_diff(decoded[j, :count], want.x[j, :count])
+            assert diff < 9e-4, f"calc_diff {diff}"
+            if round_scale:
+                s = fp8.unpack_ue8m0(scales[j, :count]) if use_ue8m0 else scales[j, :count]
+                mantissa, _ = torch.frexp(s)
+                assert bool((mantissa == 0.5).all()), "scales must be powers of two"
+        assert got["wire"].op == "low_latency_combine"
+
+
+def test_fp8_codec_matches_deep_ep_definition():
+    x = torch.randn(64, 7168).to(torch.bfloat16)
+    q, s = fp8.quantize(x)
+    amax = x.float().view(64, -1, 128).abs().amax(-1).clamp(min=1e-4)
+    assert torch.equal(s, amax / 448.0)
+    assert fp8.calc_diff(fp8.dequantize(q, s), x) < 9e-4
+    q2, s2 = fp8.quantize(x, round_scale=True, use_ue8m0=True)
+    assert torch.equal(fp8.unpack_ue8m0(s2), torch.exp2(torch.ceil(torch.log2(amax / 448.0))))
