@@ -116,7 +116,10 @@ def _combine_setup(ctx, inputs, output):
 def _combine_backward(ctx, grad_out, grad_w):
     token_index, send_counts, recv_counts = ctx.saved_tensors
     gx = _scatter_op(grad_out.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, ctx.codec)
-    gw = _scatter_op(grad_w.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, "none")
+    if grad_w.shape[1] == 0:  # combine was called without weights
+        gw = grad_w.new_zeros(gx.shape[0], 0)
+    else:
+        gw = _scatter_op(grad_w.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, "none")
     return gx, gw, None, None, None, None, None, None
 
 

@@ -267,8 +267,6 @@ class Buffer:
         self.last_stats = out.stats
         handle_out = out.handle
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
-        if recv_w is not None:
-            recv_w = recv_w.float()
         if num_worst_tokens > 0:
             if handle_out.num_recv_tokens > num_worst_tokens:
                 raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the "

@@ -48,6 +48,9 @@ class RowFormat:
         out = {}
         start = 0
         for f in self.fields:
+            if f.nbytes == 0:
+                out[f.name] = torch.empty(rows.shape[0], 0, dtype=f.dtype, device=rows.device)
+                continue
             chunk = rows[:, start:start + f.nbytes].contiguous()
             out[f.name] = chunk.view(f.dtype).reshape(rows.shape[0], f.width)
             start += f.nbytes

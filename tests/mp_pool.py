@@ -70,8 +70,12 @@ class RankPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
-        """Runs ``fn(rank, world_size, group, *args)`` on every rank; returns results by rank."""
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+            may_die: frozenset[int] = frozenset()) -> list[Any]:
+        """Runs ``fn(rank, world_size, group, *args)`` on every rank; returns results by rank.
+
+        Ranks in ``may_die`` may exit without a result (their entry is then None).
+        """
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
@@ -79,13 +83,14 @@ class RankPool:
             q.put(_Task(fn, args))
         out: dict[int, Any] = {}
         errors: list[str] = []
-        for _ in range(self.world_size):
+        needed = self.world_size - len(may_die)
+        while len([r for r in out if r not in may_die]) + len(errors) < needed:
             try:
                 rank, ok, value = self._results.get(timeout=timeout)
             except queue.Empty:
                 self.close()
                 raise RankTaskError(f"{fn.__name__} did not finish on all {self.world_size} ranks "
-                                    f"within {timeout}s (pool restarted)") from None
+                                    f"within {timeout}s (pool restarted)\n" + "\n".join(errors)) from None
             if ok:
                 out[rank] = value
             else:
@@ -97,7 +102,7 @@ class RankPool:
             if len(out) + len(errors) < self.world_size:
                 self.close()
             raise RankTaskError("\n".join(errors))
-        return [out[r] for r in range(self.world_size)]
+        return [out.get(r) for r in range(self.world_size)]
 
     def close(self) -> None:
         for q in getattr(self, "_tasks", []):
@@ -115,12 +120,13 @@ class RankPool:
         self._procs = []
 
 
-def spawn_once(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+def spawn_once(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+               may_die: frozenset[int] = frozenset()) -> list[Any]:
     """Runs ``fn`` on a fresh, throw-away group (for tests that break their group, e.g. a rank
     that dies). Every process is joined or killed before this returns."""
     pool = RankPool(world_size)
     try:
-        return pool.run(fn, *args, timeout=timeout)
+        return pool.run(fn, *args, timeout=timeout, may_die=may_die)
     finally:
         pool.close()
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import torch
 
+try:
+    from ep_comm import _host
+except ImportError:  # pragma: no cover - the host build is part of every install
+    _host = None
+
 GROUP = 128
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -34,16 +39,58 @@ def quantize(x: torch.Tensor, round_scale: bool = False,
         ``use_ue8m0`` ``[..., H // 512]`` int32 (UE8M0 bytes packed four per int32).
     """
     _check(x)
+    _check_flags(x, round_scale, use_ue8m0)
+    if _host is not None and x.device.type == "cpu":
+        return _quantize_host(x, round_scale, use_ue8m0)
+    return quantize_reference(x, round_scale, use_ue8m0)
+
+
+def _check_flags(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> None:
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")
     if use_ue8m0 and x.shape[-1] % (4 * GROUP) != 0:
         raise ValueError(f"use_ue8m0 packs 4 scales per int32: the hidden size must be a multiple "
                          f"of {4 * GROUP}, got {x.shape[-1]}")
+
+
+def _quantize_host(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` on the CPU through the C++ core (csrc/codec/fp8_core.h); bit-identical to
+    ``quantize_reference``."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    if x.dtype == torch.bfloat16:
+        src = x.detach().contiguous().view(torch.int16).reshape(-1).numpy()
+    else:
+        src = x.detach().float().contiguous().reshape(-1).numpy()  # fp16 -> fp32 is exact
+    q = torch.empty(x.shape, dtype=torch.uint8)
+    if use_ue8m0:
+        scales = torch.empty((*x.shape[:-1], hidden // (4 * GROUP)), dtype=torch.int32)
+    else:
+        scales = torch.empty((*x.shape[:-1], hidden // GROUP), dtype=torch.float32)
+    _host.fp8_quantize(src, rows, hidden, round_scale, use_ue8m0, q.reshape(-1).numpy(),
+                       scales.reshape(-1).numpy())
+    return q.view(torch.float8_e4m3fn), scales
+
+
+def pow2_ceil(scale: torch.Tensor) -> torch.Tensor:
+    """``2 ** ceil(log2(scale))`` of positive float32 ``scale`` (any shape), exactly: computed on the
+    bits (a mantissa other than zero rounds the exponent up), as DeepEP's kernels do; NaN and inf
+    pass through."""
+    b = scale.contiguous().view(torch.int32)
+    rounded = ((b + 0x7FFFFF) & -0x800000).view(torch.float32)  # -0x800000 == 0xFF800000 as int32
+    return torch.where(torch.isfinite(scale), rounded, scale)
+
+
+def quantize_reference(x: torch.Tensor, round_scale: bool = False,
+                       use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pure-torch ``quantize`` (any device): the reference the C++/CUDA core is tested against."""
+    _check(x)
+    _check_flags(x, round_scale, use_ue8m0)
     groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
     scale = amax / E4M3_MAX
     if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     q = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape)
     if use_ue8m0:
         return q, pack_ue8m0(scale)

@@ -1,0 +1,503 @@
+"""NVIDIA backend: the compiled kernels of ``ep_comm._cuda`` behind small Python engines.
+
+- ``NvshmemTransport``: a ``Transport`` (byte all-to-all with GPU-initiated NVSHMEM puts and
+  signals), bootstrapped from the user's ``torch.distributed`` group by broadcasting the NVSHMEM
+  unique id over it. NVSHMEM settings are passed explicitly (``NvshmemSettings``).
+- ``IntranodeEngine``: normal-mode layout/dispatch/combine through peer buffers (NVLink peers, or
+  ``R`` virtual ranks of one process on one GPU for tests), fused into the kernels of
+  ``csrc/cuda/layout.cu`` and ``intranode.cu``.
+- ``LowLatencyEngine``: the low-latency kernels of ``csrc/cuda/low_latency.cu``.
+
+Buffer byte layouts are defined once in ``csrc/common/buffer_layout.h``; sizes are read through
+``ep_comm._host`` so Python and the kernels agree. Every kernel wait is bounded: a timeout is
+recorded in a pinned host record and raised here as ``CommTimeoutError`` naming peer and phase.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeoutError
+from ..placement_map import ExpertPlacement
+from .base import PendingExchange, Transport
+
+_TIMED_OUT, _OVERFLOW = 1, 2
+
+
+def _cuda():
+    try:
+        from .. import _cuda
+    except ImportError as error:
+        raise RuntimeError(f"the nvshmem backend needs ep_comm._cuda, which is not built "
+                           f"({error})") from error
+    return _cuda
+
+
+def _host():
+    from .. import _host
+    return _host
+
+
+def available() -> bool:
+    """True when the kernels are built and a CUDA device is visible."""
+    try:
+        _cuda()
+    except RuntimeError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _stream(device: torch.device) -> int:
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else int(t.data_ptr())
+
+
+class TimeoutRecord:
+    """The kernels' timeout record (``csrc/common/timeout.h``) in pinned, device-mapped memory."""
+
+    def __init__(self) -> None:
+        fields = _host().timeout_record_fields
+        self.fields = dict(fields)
+        self.phases = {int(k): str(v) for k, v in _host().timeout_phase_names.items()}
+        self.words = torch.zeros(int(fields["words"]), dtype=torch.int32,
+                                 pin_memory=torch.cuda.is_available())
+
+    @property
+    def ptr(self) -> int:
+        return int(self.words.data_ptr())
+
+    def reset(self) -> None:
+        self.words.zero_()
+
+    def check(self, rank_names: list[int] | None = None) -> None:
+        """Raises if a kernel recorded a failure. Call after the stream has synchronised."""
+        status = int(self.words[self.fields["status"]])
+        if status == 0:
+            return
+        f = self.fields
+        rank, peer, phase = (int(self.words[f["rank"]]), int(self.words[f["peer"]]),
+                             int(self.words[f["phase"]]))
+        waited, detail = int(self.words[f["waited_ms"]]), int(self.words[f["detail"]])
+        name = self.phases.get(phase, f"phase {phase}")
+        if rank_names is not None and 0 <= peer < len(rank_names):
+            peer = rank_names[peer]
+        self.reset()
+        if status == _OVERFLOW:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank too small: rank {rank} overflowed the "
+                             f"slots of expert {detail} on rank {peer}")
+        raise CommTimeoutError(f"ep_comm {name}: rank {rank} waited {waited} ms for rank {peer} "
+                               f"(detail {detail}) and gave up", peers=[peer] if peer >= 0 else [],
+                               phase=name)
+
+
+# ---- NVSHMEM bootstrap and transport ------------------------------------------------------------
+@dataclass(frozen=True)
+class NvshmemSettings:
+    """NVSHMEM settings, applied explicitly while NVSHMEM initialises and restored afterwards.
+
+    NVSHMEM reads its configuration from environment variables at init; these are set only for the
+    duration of ``nvshmem_init`` and the previous values are put back, so the user's environment
+    is unchanged after the call. ``extra`` holds further ``NVSHMEM_*`` variables by name.
+    """
+
+    symmetric_size: int = 1 << 30
+    enable_ibgda: bool | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def as_env(self) -> dict[str, str]:
+        env = {"NVSHMEM_SYMMETRIC_SIZE": str(int(self.symmetric_size))}
+        if self.enable_ibgda is not None:
+            env["NVSHMEM_IB_ENABLE_IBGDA"] = "1" if self.enable_ibgda else "0"
+        env.update({k: str(v) for k, v in self.extra.items()})
+        return env
+
+
+_NVSHMEM_STATE: dict[str, int] = {}
+
+
+def init_nvshmem(group: dist.ProcessGroup, settings: NvshmemSettings | None = None) -> tuple[int, int]:
+    """Initialises NVSHMEM once per process over ``group``; returns ``(my_pe, n_pes)``."""
+    cuda = _cuda()
+    if not cuda.nvshmem_built():
+        raise RuntimeError(f"ep_comm._cuda was built without NVSHMEM ({cuda.nvshmem_reason})")
+    if _NVSHMEM_STATE:
+        return _NVSHMEM_STATE["pe"], _NVSHMEM_STATE["n"]
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    box = [cuda.nvshmem_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    env = (settings or NvshmemSettings()).as_env()
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        cuda.nvshmem_init(box[0], rank, size)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    _NVSHMEM_STATE.update(pe=cuda.nvshmem_my_pe(), n=cuda.nvshmem_n_pes())
+    return _NVSHMEM_STATE["pe"], _NVSHMEM_STATE["n"]
+
+
+class NvshmemTransport(Transport):
+    """All-to-all of bytes through an NVSHMEM symmetric buffer (rounds of ``slot_bytes`` per peer).
+
+    Large exchanges run as several rounds; each round is one put kernel, one bounded-wait kernel
+    and a barrier on the stream (``csrc/cuda/internode.cu``).
+    """
+
+    name = "nvshmem"
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, device: torch.device,
+                 slot_bytes: int = 16 << 20, settings: NvshmemSettings | None = None) -> None:
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        self.cuda = _cuda()
+        pe, n = init_nvshmem(group, settings)
+        if n != self.num_ranks:
+            raise ValueError(f"NVSHMEM has {n} PEs but the group has {self.num_ranks} ranks")
+        self.pe = pe
+        _, _, self.slot_bytes, total = _host().routing_exchange_layout(self.num_ranks, slot_bytes)
+        self.symmetric = self.cuda.nvshmem_malloc(total)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.record = TimeoutRecord()
+        self.round_value = 0
+
+    def close(self) -> None:
+        if self.symmetric:
+            self.cuda.nvshmem_free(self.symmetric)
+            self.symmetric = 0
+
+    def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       phase: str) -> PendingExchange:
+        if send.dtype != torch.uint8 or send.dim() != 1:
+            raise ValueError("transport payloads are 1-D uint8 tensors")
+        send = send.to(self.device).contiguous()
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        self.num_collectives += 1
+        rounds = max(1, -(-max([*send_splits, *recv_splits, 1]) // self.slot_bytes))
+        send_start = torch.tensor([0, *send_splits], dtype=torch.int64).cumsum(0)[:-1]
+        recv_start = torch.tensor([0, *recv_splits], dtype=torch.int64).cumsum(0)[:-1]
+        s_len = torch.tensor(send_splits, dtype=torch.int64)
+        r_len = torch.tensor(recv_splits, dtype=torch.int64)
+        for i in range(rounds):
+            lo = i * self.slot_bytes
+            args = torch.stack([send_start + lo, (s_len - lo).clamp(0, self.slot_bytes),
+                                recv_start + lo, (r_len - lo).clamp(0, self.slot_bytes)]).to(self.device)
+            self.round_value += 1
+            self.cuda.exchange_round({
+                "symmetric": self.symmetric, "slot_bytes": self.slot_bytes, "send": _ptr(send),
+                "send_offsets": _ptr(args[0]), "send_bytes": _ptr(args[1]), "recv": _ptr(recv),
+                "recv_offsets": _ptr(args[2]), "recv_bytes": _ptr(args[3]),
+                "num_ranks": self.num_ranks, "my_pe": self.pe, "round_value": self.round_value,
+                "timeout_ns": self.timeout_ns, "record": self.record.ptr}, _stream(self.device))
+            torch.cuda.current_stream(self.device).synchronize()
+            self._check(phase)
+        return PendingExchange(lambda: recv)
+
+    def exchange_counts(self, counts: torch.Tensor, phase: str) -> torch.Tensor:
+        if counts.dim() != 2 or counts.shape[0] != self.num_ranks:
+            raise ValueError(f"counts must be [num_ranks, C], got {tuple(counts.shape)}")
+        row = counts.shape[1] * 8
+        send = counts.to(torch.int64).contiguous().view(torch.uint8).flatten()
+        recv = self.exchange_bytes(send, [row] * self.num_ranks, [row] * self.num_ranks, phase).wait()
+        return recv.view(torch.int64).view(self.num_ranks, -1).cpu()
+
+    def _check(self, phase: str) -> None:
+        try:
+            self.record.check()
+        except CommTimeoutError as error:
+            raise CommTimeoutError(f"{error} during {phase}", peers=error.peers, phase=phase) from None
+
+
+# ---- normal mode through peer buffers -----------------------------------------------------------
+@dataclass(frozen=True)
+class IntranodeHandle:
+    """What the combine needs from a dispatch, per rank: its meta, mask and token count."""
+
+    meta: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    num_tokens: int
+    num_recv: int
+
+
+class IntranodeEngine:
+    """Layout, dispatch and combine among up to 8 ranks whose buffers this process can address.
+
+    With ``peer_buffers=None`` it allocates ``num_ranks`` buffers on this process's GPU and runs
+    every rank here (virtual ranks: one launch covers all ranks, each rank gets ``2 *
+    num_channels`` blocks, so keep ``num_ranks * 2 * num_channels`` below the SM count). Lists
+    passed to the calls hold one entry per virtual rank.
+    """
+
+    def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
+                 num_topk: int, max_hidden_bytes: int, num_channels: int = 4, ring_slots: int = 64,
+                 timeout_s: float = 60.0, max_scales: int = 0) -> None:
+        if not 1 <= num_ranks <= 8:
+            raise ValueError(f"the intranode engine runs 1..8 ranks, got {num_ranks}")
+        if ring_slots < 8:
+            raise ValueError("ring_slots must be >= 8")
+        if not 1 <= num_topk <= 32:
+            raise ValueError(f"num_topk must be in [1, 32], got {num_topk}")
+        self.cuda, host = _cuda(), _host()
+        self.num_ranks, self.placement, self.device = num_ranks, placement, torch.device(device)
+        self.num_topk, self.num_channels, self.timeout_ns = num_topk, num_channels, int(timeout_s * 1e9)
+        self.max_local = int(placement.num_local_experts.max())
+        dispatch_row = host.routing_row_layout(max_hidden_bytes, max_scales, num_topk, True, True, True)
+        combine_row = host.routing_row_layout(max_hidden_bytes, 0, num_topk, False, True, False)
+        self.row_bytes = max(dispatch_row["row_bytes"], combine_row["row_bytes"])
+        self.max_hidden_bytes, self.max_scales = max_hidden_bytes, max_scales
+        self.ring_slots = ring_slots
+        lay = host.routing_intranode_layout(num_ranks, num_channels, self.max_local, ring_slots,
+                                            self.row_bytes)
+        self.buffers = [torch.zeros(lay["total_bytes"], dtype=torch.uint8, device=self.device)
+                        for _ in range(num_ranks)]
+        self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
+        self.e2l = placement.expert_to_local.to(self.device, torch.int32)
+        self.records = [TimeoutRecord() for _ in range(num_ranks)]
+        self.barrier_value = 0
+
+    def _common(self) -> dict:
+        self.barrier_value += 1
+        return {"peers": [int(b.data_ptr()) for b in self.buffers], "expert_to_rank": _ptr(self.e2r),
+                "expert_to_local": _ptr(self.e2l), "num_ranks": self.num_ranks,
+                "num_channels": self.num_channels, "max_local_experts": self.max_local,
+                "num_experts": self.placement.num_experts, "num_topk": self.num_topk,
+                "ring_slots": self.ring_slots, "row_bytes": self.row_bytes,
+                "timeout_ns": self.timeout_ns, "barrier_value": self.barrier_value}
+
+    def _finish(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        for record in self.records:
+            record.check()
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, ranks_per_node: int = 8
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``layout.compute_dispatch_layout`` on the GPU for one rank's ``[N, K]`` int64 routing."""
+        topk = topk_idx.to(self.device, torch.int64).contiguous()
+        n, r, e = topk.shape[0], self.num_ranks, self.placement.num_experts
+        per_rank = torch.empty(r, dtype=torch.int32, device=self.device)
+        nodes = r // ranks_per_node if r > ranks_per_node and r % ranks_per_node == 0 else 0
+        per_node = torch.empty(nodes, dtype=torch.int32, device=self.device) if nodes else None
+        per_expert = torch.empty(e, dtype=torch.int32, device=self.device)
+        mask = torch.empty(n, r, dtype=torch.bool, device=self.device)
+        self.cuda.dispatch_layout({"topk_idx": _ptr(topk), "expert_to_rank": _ptr(self.e2r),
+                                   "num_tokens": n, "num_topk": topk.shape[1], "num_experts": e,
+                                   "num_ranks": r, "ranks_per_node": ranks_per_node,
+                                   "num_tokens_per_rank": _ptr(per_rank),
+                                   "num_tokens_per_rdma_rank": _ptr(per_node),
+                                   "num_tokens_per_expert": _ptr(per_expert),
+                                   "is_token_in_rank": _ptr(mask)}, _stream(self.device))
+        return per_rank, per_node, per_expert, mask
+
+    def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
+                 topk_weights: list[torch.Tensor | None], x_scales: list[torch.Tensor] | None = None,
+                 threads: int = 256) -> list[dict]:
+        """Dispatches every virtual rank's tokens; returns per rank ``{"recv_x", "recv_scales",
+        "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "num_recv_tokens_per_expert",
+        "handle"}`` with rows ordered by source rank, then source token."""
+        r, c, k = self.num_ranks, self.num_channels, self.num_topk
+        hidden_bytes = xs[0].shape[1] * xs[0].element_size()
+        if hidden_bytes % 16 or hidden_bytes > self.max_hidden_bytes:
+            raise ValueError(f"x rows must be a multiple of 16 bytes and <= {self.max_hidden_bytes}")
+        num_scales = 0 if x_scales is None else x_scales[0].shape[1]
+        if num_scales > self.max_scales:
+            raise ValueError(f"x_scales has {num_scales} columns, the engine was sized for {self.max_scales}")
+        layouts = [self.get_dispatch_layout(t) for t in topk_idx]
+        metas = [torch.empty(self.cuda.intranode_meta_words(r, c, self.max_local), dtype=torch.int32,
+                             device=self.device) for _ in range(r)]
+        for rec in self.records:
+            rec.reset()
+        common = self._common()
+        self.cuda.intranode_notify(common, [
+            {"rank": i, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": _ptr(layouts[i][3]),
+             "num_tokens_per_expert": _ptr(layouts[i][2]), "meta": _ptr(metas[i]),
+             "record": self.records[i].ptr} for i in range(r)], _stream(self.device))
+        self._finish()
+        metas_cpu = [m.cpu() for m in metas]
+        outs, ranks = [], []
+        for i in range(r):
+            m = int(metas_cpu[i][-1])
+            x = xs[i].contiguous()
+            out = {"recv_x": torch.empty(m, *x.shape[1:], dtype=x.dtype, device=self.device),
+                   "recv_scales": (torch.empty(m, num_scales, dtype=torch.float32, device=self.device)
+                                   if num_scales else None),
+                   "recv_topk_idx": torch.empty(m, k, dtype=torch.int64, device=self.device),
+                   "recv_topk_weights": (torch.empty(m, k, dtype=torch.float32, device=self.device)
+                                         if topk_weights[i] is not None else None),
+                   "recv_src_idx": torch.empty(m, dtype=torch.int32, device=self.device)}
+            local = self.placement.num_local_experts[i]
+            out["num_recv_tokens_per_expert"] = metas_cpu[i][r * c: r * c + int(local)].tolist()
+            out["handle"] = IntranodeHandle(metas[i], layouts[i][3], x.shape[0], m)
+            w = topk_weights[i]
+            out["_keep"] = (x, topk_idx[i].to(self.device, torch.int64).contiguous(),
+                            None if w is None else w.to(torch.float32).contiguous(),
+                            x_scales[i].to(torch.float32).contiguous() if x_scales else None)
+            outs.append(out)
+            keep = out["_keep"]
+            ranks.append({"rank": i, "num_tokens": x.shape[0], "x": _ptr(keep[0]),
+                          "x_scales": _ptr(keep[3]),
+                          "topk_idx": _ptr(keep[1]), "topk_weights": _ptr(keep[2]),
+                          "is_token_in_rank": _ptr(layouts[i][3]), "meta": _ptr(metas[i]),
+                          "recv_x": _ptr(out["recv_x"]), "recv_scales": _ptr(out["recv_scales"]),
+                          "recv_topk_idx": _ptr(out["recv_topk_idx"]),
+                          "recv_topk_weights": _ptr(out["recv_topk_weights"]),
+                          "recv_src_idx": _ptr(out["recv_src_idx"]), "record": self.records[i].ptr})
+        self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads,
+                                     _stream(self.device))
+        self._finish()
+        for out in outs:
+            out.pop("_keep")
+        return outs
+
+    def combine(self, xs: list[torch.Tensor], handles: list[IntranodeHandle],
+                topk_weights: list[torch.Tensor | None] | None = None
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Sums each token's returned rows on its source rank: per rank ``(combined_x [N, H],
+        combined_topk_weights [N, K] or None)``."""
+        dtype = xs[0].dtype
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"combine supports bfloat16 and float32, got {dtype}")
+        hidden = xs[0].shape[1]
+        if hidden * xs[0].element_size() > self.max_hidden_bytes or (hidden * xs[0].element_size()) % 16:
+            raise ValueError("combine rows must be a multiple of 16 bytes within the engine's size")
+        weights = topk_weights or [None] * self.num_ranks
+        outs, ranks, keep = [], [], []
+        for i, h in enumerate(handles):
+            x = xs[i].contiguous()
+            w = None if weights[i] is None else weights[i].to(torch.float32).contiguous()
+            cx = torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device)
+            cw = None if w is None else torch.empty(h.num_tokens, self.num_topk, dtype=torch.float32,
+                                                    device=self.device)
+            keep.append((x, w))
+            outs.append((cx, cw))
+            ranks.append({"rank": i, "num_tokens": h.num_tokens, "x": _ptr(x), "topk_weights": _ptr(w),
+                          "is_token_in_rank": _ptr(h.is_token_in_rank), "meta": _ptr(h.meta),
+                          "combined_x": _ptr(cx), "combined_topk_weights": _ptr(cw),
+                          "record": self.records[i].ptr})
+        for rec in self.records:
+            rec.reset()
+        self.cuda.intranode_combine(self._common(), ranks, hidden, 0 if dtype == torch.bfloat16 else 1,
+                                    _stream(self.device))
+        self._finish()
+        return outs
+
+
+# ---- low-latency mode ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LowLatencyResult:
+    """One rank's low-latency dispatch output (shapes as in ``Buffer.low_latency_dispatch``)."""
+
+    recv_x: torch.Tensor
+    recv_scales: torch.Tensor | None
+    recv_count: torch.Tensor
+    recv_src_info: torch.Tensor
+    recv_topk_slot: torch.Tensor
+    layout_range: torch.Tensor
+
+
+class LowLatencyEngine:
+    """Low-latency dispatch/combine among up to 8 virtual ranks (or NVLink peers) on one GPU."""
+
+    def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
+                 max_tokens: int, hidden: int, num_topk: int, timeout_s: float = 60.0) -> None:
+        if not 1 <= num_ranks <= 8:
+            raise ValueError(f"the low-latency engine runs 1..8 ranks per process, got {num_ranks}")
+        if hidden % 128:
+            raise ValueError(f"hidden must be a multiple of 128, got {hidden}")
+        self.cuda, host = _cuda(), _host()
+        self.num_ranks, self.placement, self.device = num_ranks, placement, torch.device(device)
+        self.max_tokens, self.hidden, self.num_topk = max_tokens, hidden, num_topk
+        self.max_local = int(placement.num_local_experts.max())
+        lay = host.routing_low_latency_layout(num_ranks, self.max_local, placement.num_experts,
+                                              max_tokens, num_topk, hidden)
+        self.buffers = [torch.zeros(lay["total_bytes"], dtype=torch.uint8, device=self.device)
+                        for _ in range(num_ranks)]
+        self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
+        self.e2l = placement.expert_to_local.to(self.device, torch.int32)
+        self.records = [TimeoutRecord() for _ in range(num_ranks)]
+        self.timeout_ns = int(timeout_s * 1e9)
+
+    def _common(self) -> dict:
+        return {"peers": [int(b.data_ptr()) for b in self.buffers], "symmetric_base": None,
+                "expert_to_rank": _ptr(self.e2r), "expert_to_local": _ptr(self.e2l),
+                "num_ranks": self.num_ranks, "num_experts": self.placement.num_experts,
+                "max_local_experts": self.max_local, "num_topk": self.num_topk,
+                "max_tokens": self.max_tokens, "hidden": self.hidden, "timeout_ns": self.timeout_ns}
+
+    def _check(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        for record in self.records:
+            record.check()
+
+    def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor], use_fp8: bool = False,
+                 round_scale: bool = False, use_ue8m0: bool = False) -> list[LowLatencyResult]:
+        """Send and receive phases for every virtual rank; ``xs[i]`` is ``[N_i, H]`` bf16."""
+        r, t, h = self.num_ranks, self.max_tokens, self.hidden
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+        if use_ue8m0 and h % 512:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {h}")
+        results, ranks = [], []
+        for i in range(r):
+            x, topk = xs[i].contiguous(), topk_idx[i].to(torch.int64).contiguous()
+            if x.dtype != torch.bfloat16 or x.shape[1] != h:
+                raise ValueError(f"x must be [N, {h}] bfloat16")
+            if x.shape[0] > t:
+                raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={t}")
+            local = int(self.placement.num_local_experts[i])
+            dev = self.device
+            recv_x = torch.empty(local, r * t, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                                 device=dev)
+            scales = None
+            if use_fp8:
+                scales = (torch.empty(local, r * t, h // 512, dtype=torch.int32, device=dev) if use_ue8m0
+                          else torch.empty(local, r * t, h // 128, dtype=torch.float32, device=dev))
+            res = LowLatencyResult(recv_x, scales, torch.empty(local, dtype=torch.int32, device=dev),
+                                   torch.empty(local, r * t, dtype=torch.int32, device=dev),
+                                   torch.empty(local, r * t, dtype=torch.int32, device=dev),
+                                   torch.empty(local, r, 2, dtype=torch.int64, device=dev))
+            results.append((res, x, topk))
+            ranks.append(self._rank(i, x, topk, None, res, None))
+        flags = (use_fp8, round_scale, use_ue8m0)
+        for rec in self.records:
+            rec.reset()
+        self.cuda.low_latency_dispatch_send(self._common(), ranks, *flags, _stream(self.device))
+        self.cuda.low_latency_dispatch_recv(self._common(), ranks, *flags, _stream(self.device))
+        self._check()
+        return [res for res, _, _ in results]
+
+    def _rank(self, i: int, x: torch.Tensor, topk: torch.Tensor, weights: torch.Tensor | None,
+              res: LowLatencyResult, combined: torch.Tensor | None) -> dict:
+        return {"rank": i, "num_tokens": topk.shape[0],
+                "num_local_experts": int(self.placement.num_local_experts[i]), "x": _ptr(x),
+                "topk_idx": _ptr(topk), "topk_weights": _ptr(weights), "recv_x": _ptr(res.recv_x),
+                "recv_scales": _ptr(res.recv_scales), "recv_count": _ptr(res.recv_count),
+                "recv_src_info": _ptr(res.recv_src_info), "recv_topk_slot": _ptr(res.recv_topk_slot),
+                "layout_range": _ptr(res.layout_range), "combined_x": _ptr(combined),
+                "record": self.records[i].ptr}
+
+    def combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
+                topk_weights: list[torch.Tensor], handles: list[LowLatencyResult]) -> list[torch.Tensor]:
+        """``xs[i]`` is rank i's ``[L_i, R*T, H]`` bf16 expert output; returns ``[N, H]`` bf16 each."""
+        ranks, keep, outs = [], [], []
+        for i in range(self.num_ranks):
+            x = xs[i].to(torch.bfloat16).contiguous()
+            topk = topk_idx[i].to(torch.int64).contiguous()
+            w = topk_weights[i].to(torch.float32).contiguous()
+            out = torch.empty(topk.shape[0], self.hidden, dtype=torch.bfloat16, device=self.device)
+            keep.append((x, topk, w))
+            outs.append(out)
+            ranks.append(self._rank(i, x, topk, w, handles[i], out))
+        for rec in self.records:
+            rec.reset()
+        self.cuda.low_latency_combine_send(self._common(), ranks, _stream(self.device))
+        self.cuda.low_latency_combine_recv(self._common(), ranks, _stream(self.device))
+        self._check()
+        return outs

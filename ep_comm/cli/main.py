@@ -1,0 +1,78 @@
+"""``ep-bench``: the command-line entry point (also ``python -m ep_comm.bench``).
+
+Exit status: 0 on success, 1 when ``--check`` found a wrong result or a rank failed, 2 for invalid
+options.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from .config import BenchConfig, parse_args
+from .launch import LaunchError, run_local, run_torchrun
+from .metrics import build_results, check_totals, wire_sent_matrix
+from .report import build_report, print_results
+
+
+def measured_bytes(cfg: BenchConfig, raw: dict) -> dict[tuple[str, str, str], torch.Tensor]:
+    """``(mode, codec, op) -> [R, R]`` sent wire bytes of every ep_comm case that ran."""
+    out = {}
+    for case in raw["cases"]:
+        if case["method"] == "ep_comm":
+            for op in ("dispatch", "combine"):
+                out[(case["mode"], case["codec"], op)] = torch.tensor(
+                    wire_sent_matrix(raw, case["name"], op), dtype=torch.float64)
+    return out
+
+
+def finish(cfg: BenchConfig, raw: dict, started: float) -> dict:
+    """Turns rank 0's raw results into the report; prints it and writes the requested files."""
+    results, targets = build_results(cfg, raw)
+    simulation = None
+    if cfg.simulate:
+        from .simulator import simulate
+
+        simulation = simulate(cfg, measured_bytes(cfg, raw))
+    report = build_report(cfg, raw, results, targets, check_totals(cfg, raw), simulation,
+                          time.perf_counter() - started)
+    print_results(report)
+    if cfg.json_path:
+        with open(cfg.json_path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {cfg.json_path}")
+    if cfg.plot_path:
+        from .plot import plot_results, plot_simulation, simulation_path
+
+        print(f"wrote {plot_results(report, cfg.plot_path)}")
+        if simulation is not None and simulation["rows"]:
+            print(f"wrote {plot_simulation(simulation, simulation_path(cfg.plot_path))}")
+    return report
+
+
+def run(cfg: BenchConfig) -> int:
+    """Runs the benchmark described by ``cfg``; returns the exit status."""
+    started = time.perf_counter()
+    try:
+        raw = run_local(cfg) if cfg.resolved_launcher() == "local" else run_torchrun(cfg)
+    except LaunchError as error:
+        print(f"ep-bench: a rank failed:\n{error}", file=sys.stderr)
+        return 1
+    if raw is None:  # not rank 0 under torchrun
+        return 0
+    report = finish(cfg, raw, started)
+    failed = report["check"].get("enabled") and not report["check"]["passed"]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    code = run(parse_args(argv))
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

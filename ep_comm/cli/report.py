@@ -1,0 +1,167 @@
+"""The report: one JSON-ready dict, the rich tables printed at the end, and its schema check."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .config import BenchConfig
+
+SCHEMA = "ep-bench/1"
+METHOD_KEYS = {"latency_us": dict, "algbw_gbps": float, "wirebw_gbps": float,
+               "wire_bytes_per_token": float, "wire_bytes_per_rank": float}
+LATENCY_KEYS = ("median", "p10", "p90", "mean", "min", "max", "count")
+
+
+def problem_text(cfg: BenchConfig) -> str:
+    routing = cfg.routing
+    if routing == "zipf":
+        routing += f" (s={cfg.zipf_s:g})"
+    elif routing == "group-limited":
+        routing += f" (top-{cfg.topk_groups} of {cfg.num_groups} groups)"
+    return (f"{cfg.ranks} ranks x {cfg.tokens} tokens, hidden {cfg.hidden} bf16, top-{cfg.topk} of "
+            f"{cfg.experts} experts ({cfg.local_experts} per rank), {routing} routing, "
+            f"{cfg.warmup} warm-up + {cfg.iters} timed iterations")
+
+
+def build_report(cfg: BenchConfig, raw: dict, results: list[dict], targets: list[dict],
+                 check: dict, simulation: dict | None, wall_s: float) -> dict[str, Any]:
+    return {"schema": SCHEMA, "problem": problem_text(cfg), "config": cfg.to_dict(),
+            "environment": raw["environment"], "results": results, "targets": targets,
+            "check": check, "simulation": simulation, "wall_time_s": wall_s}
+
+
+def validate_report(report: Any) -> list[str]:
+    """Problems with ``report``'s structure (empty when it follows ``ep-bench/1``)."""
+    errs: list[str] = []
+    if not isinstance(report, dict):
+        return ["report is not an object"]
+    for key, kind in (("schema", str), ("problem", str), ("config", dict), ("environment", dict),
+                      ("results", list), ("targets", list), ("check", dict), ("wall_time_s", (int, float))):
+        if not isinstance(report.get(key), kind):
+            errs.append(f"{key}: missing or not {kind}")
+    if report.get("schema") != SCHEMA:
+        errs.append(f"schema must be {SCHEMA!r}")
+    for i, row in enumerate(report.get("results") or []):
+        errs += [f"results[{i}]: {e}" for e in _validate_row(row)]
+    for i, t in enumerate(report.get("targets") or []):
+        for key in ("mode", "codec", "baseline", "target", "measured", "met"):
+            if key not in t:
+                errs.append(f"targets[{i}]: missing {key}")
+    sim = report.get("simulation")
+    if sim is not None:
+        if not isinstance(sim, dict) or not isinstance(sim.get("rows"), list):
+            errs.append("simulation: must be null or an object with rows")
+        else:
+            for i, row in enumerate(sim["rows"]):
+                for key in ("ep", "nodes", "mode", "codec", "total_us"):
+                    if key not in row:
+                        errs.append(f"simulation.rows[{i}]: missing {key}")
+    return errs
+
+
+def _validate_row(row: dict) -> list[str]:
+    errs = [f"missing {k}" for k in ("mode", "codec", "op", "status") if k not in row]
+    if row.get("status") == "error":
+        return errs + ([] if isinstance(row.get("error"), str) else ["error rows need an error string"])
+    if row.get("status") != "ok":
+        return errs + [f"status must be ok or error, got {row.get('status')!r}"]
+    for method in ("ep_comm", "naive", "floor"):
+        m = row.get(method)
+        if not isinstance(m, dict):
+            errs.append(f"{method}: missing")
+            continue
+        for key, kind in METHOD_KEYS.items():
+            if not isinstance(m.get(key), (kind, int) if kind is float else kind):
+                errs.append(f"{method}.{key}: missing or not {kind.__name__}")
+        lat = m.get("latency_us") or {}
+        errs += [f"{method}.latency_us.{k}: missing" for k in LATENCY_KEYS if k not in lat]
+        if all(k in lat for k in ("p10", "median", "p90")) and not lat["p10"] <= lat["median"] <= lat["p90"]:
+            errs.append(f"{method}.latency_us: p10 <= median <= p90 violated")
+    for key in ("ratio_vs_naive", "ratio_vs_floor"):
+        if not isinstance(row.get(key), (int, float)) or row[key] <= 0:
+            errs.append(f"{key}: missing or not positive")
+    return errs
+
+
+def fmt_time(us: float) -> str:
+    if us >= 1e6:
+        return f"{us / 1e6:.2f} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.1f} us"
+
+
+def _console() -> Console:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    return console
+
+
+def print_results(report: dict, console: Console | None = None) -> None:
+    console = console or _console()
+    env = report["environment"]
+    console.print(f"[bold]ep-bench[/]: {report['problem']}")
+    console.print(f"device {env['device']}, {env['dist_backend']}, ep_comm backend "
+                  f"{env['ep_comm_backend']}, torch {env['torch']}")
+    table = Table(title="dispatch / combine latency and bandwidth (baselines measured in the same run)")
+    for col in ("mode", "codec", "op", "median", "p10", "p90", "alg GB/s", "wire GB/s", "wire B/tok",
+                "naive median", "x naive", "floor median", "x floor"):
+        table.add_column(col, justify="left" if col in ("mode", "codec", "op") else "right")
+    for row in report["results"]:
+        if row["status"] != "ok":
+            table.add_row(row["mode"], row["codec"], row["op"], "[red]error[/]", *["-"] * 9)
+            continue
+        ep, lat = row["ep_comm"], row["ep_comm"]["latency_us"]
+        table.add_row(row["mode"], row["codec"], row["op"], fmt_time(lat["median"]), fmt_time(lat["p10"]),
+                      fmt_time(lat["p90"]), f"{ep['algbw_gbps']:.3f}", f"{ep['wirebw_gbps']:.3f}",
+                      f"{ep['wire_bytes_per_token']:,.0f}", fmt_time(row["naive"]["latency_us"]["median"]),
+                      f"{row['ratio_vs_naive']:.2f}x", fmt_time(row["floor"]["latency_us"]["median"]),
+                      f"{row['ratio_vs_floor']:.2f}x")
+    console.print(table)
+    for row in report["results"]:
+        if row["status"] != "ok":
+            console.print(f"[red]{row['mode']}/{row['codec']} not measured[/]: {row['error']}")
+    naive = next((r["naive"] for r in report["results"] if r["status"] == "ok"
+                  and r["op"] == "dispatch+combine"), None)
+    if naive is not None:
+        med = fmt_time(naive["latency_us"]["median"])
+        console.print(f"naive per-expert all-to-all, dispatch+combine: {med} median, "
+                      f"{naive['wire_bytes_per_token']:,.0f} wire B/token")
+    for t in report["targets"]:
+        verdict = "[green]met[/]" if t["met"] else "[red]not met[/]"
+        console.print(f"target {t['mode']}/{t['codec']} dispatch+combine <= {t['target']}x {t['baseline']}: "
+                      f"measured {t['measured']:.2f}x, {verdict}")
+    chk = report["check"]
+    if chk.get("enabled"):
+        state = "[green]passed[/]" if chk["passed"] else f"[red]FAILED[/] ({', '.join(chk['failed_cases'])})"
+        console.print(f"--check: {chk['verified_calls']} calls verified against the reference, {state}")
+        for p in chk["problems"][:10]:
+            console.print(f"  {p}")
+    if report.get("simulation"):
+        print_simulation(report["simulation"], console)
+    console.print(f"wall time {report['wall_time_s']:.1f} s")
+
+
+def print_simulation(sim: dict, console: Console) -> None:
+    links = sim["links"]
+    table = Table(title=f"projected time (model, not measured): NVLink {links['nvl_gbps']:g} GB/s "
+                        f"+{links['nvl_latency_us']:g} us within {links['ranks_per_node']}-GPU nodes, "
+                        f"RDMA {links['rdma_gbps']:g} GB/s +{links['rdma_latency_us']:g} us between")
+    for col in ("EP", "nodes", "mode", "codec", "dispatch", "combine", "total", "vs none", "bottleneck"):
+        table.add_column(col, justify="left" if col in ("mode", "codec", "bottleneck") else "right")
+    base = {(r["ep"], r["mode"]): r["total_us"] for r in sim["rows"] if r["codec"] == "none"}
+    for r in sim["rows"]:
+        ref = base.get((r["ep"], r["mode"]))
+        table.add_row(str(r["ep"]), str(r["nodes"]), r["mode"], r["codec"],
+                      fmt_time(r.get("dispatch_us", 0.0)), fmt_time(r.get("combine_us", 0.0)),
+                      fmt_time(r["total_us"]), f"{r['total_us'] / ref:.2f}x" if ref else "-",
+                      f"{r.get('dispatch_bottleneck', '-')}/{r.get('combine_bottleneck', '-')}")
+    console.print(table)
+    for c in sim["coefficients"]:
+        console.print(f"  {c['mode']}/{c['codec']} {c['op']}: {c['bytes_per_unit']:,.1f} B per {c['unit']} "
+                      f"unit (fit error {c['fit_error']:.1%})")
+    for s in sim["skipped"]:
+        console.print(f"  skipped {s}")

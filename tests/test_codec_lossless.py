@@ -1,0 +1,192 @@
+"""ep_comm.codecs.lossless: bit-exact round trips, compression of structured data, and a decoder
+that rejects every truncated or corrupted blob with ValueError."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ep_comm.codecs import lossless
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16)
+
+
+def from_bits(values, shape=None) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return t.reshape(shape) if shape is not None else t
+
+
+def assert_round_trip(x: torch.Tensor, **kwargs) -> torch.Tensor:
+    before = bits(x).clone()
+    blob = lossless.encode(x, **kwargs)
+    assert blob.dtype == torch.uint8 and blob.dim() == 1
+    y = lossless.decode(blob)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert torch.equal(bits(y), bits(x))
+    assert torch.equal(bits(x), before), "encode modified its input"
+    return blob
+
+
+ALL_PATTERNS = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("chunk_values", [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES])
+def test_all_65536_patterns(chunk_values):
+    assert_round_trip(ALL_PATTERNS, chunk_values=chunk_values)
+    assert_round_trip(ALL_PATTERNS.reshape(256, 256), chunk_values=chunk_values)
+    shuffled = ALL_PATTERNS[torch.randperm(65536, generator=torch.Generator().manual_seed(1))]
+    assert_round_trip(shuffled, chunk_values=chunk_values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.integers(0, 65535), max_size=700),
+       chunk_values=st.sampled_from([32, 64, 160, 65536]))
+def test_hypothesis_bit_patterns(values, chunk_values):
+    assert_round_trip(from_bits(values), chunk_values=chunk_values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 9), cols=st.integers(0, 37), seed=st.integers(0, 2**31 - 1),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e30]))
+def test_hypothesis_shapes(rows, cols, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols, generator=g) * scale).bfloat16()
+    assert_round_trip(x, chunk_values=64)
+    assert_round_trip(x.reshape(rows, cols, 1))
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 7168), (3, 0, 5), (1,), (), (1, 1), (31,), (33,), (7, 13)])
+def test_small_and_empty_shapes(shape):
+    x = torch.randn(shape).bfloat16() if all(shape) else torch.empty(shape, dtype=torch.bfloat16)
+    assert_round_trip(x)
+
+
+def test_special_values():
+    specials = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0x7FFF, 0xFFFF, 0xFF81,
+                0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80]
+    x = from_bits(specials * 50)
+    assert_round_trip(x)
+    assert_round_trip(x, chunk_values=32)
+
+
+def test_all_equal_exponents_and_constants():
+    for v in (0x3F80, 0xBF80, 0x0000, 0x8000, 0x7FC0, 0x0001):
+        assert_round_trip(from_bits([v] * 5000))
+    # one exponent, every mantissa: the table has a single symbol
+    assert_round_trip(from_bits([0x3F00 | m for m in range(128)] * 40 + [0xBF00 | m for m in range(128)]))
+
+
+def test_long_zero_runs_compress():
+    zeros = torch.zeros(1 << 20, dtype=torch.bfloat16)
+    blob = assert_round_trip(zeros)
+    assert blob.numel() / (2 * zeros.numel()) < 0.005
+    # gradient-like: 90% exact zeros, the rest normal
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4096, generator=g).bfloat16()
+    x[torch.rand(256, 4096, generator=g) < 0.9] = 0
+    blob = assert_round_trip(x)
+    assert blob.numel() / (2 * x.numel()) < 0.12
+    # zero rows between dense rows
+    x = torch.randn(512, 384, generator=g).bfloat16()
+    x[::3] = 0
+    raw = lossless.encode(torch.randn(512, 384, generator=g).bfloat16()).numel()
+    assert assert_round_trip(x).numel() < 0.75 * raw
+
+
+def test_normal_data_compresses():
+    x = (torch.randn(64, 7168, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    blob = assert_round_trip(x)
+    assert blob.numel() / (2 * x.numel()) < 0.70
+
+
+def test_random_bits_expand_little():
+    x = torch.randint(-32768, 32768, (100_000,), dtype=torch.int16).view(torch.bfloat16)
+    blob = assert_round_trip(x)
+    assert blob.numel() <= 2 * x.numel() * 1.01 + 256
+
+
+def test_noncontiguous_and_threads_deterministic():
+    x = torch.randn(300, 200).bfloat16().t()
+    assert not x.is_contiguous()
+    assert_round_trip(x)
+    a = lossless.encode(x, chunk_values=1024, threads=1)
+    b = lossless.encode(x, chunk_values=1024, threads=2)
+    assert torch.equal(a, b)
+    assert torch.equal(bits(lossless.decode(a, threads=2)), bits(x))
+
+
+def test_encode_rows_and_shape_of():
+    x = torch.randn(64, 512).bfloat16()
+    blob = lossless.encode_rows(x)
+    assert lossless.shape_of(blob) == (64, 512)
+    assert torch.equal(bits(lossless.decode(blob)), bits(x))
+    with pytest.raises(ValueError, match="x"):
+        lossless.encode_rows(x.reshape(-1))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(4, dtype=torch.float32), torch.zeros(4, dtype=torch.float16),
+                                 torch.zeros(4, dtype=torch.int16), [1.0, 2.0]])
+def test_wrong_dtype_names_x(bad):
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        lossless.encode(bad)
+
+
+def test_bad_chunk_size_rejected():
+    with pytest.raises(ValueError):
+        lossless.encode(torch.zeros(10, dtype=torch.bfloat16), chunk_values=33)
+
+
+def small_blob() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 100, generator=g).bfloat16()
+    x[1, 10:60] = 0
+    x[2, 5] = float("nan")
+    return x, lossless.encode(x, chunk_values=64)
+
+
+def test_every_single_byte_corruption_is_detected():
+    x, blob = small_blob()
+    for pos in range(blob.numel()):
+        for flip in (0x01, 0x80, 0xFF):
+            bad = blob.clone()
+            bad[pos] ^= flip
+            with pytest.raises(ValueError):
+                lossless.decode(bad)
+    assert torch.equal(bits(lossless.decode(blob)), bits(x)), "decode must not modify the blob"
+
+
+def test_every_truncation_and_extension_is_detected():
+    _, blob = small_blob()
+    for n in range(blob.numel()):
+        with pytest.raises(ValueError):
+            lossless.decode(blob[:n].clone())
+    with pytest.raises(ValueError):
+        lossless.decode(torch.cat([blob, torch.zeros(4, dtype=torch.uint8)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=400), seed=st.integers(0, 2**31 - 1))
+def test_garbage_and_random_damage_never_crash(data, seed):
+    garbage = torch.tensor(list(data), dtype=torch.uint8)
+    try:
+        lossless.decode(garbage)
+    except ValueError:
+        pass
+    # random multi-byte damage of a valid blob: ValueError, or (never observed) a correct decode
+    x, blob = small_blob()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, blob.numel(), (3,), generator=g)
+    bad = blob.clone()
+    bad[idx] ^= torch.randint(1, 256, (3,), generator=g, dtype=torch.int32).to(torch.uint8)
+    with pytest.raises(ValueError):
+        lossless.decode(bad)
+
+
+def test_blob_type_checked():
+    with pytest.raises(ValueError):
+        lossless.decode(torch.zeros(10, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        lossless.decode(torch.zeros(2, 10, dtype=torch.uint8))

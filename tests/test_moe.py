@@ -1,0 +1,129 @@
+"""The reference MoE layer (ep_comm.moe): expert-parallel training equals the single-process run.
+
+A toy regression model (linear -> tanh -> residual MoE -> linear head) trains with SGD in float32
+on 1 and 2 gloo ranks, each rank holding a shard of the batch and ``E / R`` experts; the
+replicated parameters' gradients are summed over the ranks. The same model trains on the whole
+batch in this process with the communication-free layer (``group=None``). Tolerance: losses and
+final parameters agree to rtol 1e-5 / atol 1e-6 (float32; only the summation order differs, and the
+routing makes the same choices), and the loss must fall by at least half.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ep_comm.moe import MoE, apply_experts, route
+
+D_IN, HIDDEN, FFN, EXPERTS, TOP_K = 6, 16, 24, 4, 2
+TOKENS_PER_RANK, STEPS, LR = 24, 6, 0.05
+
+
+class ToyModel(nn.Module):
+    """``x [N, D_IN]`` float32 -> ``[N, 1]``."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        self.inp = nn.Linear(D_IN, HIDDEN, dtype=torch.float32)
+        self.head = nn.Linear(HIDDEN, 1, dtype=torch.float32)
+        with torch.no_grad():
+            for p in (*self.inp.parameters(), *self.head.parameters()):
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.5)
+        self.moe = MoE(HIDDEN, FFN, EXPERTS, TOP_K, group=group, init_seed=5, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(h + self.moe(h))
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        return [*self.inp.parameters(), *self.head.parameters(), *self.moe.replicated_parameters()]
+
+
+def _data(num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: ``x [R * T, D_IN]``, ``y [R * T, 1]`` float32."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(num_ranks * TOKENS_PER_RANK, D_IN, generator=gen, dtype=torch.float32)
+    y = torch.sin(x @ torch.linspace(-1, 1, D_IN, dtype=torch.float32)).unsqueeze(-1)
+    return x, y
+
+
+def _train(model: ToyModel, x: torch.Tensor, y: torch.Tensor, total: int,
+           group: dist.ProcessGroup | None) -> list[float]:
+    """SGD on ``sum((model(x) - y)^2) / total``; returns the global loss before each step."""
+    losses = []
+    for _ in range(STEPS):
+        model.zero_grad()
+        loss = ((model(x) - y) ** 2).sum() / total
+        loss.backward()
+        value = loss.detach().clone()
+        if group is not None:
+            dist.all_reduce(value, group=group)
+            for p in model.replicated_parameters():
+                dist.all_reduce(p.grad, group=group)
+        losses.append(float(value))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return losses
+
+
+def _train_case(rank: int, world_size: int, group: dist.ProcessGroup):
+    torch.manual_seed(0)
+    x, y = _data(world_size)
+    shard = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    model = ToyModel(group)
+    losses = _train(model, x[shard], y[shard], x.shape[0], group)
+    experts = {g: {k: v.clone() for k, v in e.state_dict().items()}
+               for g, e in zip(model.moe.global_expert_ids, model.moe.experts)}
+    return losses, model.moe.router_weight.detach().clone(), experts
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_training_matches_single_process(ranks, world_size):
+    results = ranks(world_size, _train_case)
+    x, y = _data(world_size)
+    ref = ToyModel(None)
+    ref_losses = _train(ref, x, y, x.shape[0], None)
+
+    assert ref_losses[-1] < ref_losses[0] / 2, ref_losses
+    experts_seen = {}
+    for losses, router, experts in results:
+        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float32),
+                                   torch.tensor(ref_losses, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(router, ref.moe.router_weight.detach(), rtol=1e-5, atol=1e-6)
+        experts_seen.update(experts)
+    assert sorted(experts_seen) == list(range(EXPERTS))
+    for g, state in experts_seen.items():
+        for name, value in state.items():
+            torch.testing.assert_close(value, ref.moe.experts[g].state_dict()[name], rtol=1e-5, atol=1e-6)
+
+
+def _codec_case(rank: int, world_size: int, group: dist.ProcessGroup):
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(32, HIDDEN, generator=gen).to(torch.bfloat16)
+    plain = MoE(HIDDEN, FFN, EXPERTS, TOP_K, group=group, init_seed=1, dtype=torch.bfloat16)
+    coded = MoE(HIDDEN, FFN, EXPERTS, TOP_K, buffer=plain.buffer, codec="lossless", init_seed=1,
+                dtype=torch.bfloat16)
+    with torch.no_grad():
+        return plain(x), coded(x)
+
+
+def test_lossless_codec_is_bit_exact(ranks):
+    for plain, coded in ranks(2, _codec_case):
+        assert torch.equal(plain.view(torch.int16), coded.view(torch.int16))
+
+
+def test_apply_experts_matches_a_token_loop():
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, FFN, EXPERTS, TOP_K, init_seed=2)
+    x = torch.randn(10, HIDDEN)
+    idx, w = route(x, moe.router_weight, TOP_K)
+    assert torch.allclose(w.sum(-1), torch.ones(10))
+    want = torch.stack([sum(w[n, k] * moe.experts[int(idx[n, k])](x[n:n + 1])[0] for k in range(TOP_K))
+                        for n in range(10)])
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-6)
+    masked = idx.masked_fill(torch.arange(TOP_K) == 1, -1)
+    half = apply_experts(moe.experts, x, masked, w)
+    torch.testing.assert_close(half[3], w[3, 0] * moe.experts[int(idx[3, 0])](x[3:4])[0])
