@@ -13,8 +13,8 @@ were received; the source multiplies by the top-k weights and sums over k in flo
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -11,8 +11,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

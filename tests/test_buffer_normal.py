@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from rank_cases import make_routing, make_x
 
 import ep_comm
 from ep_comm import reference
 from ep_comm.placement_map import ExpertPlacement
-from rank_cases import make_routing, make_x
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,8 @@ def test_cached_dispatch_and_handle_reuse_and_fp8_tuple(ranks):
                              [torch.zeros(r[5].shape) for r in results], placement)
     ref_s = reference.dispatch([s for _, s in fp8_in], [r[5] for r in results],
                                [torch.zeros(r[5].shape) for r in results], placement)
-    for rank, (outs, rx, _, rq, rq_cached, _) in enumerate(results):
-        for same, combined, collectives in outs:
+    for rank, (outs, _rx, _, rq, rq_cached, _) in enumerate(results):
+        for same, _combined, collectives in outs:
             assert same
             assert collectives == 1  # a cached re-send needs no layout exchange
         assert rq[0].dtype == torch.float8_e4m3fn and rq[1].dtype == torch.float32

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-
 from rank_cases import make_routing, make_x
 
 

@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-
-import ep_comm
 from mp_pool import spawn_once
 from rank_cases import make_routing, make_x
+
+import ep_comm
 
 TIMEOUT_S = 4.0
 SLACK_S = 2.0

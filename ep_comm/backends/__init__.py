@@ -1,4 +1,4 @@
 """Transports: they move planned bytes between ranks and nothing else."""
-from .base import Transport, PendingExchange
+from .base import PendingExchange, Transport
 
 __all__ = ["Transport", "PendingExchange"]
