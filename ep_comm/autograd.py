@@ -36,7 +36,8 @@ def _handle(buffer: Buffer, token_index: torch.Tensor, send_counts: torch.Tensor
         buffer_id=buffer.buffer_id, send_plan=SendPlan(token_index, send_counts),
         recv_counts=recv_counts.cpu(), is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
         num_tokens=num_tokens, num_recv_tokens=num_recv, num_worst_tokens=0, hidden=hidden,
-        num_experts=0, recv_src_token_index=torch.empty(0, dtype=torch.int64))
+        num_experts=0, recv_src_token_index=torch.empty(0, dtype=torch.int64),
+        mask_epoch=buffer.mask_epoch)
 
 
 # -- ep_comm::dispatch --------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         recv_counts=recv_counts, is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
         num_tokens=x.shape[0], num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0,
         hidden=x.shape[1], num_experts=num_experts,
-        recv_src_token_index=torch.empty(0, dtype=torch.int64))
+        recv_src_token_index=torch.empty(0, dtype=torch.int64), mask_epoch=buffer.mask_epoch)
     counts_list = align_up(counts.tolist(), expert_alignment)
     if num_worst_tokens > 0:
         rows = handle.num_recv_tokens

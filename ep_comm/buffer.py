@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,8 @@ class Buffer:
         self.transport: Transport = self._make_transport(backend)
         self.backend = self.transport.name
         self.last_stats: CommStats | None = None
+        self.masked_ranks: frozenset[int] = frozenset()
+        self.mask_epoch = 0
 
     # -- construction helpers ------------------------------------------------------------------
     @staticmethod
@@ -160,6 +163,67 @@ class Buffer:
         raise ValueError("the portable backend has no registered communication buffer; "
                          "pass tensors to dispatch/combine instead")
 
+    # -- failed-rank masking -------------------------------------------------------------------
+    def mask_ranks(self, ranks: list[int]) -> None:
+        """Stops exchanging with ``ranks`` (e.g. the peers a ``CommTimeoutError`` named).
+
+        Collective over the surviving ranks, which must all call it with the same list. From then
+        on, top-k entries that select an expert of a masked rank are dropped (treated as ``-1``,
+        counted in ``last_stats.dropped_topk_entries``), and the survivors' exchanges run over a
+        new group of themselves. The job's key-value store (hosted by global rank 0 with the
+        usual ``tcp://``/``env://`` rendezvous) must still be alive.
+        """
+        self._set_masked(self.masked_ranks | self._check_rank_list("ranks", ranks))
+
+    def unmask_ranks(self, ranks: list[int]) -> None:
+        """Brings ``ranks`` back into the exchanges; collective over the new set of live ranks."""
+        self._set_masked(self.masked_ranks - self._check_rank_list("ranks", ranks))
+
+    def _check_rank_list(self, name: str, ranks: object) -> frozenset[int]:
+        if isinstance(ranks, int) or not hasattr(ranks, "__iter__"):
+            raise ValueError(f"{name} must be a list of ranks, got {ranks!r}")
+        out = set()
+        for r in ranks:  # type: ignore[union-attr]
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.group_size:
+                raise ValueError(f"{name} must hold ranks in [0, {self.group_size}), got {r!r}")
+            out.add(r)
+        if self.rank in out:
+            raise ValueError(f"{name} includes this rank ({self.rank}): a rank cannot mask itself")
+        return frozenset(out)
+
+    def _set_masked(self, masked: frozenset[int]) -> None:
+        from datetime import timedelta
+
+        from .backends.masked import MaskedTransport
+        from .backends.torch_dist import TorchDistTransport
+
+        live = [r for r in range(self.group_size) if r not in masked]
+        if len(live) < 1:
+            raise ValueError("ranks would mask every rank")
+        subgroup = dist.new_group(ranks=[dist.get_global_rank(self.group, r) for r in live],
+                                  timeout=timedelta(seconds=self.timeout_s),
+                                  backend=str(dist.get_backend(self.group)), use_local_synchronization=True)
+        inner = TorchDistTransport(subgroup, self.timeout_s, self.device,
+                                   TorchDistTransport.agree_instance_id(subgroup))
+        inner.num_collectives = self.transport.num_collectives
+        self.transport = MaskedTransport(inner, live, self.group_size, self.rank)
+        self.masked_ranks = masked
+        self.mask_epoch += 1
+
+    def _drop_masked(self, topk_idx: torch.Tensor, placement: ExpertPlacement) -> tuple[torch.Tensor, int]:
+        """Top-k entries whose expert lives on a masked rank become ``-1``; returns the count."""
+        if not self.masked_ranks:
+            return topk_idx, 0
+        dead = torch.zeros(self.group_size, dtype=torch.bool)
+        dead[list(self.masked_ranks)] = True
+        owner_dead = dead.to(topk_idx.device)[placement.expert_to_rank.to(topk_idx.device)[topk_idx.clamp(min=0)]]
+        drop = (topk_idx >= 0) & owner_dead
+        return torch.where(drop, torch.full_like(topk_idx, -1), topk_idx), int(drop.sum())
+
+    def _record(self, stats: CommStats, dropped: int) -> None:
+        stats.dropped_topk_entries = dropped
+        self.last_stats = stats
+
     # -- layout --------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: EventOverlap | None = None, async_finish: bool = False,
@@ -176,6 +240,7 @@ class Buffer:
         """
         placement = self.placement(num_experts)
         topk_idx = check_topk_idx(topk_idx, num_experts, self.device)
+        topk_idx, _ = self._drop_masked(topk_idx, placement)
         wait_previous(previous_event)
         layout = compute_dispatch_layout(topk_idx, placement)
         event = finish_event(async_finish, self.device)
@@ -252,7 +317,10 @@ class Buffer:
         if topk_weights is not None:
             topk_weights = check_topk_weights(topk_weights, topk_idx, self.device)
         placement = self.placement(num_experts)
-        if is_token_in_rank is None:
+        topk_idx, dropped = self._drop_masked(topk_idx, placement)
+        if is_token_in_rank is None or self.masked_ranks:
+            if is_token_in_rank is not None:
+                require_shape("is_token_in_rank", is_token_in_rank, (num_tokens, self.group_size))
             is_token_in_rank = compute_dispatch_layout(topk_idx, placement).is_token_in_rank
         else:
             require_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), dim=2,
@@ -264,8 +332,8 @@ class Buffer:
 
         out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
                               is_token_in_rank, placement, codec_name)
-        self.last_stats = out.stats
-        handle_out = out.handle
+        self._record(out.stats, dropped)
+        handle_out = replace(out.handle, mask_epoch=self.mask_epoch)
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
         if num_worst_tokens > 0:
             if handle_out.num_recv_tokens > num_worst_tokens:
@@ -308,6 +376,8 @@ class Buffer:
             raise ValueError(f"{name} must be an ep_comm.{kind.__name__}, got {type(handle).__name__}")
         if handle.buffer_id != self.buffer_id:  # type: ignore[attr-defined]
             raise ValueError(f"{name} was made by another Buffer")
+        if handle.mask_epoch != self.mask_epoch:  # type: ignore[attr-defined]
+            raise ValueError(f"{name} was made before the last mask_ranks/unmask_ranks; dispatch again")
 
     @staticmethod
     def _pad_rows(x, rows: int):
@@ -405,13 +475,15 @@ class Buffer:
                            dtypes=(torch.int32, torch.int64), dim=1, device=self.device)
             require_shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           (num_local,))
+        topk_idx, dropped = self._drop_masked(topk_idx, placement)
         out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                    placement, use_fp8, round_scale, use_ue8m0)
-        self.last_stats = out.stats
+        self._record(out.stats, dropped)
         handle = LowLatencyHandle(
             buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
-            topk_idx=topk_idx.clone(), state=out.state, recv_count=out.recv_count)
+            topk_idx=topk_idx.clone(), state=out.state, recv_count=out.recv_count,
+            mask_epoch=self.mask_epoch)
 
         def receive() -> None:
             out.receive()
@@ -454,16 +526,17 @@ class Buffer:
         require_tensor("x", x, dtypes=(torch.bfloat16,), dim=3, device=self.device)
         require_shape("x", x, (handle.num_local_experts, slots, handle.hidden))
         topk_idx = check_topk_idx(topk_idx, handle.num_experts, self.device)
+        placement = self.placement(handle.num_experts)
+        topk_idx, dropped = self._drop_masked(topk_idx, placement)
         if topk_idx.shape != handle.topk_idx.shape or not torch.equal(topk_idx, handle.topk_idx):
             raise ValueError("topk_idx differs from the routing the handle dispatched")
         topk_weights = check_topk_weights(topk_weights, topk_idx, self.device)
         if out is not None:
             require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self.device)
             require_shape("out", out, (topk_idx.shape[0], handle.hidden))
-        placement = self.placement(handle.num_experts)
         finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
                                             placement, out)
-        self.last_stats = stats
+        self._record(stats, dropped)
         result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self.device) \
             if out is None else out
         done = [False]
@@ -489,6 +562,4 @@ def _pad(t: torch.Tensor | None, rows: int, value: float) -> torch.Tensor | None
 
 
 def _with_worst(handle: DispatchHandle, num_worst_tokens: int) -> DispatchHandle:
-    from dataclasses import replace
-
     return replace(handle, num_worst_tokens=num_worst_tokens)

@@ -24,6 +24,8 @@ class DispatchHandle:
         num_experts: ``E``.
         recv_src_token_index: ``[M]`` int64, the source token index of every received row
             (the rows are ordered by source rank, then this index).
+        mask_epoch: the Buffer's rank-mask generation when it was made (a handle from before
+            ``mask_ranks``/``unmask_ranks`` is rejected).
     """
 
     buffer_id: int
@@ -36,6 +38,7 @@ class DispatchHandle:
     hidden: int
     num_experts: int
     recv_src_token_index: torch.Tensor
+    mask_epoch: int = 0
 
     @property
     def num_recv_rows(self) -> int:
@@ -86,6 +89,7 @@ class LowLatencyHandle:
     state: LowLatencyReceiveState
     recv_count: torch.Tensor
     stats_added: bool = False
+    mask_epoch: int = 0
 
     @property
     def layout_range(self) -> torch.Tensor | None:

@@ -48,8 +48,8 @@ class RowFormat:
         out = {}
         start = 0
         for f in self.fields:
-            if f.nbytes == 0:
-                out[f.name] = torch.empty(rows.shape[0], 0, dtype=f.dtype, device=rows.device)
+            if f.nbytes == 0 or rows.shape[0] == 0:
+                out[f.name] = torch.empty(rows.shape[0], f.width, dtype=f.dtype, device=rows.device)
                 continue
             chunk = rows[:, start:start + f.nbytes].contiguous()
             out[f.name] = chunk.view(f.dtype).reshape(rows.shape[0], f.width)

@@ -153,6 +153,22 @@ def test_lossless_codec_option_is_used_and_bit_exact(ranks):
         assert torch.equal(plain.view(torch.int16), coded.view(torch.int16))
 
 
+def test_patch_and_unpatch():
+    from megatron.core.transformer.moe import moe_layer, token_dispatcher
+
+    from ep_comm.integrations import megatron as ep_megatron
+
+    ep_megatron.patch_megatron(codec="lossless")
+    try:
+        assert moe_layer.MoEAlltoAllTokenDispatcher is not token_dispatcher.MoEAlltoAllTokenDispatcher
+        assert moe_layer.MoEAllGatherTokenDispatcher is token_dispatcher.MoEAllGatherTokenDispatcher
+    finally:
+        ep_megatron.unpatch_megatron()
+    assert moe_layer.MoEAlltoAllTokenDispatcher is token_dispatcher.MoEAlltoAllTokenDispatcher
+    with pytest.raises(ValueError, match="dispatcher_type"):
+        ep_megatron.patch_megatron(dispatcher_type="nccl")
+
+
 def test_routing_map_to_topk():
     from ep_comm.integrations.megatron import routing_map_to_topk
 

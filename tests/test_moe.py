@@ -1,11 +1,12 @@
 """The reference MoE layer (ep_comm.moe): expert-parallel training equals the single-process run.
 
 A toy regression model (linear -> tanh -> residual MoE -> linear head) trains with SGD in float32
-on 1 and 2 gloo ranks, each rank holding a shard of the batch and ``E / R`` experts; the
-replicated parameters' gradients are summed over the ranks. The same model trains on the whole
-batch in this process with the communication-free layer (``group=None``). Tolerance: losses and
-final parameters agree to rtol 1e-5 / atol 1e-6 (float32; only the summation order differs, and the
-routing makes the same choices), and the loss must fall by at least half.
+with expert parallelism over 1 rank (each rank of the 2-rank pool on its own group) and over 2
+ranks, each rank holding a shard of the batch and ``E / R`` experts; the replicated parameters'
+gradients are summed over the ranks. The same model trains on the whole batch in this process
+with the communication-free layer (``group=None``). Tolerance: losses and final parameters agree
+to rtol 1e-5 / atol 1e-6 (float32; only summation orders differ and the routing makes the same
+choices), and the loss must fall by at least half.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ep_comm.moe import MoE, apply_experts, route
 
 D_IN, HIDDEN, FFN, EXPERTS, TOP_K = 6, 16, 24, 4, 2
 TOKENS_PER_RANK, STEPS, LR = 24, 6, 0.05
+_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
 
 
 class ToyModel(nn.Module):
@@ -69,9 +71,20 @@ def _train(model: ToyModel, x: torch.Tensor, y: torch.Tensor, total: int,
     return losses
 
 
-def _train_case(rank: int, world_size: int, group: dist.ProcessGroup):
+def _own_group(rank: int, world_size: int) -> dist.ProcessGroup:
+    """This rank alone, as a process group (every rank creates all of them, in the same order)."""
+    if (world_size, 0) not in _groups:
+        for r in range(world_size):
+            _groups[(world_size, r)] = dist.new_group([r])
+    return _groups[(world_size, rank)]
+
+
+def _train_case(rank: int, world_size: int, group: dist.ProcessGroup, ep_size: int):
+    """Trains on ``ep_size`` ranks: the whole pool, or (``ep_size == 1``) each rank on its own."""
+    if ep_size == 1:
+        group, rank = _own_group(rank, world_size), 0
     torch.manual_seed(0)
-    x, y = _data(world_size)
+    x, y = _data(ep_size)
     shard = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     model = ToyModel(group)
     losses = _train(model, x[shard], y[shard], x.shape[0], group)
@@ -80,10 +93,10 @@ def _train_case(rank: int, world_size: int, group: dist.ProcessGroup):
     return losses, model.moe.router_weight.detach().clone(), experts
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_training_matches_single_process(ranks, world_size):
-    results = ranks(world_size, _train_case)
-    x, y = _data(world_size)
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_training_matches_single_process(ranks, ep_size):
+    results = ranks(2, _train_case, ep_size)
+    x, y = _data(ep_size)
     ref = ToyModel(None)
     ref_losses = _train(ref, x, y, x.shape[0], None)
 

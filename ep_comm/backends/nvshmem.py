@@ -216,6 +216,47 @@ class NvshmemTransport(Transport):
             raise CommTimeoutError(f"{error} during {phase}", peers=error.peers, phase=phase) from None
 
 
+# ---- peer buffers: virtual ranks, or NVSHMEM symmetric memory ----------------------------------
+class PeerBuffers:
+    """One communication buffer per rank, as this process addresses them.
+
+    ``group=None``: ``num_ranks`` virtual ranks, every buffer allocated here (tests, one GPU).
+    Otherwise one NVSHMEM symmetric buffer per PE of ``group``; ``peers[r]`` is ``nvshmem_ptr``
+    (0 where PE ``r`` is not load/store reachable, e.g. on another node).
+
+    Attributes:
+        peers: ``[R]`` device addresses. local_ranks: the ranks this process runs.
+        symmetric: this PE's symmetric buffer address (0 for virtual ranks).
+    """
+
+    def __init__(self, nbytes: int, num_ranks: int, device: torch.device,
+                 group: dist.ProcessGroup | None, settings: NvshmemSettings | None) -> None:
+        self.cuda = _cuda()
+        self.symmetric = 0
+        self._tensors: list[torch.Tensor] = []
+        if group is None:
+            self._tensors = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
+            self.peers = [int(t.data_ptr()) for t in self._tensors]
+            self.local_ranks = list(range(num_ranks))
+            return
+        pe, n = init_nvshmem(group, settings)
+        if n != num_ranks:
+            raise ValueError(f"NVSHMEM has {n} PEs, expected {num_ranks}")
+        self.symmetric = self.cuda.nvshmem_malloc(nbytes)
+        self.peers = [int(self.cuda.nvshmem_ptr(self.symmetric, r)) for r in range(num_ranks)]
+        self.local_ranks = [pe]
+
+    def close(self) -> None:
+        if self.symmetric:
+            self.cuda.nvshmem_free(self.symmetric)
+            self.symmetric = 0
+        self._tensors = []
+
+
+def _group_size(group: dist.ProcessGroup | None, num_ranks: int) -> int:
+    return num_ranks if group is None else dist.get_world_size(group)
+
+
 # ---- normal mode through peer buffers -----------------------------------------------------------
 @dataclass(frozen=True)
 class IntranodeHandle:
@@ -230,15 +271,18 @@ class IntranodeHandle:
 class IntranodeEngine:
     """Layout, dispatch and combine among up to 8 ranks whose buffers this process can address.
 
-    With ``peer_buffers=None`` it allocates ``num_ranks`` buffers on this process's GPU and runs
-    every rank here (virtual ranks: one launch covers all ranks, each rank gets ``2 *
-    num_channels`` blocks, so keep ``num_ranks * 2 * num_channels`` below the SM count). Lists
-    passed to the calls hold one entry per virtual rank.
+    With ``group=None`` it allocates ``num_ranks`` buffers on this process's GPU and runs every
+    rank here (virtual ranks: one launch covers all ranks, each rank gets ``2 * num_channels``
+    blocks, so keep ``num_ranks * 2 * num_channels`` below the SM count). With a group, each
+    process runs its own rank over NVSHMEM symmetric buffers reached through ``nvshmem_ptr``
+    (NVLink peers). Lists passed to the calls hold one entry per rank in ``local_ranks``.
     """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
                  num_topk: int, max_hidden_bytes: int, num_channels: int = 4, ring_slots: int = 64,
-                 timeout_s: float = 60.0, max_scales: int = 0) -> None:
+                 timeout_s: float = 60.0, max_scales: int = 0, group: dist.ProcessGroup | None = None,
+                 settings: NvshmemSettings | None = None) -> None:
+        num_ranks = _group_size(group, num_ranks)
         if not 1 <= num_ranks <= 8:
             raise ValueError(f"the intranode engine runs 1..8 ranks, got {num_ranks}")
         if ring_slots < 8:
@@ -256,16 +300,19 @@ class IntranodeEngine:
         self.ring_slots = ring_slots
         lay = host.routing_intranode_layout(num_ranks, num_channels, self.max_local, ring_slots,
                                             self.row_bytes)
-        self.buffers = [torch.zeros(lay["total_bytes"], dtype=torch.uint8, device=self.device)
-                        for _ in range(num_ranks)]
+        self.buffers = PeerBuffers(lay["total_bytes"], num_ranks, self.device, group, settings)
+        if not all(self.buffers.peers):
+            raise ValueError("the intranode engine needs every rank's buffer load/store reachable "
+                             "(NVLink peers); use the internode transport across nodes")
+        self.local_ranks = self.buffers.local_ranks
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
         self.e2l = placement.expert_to_local.to(self.device, torch.int32)
-        self.records = [TimeoutRecord() for _ in range(num_ranks)]
+        self.records = [TimeoutRecord() for _ in self.local_ranks]
         self.barrier_value = 0
 
     def _common(self) -> dict:
         self.barrier_value += 1
-        return {"peers": [int(b.data_ptr()) for b in self.buffers], "expert_to_rank": _ptr(self.e2r),
+        return {"peers": self.buffers.peers, "expert_to_rank": _ptr(self.e2r),
                 "expert_to_local": _ptr(self.e2l), "num_ranks": self.num_ranks,
                 "num_channels": self.num_channels, "max_local_experts": self.max_local,
                 "num_experts": self.placement.num_experts, "num_topk": self.num_topk,
@@ -311,18 +358,19 @@ class IntranodeEngine:
             raise ValueError(f"x_scales has {num_scales} columns, the engine was sized for {self.max_scales}")
         layouts = [self.get_dispatch_layout(t) for t in topk_idx]
         metas = [torch.empty(self.cuda.intranode_meta_words(r, c, self.max_local), dtype=torch.int32,
-                             device=self.device) for _ in range(r)]
+                             device=self.device) for _ in self.local_ranks]
         for rec in self.records:
             rec.reset()
         common = self._common()
         self.cuda.intranode_notify(common, [
-            {"rank": i, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": _ptr(layouts[i][3]),
+            {"rank": rank, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": _ptr(layouts[i][3]),
              "num_tokens_per_expert": _ptr(layouts[i][2]), "meta": _ptr(metas[i]),
-             "record": self.records[i].ptr} for i in range(r)], _stream(self.device))
+             "record": self.records[i].ptr} for i, rank in enumerate(self.local_ranks)],
+            _stream(self.device))
         self._finish()
         metas_cpu = [m.cpu() for m in metas]
         outs, ranks = [], []
-        for i in range(r):
+        for i, rank in enumerate(self.local_ranks):
             m = int(metas_cpu[i][-1])
             x = xs[i].contiguous()
             out = {"recv_x": torch.empty(m, *x.shape[1:], dtype=x.dtype, device=self.device),
@@ -332,7 +380,7 @@ class IntranodeEngine:
                    "recv_topk_weights": (torch.empty(m, k, dtype=torch.float32, device=self.device)
                                          if topk_weights[i] is not None else None),
                    "recv_src_idx": torch.empty(m, dtype=torch.int32, device=self.device)}
-            local = self.placement.num_local_experts[i]
+            local = self.placement.num_local_experts[rank]
             out["num_recv_tokens_per_expert"] = metas_cpu[i][r * c: r * c + int(local)].tolist()
             out["handle"] = IntranodeHandle(metas[i], layouts[i][3], x.shape[0], m)
             w = topk_weights[i]
@@ -341,7 +389,7 @@ class IntranodeEngine:
                             x_scales[i].to(torch.float32).contiguous() if x_scales else None)
             outs.append(out)
             keep = out["_keep"]
-            ranks.append({"rank": i, "num_tokens": x.shape[0], "x": _ptr(keep[0]),
+            ranks.append({"rank": rank, "num_tokens": x.shape[0], "x": _ptr(keep[0]),
                           "x_scales": _ptr(keep[3]),
                           "topk_idx": _ptr(keep[1]), "topk_weights": _ptr(keep[2]),
                           "is_token_in_rank": _ptr(layouts[i][3]), "meta": _ptr(metas[i]),
@@ -367,9 +415,9 @@ class IntranodeEngine:
         hidden = xs[0].shape[1]
         if hidden * xs[0].element_size() > self.max_hidden_bytes or (hidden * xs[0].element_size()) % 16:
             raise ValueError("combine rows must be a multiple of 16 bytes within the engine's size")
-        weights = topk_weights or [None] * self.num_ranks
+        weights = topk_weights or [None] * len(self.local_ranks)
         outs, ranks, keep = [], [], []
-        for i, h in enumerate(handles):
+        for i, (rank, h) in enumerate(zip(self.local_ranks, handles)):
             x = xs[i].contiguous()
             w = None if weights[i] is None else weights[i].to(torch.float32).contiguous()
             cx = torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device)
@@ -377,7 +425,7 @@ class IntranodeEngine:
                                                     device=self.device)
             keep.append((x, w))
             outs.append((cx, cw))
-            ranks.append({"rank": i, "num_tokens": h.num_tokens, "x": _ptr(x), "topk_weights": _ptr(w),
+            ranks.append({"rank": rank, "num_tokens": h.num_tokens, "x": _ptr(x), "topk_weights": _ptr(w),
                           "is_token_in_rank": _ptr(h.is_token_in_rank), "meta": _ptr(h.meta),
                           "combined_x": _ptr(cx), "combined_topk_weights": _ptr(cw),
                           "record": self.records[i].ptr})
@@ -403,10 +451,14 @@ class LowLatencyResult:
 
 
 class LowLatencyEngine:
-    """Low-latency dispatch/combine among up to 8 virtual ranks (or NVLink peers) on one GPU."""
+    """Low-latency dispatch/combine among up to 8 ranks: virtual ranks on one GPU
+    (``group=None``), or one rank per process over NVSHMEM (loads/stores to NVLink peers, puts to
+    the others). Lists passed to the calls hold one entry per rank in ``local_ranks``."""
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
-                 max_tokens: int, hidden: int, num_topk: int, timeout_s: float = 60.0) -> None:
+                 max_tokens: int, hidden: int, num_topk: int, timeout_s: float = 60.0,
+                 group: dist.ProcessGroup | None = None, settings: NvshmemSettings | None = None) -> None:
+        num_ranks = _group_size(group, num_ranks)
         if not 1 <= num_ranks <= 8:
             raise ValueError(f"the low-latency engine runs 1..8 ranks per process, got {num_ranks}")
         if hidden % 128:
@@ -417,15 +469,15 @@ class LowLatencyEngine:
         self.max_local = int(placement.num_local_experts.max())
         lay = host.routing_low_latency_layout(num_ranks, self.max_local, placement.num_experts,
                                               max_tokens, num_topk, hidden)
-        self.buffers = [torch.zeros(lay["total_bytes"], dtype=torch.uint8, device=self.device)
-                        for _ in range(num_ranks)]
+        self.buffers = PeerBuffers(lay["total_bytes"], num_ranks, self.device, group, settings)
+        self.local_ranks = self.buffers.local_ranks
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
         self.e2l = placement.expert_to_local.to(self.device, torch.int32)
-        self.records = [TimeoutRecord() for _ in range(num_ranks)]
+        self.records = [TimeoutRecord() for _ in self.local_ranks]
         self.timeout_ns = int(timeout_s * 1e9)
 
     def _common(self) -> dict:
-        return {"peers": [int(b.data_ptr()) for b in self.buffers], "symmetric_base": None,
+        return {"peers": self.buffers.peers, "symmetric_base": self.buffers.symmetric or None,
                 "expert_to_rank": _ptr(self.e2r), "expert_to_local": _ptr(self.e2l),
                 "num_ranks": self.num_ranks, "num_experts": self.placement.num_experts,
                 "max_local_experts": self.max_local, "num_topk": self.num_topk,
@@ -445,13 +497,13 @@ class LowLatencyEngine:
         if use_ue8m0 and h % 512:
             raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {h}")
         results, ranks = [], []
-        for i in range(r):
+        for i, rank in enumerate(self.local_ranks):
             x, topk = xs[i].contiguous(), topk_idx[i].to(torch.int64).contiguous()
             if x.dtype != torch.bfloat16 or x.shape[1] != h:
                 raise ValueError(f"x must be [N, {h}] bfloat16")
             if x.shape[0] > t:
                 raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={t}")
-            local = int(self.placement.num_local_experts[i])
+            local = int(self.placement.num_local_experts[rank])
             dev = self.device
             recv_x = torch.empty(local, r * t, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                                  device=dev)
@@ -464,7 +516,7 @@ class LowLatencyEngine:
                                    torch.empty(local, r * t, dtype=torch.int32, device=dev),
                                    torch.empty(local, r, 2, dtype=torch.int64, device=dev))
             results.append((res, x, topk))
-            ranks.append(self._rank(i, x, topk, None, res, None))
+            ranks.append(self._rank(i, rank, x, topk, None, res, None))
         flags = (use_fp8, round_scale, use_ue8m0)
         for rec in self.records:
             rec.reset()
@@ -473,10 +525,10 @@ class LowLatencyEngine:
         self._check()
         return [res for res, _, _ in results]
 
-    def _rank(self, i: int, x: torch.Tensor, topk: torch.Tensor, weights: torch.Tensor | None,
-              res: LowLatencyResult, combined: torch.Tensor | None) -> dict:
-        return {"rank": i, "num_tokens": topk.shape[0],
-                "num_local_experts": int(self.placement.num_local_experts[i]), "x": _ptr(x),
+    def _rank(self, i: int, rank: int, x: torch.Tensor, topk: torch.Tensor,
+              weights: torch.Tensor | None, res: LowLatencyResult, combined: torch.Tensor | None) -> dict:
+        return {"rank": rank, "num_tokens": topk.shape[0],
+                "num_local_experts": int(self.placement.num_local_experts[rank]), "x": _ptr(x),
                 "topk_idx": _ptr(topk), "topk_weights": _ptr(weights), "recv_x": _ptr(res.recv_x),
                 "recv_scales": _ptr(res.recv_scales), "recv_count": _ptr(res.recv_count),
                 "recv_src_info": _ptr(res.recv_src_info), "recv_topk_slot": _ptr(res.recv_topk_slot),
@@ -487,14 +539,14 @@ class LowLatencyEngine:
                 topk_weights: list[torch.Tensor], handles: list[LowLatencyResult]) -> list[torch.Tensor]:
         """``xs[i]`` is rank i's ``[L_i, R*T, H]`` bf16 expert output; returns ``[N, H]`` bf16 each."""
         ranks, keep, outs = [], [], []
-        for i in range(self.num_ranks):
+        for i, rank in enumerate(self.local_ranks):
             x = xs[i].to(torch.bfloat16).contiguous()
             topk = topk_idx[i].to(torch.int64).contiguous()
             w = topk_weights[i].to(torch.float32).contiguous()
             out = torch.empty(topk.shape[0], self.hidden, dtype=torch.bfloat16, device=self.device)
             keep.append((x, topk, w))
             outs.append(out)
-            ranks.append(self._rank(i, x, topk, w, handles[i], out))
+            ranks.append(self._rank(i, rank, x, topk, w, handles[i], out))
         for rec in self.records:
             rec.reset()
         self.cuda.low_latency_combine_send(self._common(), ranks, _stream(self.device))

@@ -4,11 +4,11 @@
 differentiable ``ep_comm.dispatch`` / ``ep_comm.combine`` (so gradients flow through both), and is
 constructed like Megatron's own dispatchers. Two ways to switch a model to it:
 
-* per layer, in the layer spec: ``spec.module = EpCommMoELayer`` (a ``MoELayer`` subclass), with
-  ``spec.params = {"codec": "lossless"}`` to pick a codec;
 * for the whole process, before building the model: ``patch_megatron(codec=None)``, which makes every
   ``MoELayer`` configured with ``moe_token_dispatcher_type="alltoall"`` (or the type given) build
-  this dispatcher instead; ``unpatch_megatron()`` undoes it.
+  this dispatcher instead; ``unpatch_megatron()`` undoes it;
+* per layer: ``EpCommMoELayer`` (a ``MoELayer`` subclass taking ``codec=``), built directly or named
+  in a layer spec (``spec.module = EpCommMoELayer``, ``spec.params = {"codec": "lossless"}``).
 
 How it moves tokens: each token is sent once to every EP rank that holds one of its experts
 (``ep_comm.dispatch``), then copied locally once per (token, local expert) pair and sorted by local
@@ -26,7 +26,8 @@ This module imports megatron-core; ``import ep_comm`` never imports it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -236,6 +237,11 @@ class EpCommMoELayer(MoELayer):
 
     Args: those of ``MoELayer`` (``config, submodules, layer_number, pg_collection``), plus
         ``codec`` and ``buffer`` for the dispatcher.
+
+    In a layer spec (``spec.module = EpCommMoELayer``), note that megatron-core 0.16's
+    ``TransformerLayer`` passes its ``pg_collection`` only to the exact ``MoELayer`` class, so this
+    layer then uses Megatron's global parallel state unless ``spec.params`` holds a
+    ``pg_collection``; ``patch_megatron`` has no such caveat.
     """
 
     def __init__(self, config: TransformerConfig, submodules: MoESubmodules | None = None,
@@ -262,20 +268,18 @@ def _factory(codec: str | None, buffer: Buffer | None) -> Callable[..., Any]:
     return make
 
 
-class _dispatcher_as:
-    """Within the block, ``MoELayer`` builds ``factory(...)`` for the given dispatcher type."""
-
-    def __init__(self, dispatcher_type: str, factory: Callable[..., Any]) -> None:
-        if dispatcher_type not in _DISPATCHER_NAMES:
-            raise ValueError(f"unknown moe_token_dispatcher_type {dispatcher_type!r}")
-        self.name, self.factory = _DISPATCHER_NAMES[dispatcher_type], factory
-
-    def __enter__(self) -> None:
-        self.saved = getattr(_moe_layer, self.name)
-        setattr(_moe_layer, self.name, self.factory)
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(_moe_layer, self.name, self.saved)
+@contextmanager
+def _dispatcher_as(dispatcher_type: str, factory: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, ``MoELayer`` builds ``factory(...)`` for ``dispatcher_type``."""
+    if dispatcher_type not in _DISPATCHER_NAMES:
+        raise ValueError(f"unknown moe_token_dispatcher_type {dispatcher_type!r}")
+    name = _DISPATCHER_NAMES[dispatcher_type]
+    saved = getattr(_moe_layer, name)
+    setattr(_moe_layer, name, factory)
+    try:
+        yield
+    finally:
+        setattr(_moe_layer, name, saved)
 
 
 def patch_megatron(codec: str | None = None, dispatcher_type: str = "alltoall") -> None:

@@ -1,0 +1,62 @@
+"""A transport that keeps the full ``R``-rank view while only the live ranks communicate.
+
+After ``Buffer.mask_ranks``, the survivors exchange over a subgroup of themselves. This wrapper
+lets the unchanged dispatch/combine algorithms keep indexing ranks ``0..R-1``: chunks for masked
+ranks are dropped on send (the routing sends them nothing but fixed-size blocks), and chunks from
+masked ranks arrive as zeros (an empty low-latency block, a zero count).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import PendingExchange, Transport
+
+
+class MaskedTransport(Transport):
+    """``inner`` connects the live ranks ``live[0..L-1]`` (ascending original ranks)."""
+
+    def __init__(self, inner: Transport, live: list[int], num_ranks: int, rank: int) -> None:
+        super().__init__(rank, num_ranks, inner.device)
+        self.inner = inner
+        self.live = list(live)
+        self.name = inner.name
+
+    @property
+    def num_collectives(self) -> int:  # type: ignore[override]
+        return self.inner.num_collectives
+
+    @num_collectives.setter
+    def num_collectives(self, value: int) -> None:
+        if hasattr(self, "inner"):
+            self.inner.num_collectives = value
+
+    def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       phase: str) -> PendingExchange:
+        offsets = [0]
+        for n in send_splits:
+            offsets.append(offsets[-1] + n)
+        pieces = [send[offsets[r]:offsets[r + 1]] for r in self.live]
+        live_send = torch.cat(pieces) if pieces else send[:0]
+        live_recv_splits = [recv_splits[r] for r in self.live]
+        pending = self.inner.exchange_bytes(live_send, [send_splits[r] for r in self.live],
+                                            live_recv_splits, phase)
+
+        def expand() -> torch.Tensor:
+            got = pending.wait()
+            full = torch.zeros(sum(recv_splits), dtype=torch.uint8, device=got.device)
+            recv_offsets = [0]
+            for n in recv_splits:
+                recv_offsets.append(recv_offsets[-1] + n)
+            start = 0
+            for r, n in zip(self.live, live_recv_splits):
+                full[recv_offsets[r]:recv_offsets[r] + n] = got[start:start + n]
+                start += n
+            return full
+
+        return PendingExchange(expand)
+
+    def exchange_counts(self, counts: torch.Tensor, phase: str) -> torch.Tensor:
+        got = self.inner.exchange_counts(counts[self.live], phase)
+        full = torch.zeros_like(counts, device="cpu")
+        full[self.live] = got
+        return full
