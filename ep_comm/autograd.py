@@ -51,6 +51,10 @@ def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
         x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_expert=num_tokens_per_expert,
         codec=codec)
+    if isinstance(recv_x, tuple):  # codec="fp8": dequantize; the gradient passes straight through
+        from .codecs import fp8
+
+        recv_x = fp8.dequantize(*recv_x, dtype=x.dtype)
     counts = torch.bincount(recv_idx[recv_idx >= 0],
                             minlength=int(buffer.placement(num_experts).num_local_experts[buffer.rank]))
     return (recv_x, recv_idx, recv_w.to(topk_weights.dtype), handle.send_plan.token_index.clone(),
@@ -166,6 +170,10 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
              num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0, *,
              codec: str | None = None):
     """Differentiable ``Buffer.dispatch`` (gradients flow to ``x`` and ``topk_weights``).
+
+    With ``codec="fp8"`` the payload travels as e4m3 + scales and is dequantized to ``x``'s dtype
+    on arrival; the backward treats the quantization as identity (straight-through) and returns
+    the gradients uncompressed.
 
     Args:
         buffer: the ``Buffer``. x: ``[N, H]`` float tensor. topk_idx: ``[N, K]`` int64.

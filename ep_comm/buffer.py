@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from . import low_latency, normal
 from .backends.base import Transport
+from .codecs.auto import AutoCodecPolicy, choose_codec
 from .config import Config, default_combine_config, default_dispatch_config
 from .event import EventOverlap, finish_event, wait_previous
 from .handle import DispatchHandle, LowLatencyHandle
@@ -82,6 +83,8 @@ class Buffer:
         self.last_stats: CommStats | None = None
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
+        self.auto_codec = AutoCodecPolicy()
+        """The rule ``codec="auto"`` follows (see ep_comm.codecs.auto); set its fields to tune."""
 
     # -- construction helpers ------------------------------------------------------------------
     @staticmethod
@@ -220,8 +223,10 @@ class Buffer:
         drop = (topk_idx >= 0) & owner_dead
         return torch.where(drop, torch.full_like(topk_idx, -1), topk_idx), int(drop.sum())
 
-    def _record(self, stats: CommStats, dropped: int) -> None:
+    def _record(self, stats: CommStats, dropped: int = 0) -> None:
         stats.dropped_topk_entries = dropped
+        if stats.codec == "lossless":
+            self.auto_codec.observe(stats.total_sent_raw, stats.total_sent_wire)
         self.last_stats = stats
 
     # -- layout --------------------------------------------------------------------------------
@@ -306,7 +311,7 @@ class Buffer:
                 raise ValueError(f"x has shape [{num_tokens}, {hidden}] but handle was made for "
                                  f"[{handle.num_tokens}, {handle.hidden}]")
             recv_x, stats = normal.cached_dispatch(self.transport, handle, x, codec_name)
-            self.last_stats = stats
+            self._record(stats)
             recv_x = self._pad_rows(recv_x, handle.num_worst_tokens)
             return recv_x, None, None, None, None, finish_event(async_finish, self.device)
 
@@ -360,9 +365,8 @@ class Buffer:
 
     def _resolve_codec(self, codec: str, x: object, hidden: int) -> str:
         if codec == "auto":
-            from .codecs.auto import choose_codec
-
-            return choose_codec(x, self.transport)
+            kind = getattr(self.transport, "backend_name", self.transport.name)
+            return choose_codec(x, self.auto_codec, "nvshmem" if self.transport.name == "nvshmem" else kind)
         if codec in ("fp8", "lossless") and isinstance(x, tuple):
             raise ValueError(f"codec={codec!r} cannot apply to an FP8 tuple input (already encoded)")
         if codec == "fp8" and hidden % 128 != 0:
@@ -427,7 +431,7 @@ class Buffer:
         wait_previous(previous_event)
         combined, combined_w, stats = normal.combine(self.transport, handle, x, topk_weights, biases,
                                                      codec_name)
-        self.last_stats = stats
+        self._record(stats)
         if combined_w is not None and combined_w.dtype != torch.float64:
             combined_w = combined_w.float()
         return combined, combined_w, finish_event(async_finish, self.device)
