@@ -78,33 +78,39 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     token, dest = torch.nonzero(mask, as_tuple=True)
     if use_fp8:
         q, scales = fp8.quantize(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
-        values = {"x": q.view(torch.uint8)[token], "scales": scales[token]}
+        payload = {"x": q.view(torch.uint8), "scales": scales}
     else:
-        values = {"x": x[token]}
+        payload = {"x": x}
     sent_topk = topk_idx[token]
     safe = sent_topk.clamp(min=0)
     here = (sent_topk >= 0) & (placement.expert_to_rank.to(x.device)[safe] == dest.unsqueeze(1))
     local = placement.expert_to_local.to(x.device)[safe]
-    values["topk"] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
 
-    send = torch.zeros(num_ranks, block_bytes, dtype=torch.uint8, device=x.device)
-    slots = send[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes))
-    slots[dest, position[token, dest]] = fmt.pack(values)
+    # slots beyond each block's count are never read: no need to clear them
+    send = torch.empty(num_ranks, block_bytes, dtype=torch.uint8, device=x.device)
+    send_fields = fmt.views(send[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes)))
+    slot_of_pair = (dest, position[token, dest])
+    for name, value in payload.items():
+        send_fields[name][slot_of_pair] = value[token]
+    send_fields["topk"][slot_of_pair] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
     counts = mask.sum(0, dtype=torch.int64)
     send[:, max_tokens * fmt.row_bytes:] = counts.unsqueeze(1).view(torch.uint8)
     splits = [block_bytes] * num_ranks
     pending: PendingExchange = transport.exchange_bytes(send.reshape(-1), splits, splits,
                                                         "low_latency_dispatch/payload")
 
+    # DeepEP's layout: rows past recv_count[j] of recv_x[j] hold no data and are left unwritten
     slots_per_expert = num_ranks * max_tokens
     if use_fp8:
         groups = hidden // 512 if use_ue8m0 else hidden // 128
         recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (
-            torch.zeros(num_local, slots_per_expert, hidden, dtype=torch.float8_e4m3fn, device=x.device),
-            torch.zeros(num_local, slots_per_expert, groups,
+            torch.empty(num_local, slots_per_expert, hidden, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty(num_local, slots_per_expert, groups,
                         dtype=torch.int32 if use_ue8m0 else torch.float32, device=x.device))
+        targets = {"x": recv_x[0].view(torch.uint8), "scales": recv_x[1]}
     else:
-        recv_x = torch.zeros(num_local, slots_per_expert, hidden, dtype=torch.bfloat16, device=x.device)
+        recv_x = torch.empty(num_local, slots_per_expert, hidden, dtype=torch.bfloat16, device=x.device)
+        targets = {"x": recv_x}
     recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
     state = LowLatencyReceiveState()
     raw_row = hidden * 2 + topk * 4
@@ -119,16 +125,13 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         rows_from = received[:, max_tokens * fmt.row_bytes:].contiguous().view(torch.int64).reshape(-1)
         valid = torch.arange(max_tokens, device=x.device).unsqueeze(0) < rows_from.unsqueeze(1)
         src_rank, src_slot = torch.nonzero(valid, as_tuple=True)
-        rows = received[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes))
-        fields = fmt.unpack(rows[src_rank, src_slot])
-        slot_plan = build_expert_slot_plan(fields["topk"].to(torch.int64), rows_from, num_local)
-        if use_fp8:
-            recv_x[0].view(torch.uint8)[slot_plan.local_expert, slot_plan.slot] = fields["x"][slot_plan.row]
-            recv_x[1][slot_plan.local_expert, slot_plan.slot] = fields["scales"][slot_plan.row]
-        else:
-            recv_x[slot_plan.local_expert, slot_plan.slot] = fields["x"][slot_plan.row]
+        fields = fmt.views(received[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes)))
+        slot_plan = build_expert_slot_plan(fields["topk"][src_rank, src_slot].to(torch.int64), rows_from, num_local)
+        pair_rank, pair_src_slot = src_rank[slot_plan.row], src_slot[slot_plan.row]
+        for name, target in targets.items():
+            target[slot_plan.local_expert, slot_plan.slot] = fields[name][pair_rank, pair_src_slot]
         recv_count.copy_(slot_plan.recv_count.to(torch.int32))
-        state.pair_rank = src_rank[slot_plan.row]
+        state.pair_rank = pair_rank
         state.pair_slot = slot_plan.slot
         state.pair_expert = slot_plan.local_expert
         state.pairs_from_rank = torch.bincount(state.pair_rank, minlength=num_ranks)
@@ -163,12 +166,14 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
     def finish() -> torch.Tensor:
         rows = pending.wait().view(x.dtype).reshape(-1, hidden)
         num_tokens, topk = topk_idx.shape
-        per_k = torch.zeros(num_tokens, topk, hidden, dtype=torch.float32, device=x.device)
-        per_k[pair_token, pair_k] = rows.float()
         acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
         weights = topk_weights.float()
+        # k ascending, so each token's terms are added in the same order as the reference;
+        # within one k a token appears at most once, so index_add_ has no colliding rows
         for k in range(topk):
-            acc += weights[:, k:k + 1] * per_k[:, k]
+            sel = torch.nonzero(pair_k == k).flatten()
+            tokens = pair_token[sel]
+            acc.index_add_(0, tokens, weights[tokens, k:k + 1] * rows[sel].float())
         stats.num_collectives = transport.num_collectives - before
         result = acc.to(x.dtype)
         if out is not None:

@@ -86,28 +86,35 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
 
         x = fp8.quantize(x)
     plan = build_send_plan(is_token_in_rank)
-    row_rank = _row_rank(plan.send_counts, plan.num_rows)
+    row_splits = plan.splits()
     fields = list(_payload_fields(x))
-    values = _payload_values(x, plan.token_index)
     fields.append(FieldSpec("src", torch.int32, 1))
+    if topk_idx is not None:
+        fields.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))
+        if topk_weights is not None:
+            fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
+    fmt = RowFormat(tuple(fields))
+    pending_counts = None
+    if codec != "lossless":
+        # sizes are known before packing: exchange them while the rows are being packed
+        pending_counts = _start_count_exchange(transport, row_splits, [n * fmt.row_bytes for n in row_splits])
+    values = _payload_values(x, plan.token_index)
     values["src"] = plan.token_index.to(torch.int32).unsqueeze(1)
     if topk_idx is not None:
+        row_rank = _row_rank(plan.send_counts, plan.num_rows)
         sent_topk = topk_idx[plan.token_index]
         safe = sent_topk.clamp(min=0)
         owner = placement.expert_to_rank.to(safe.device)[safe]
         here = (sent_topk >= 0) & (owner == row_rank.unsqueeze(1))
         local = placement.expert_to_local.to(safe.device)[safe]
         values["topk"] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
-        fields.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))
         if topk_weights is not None:
             sent_w = topk_weights[plan.token_index]
             values["weights"] = torch.where(here, sent_w, torch.zeros_like(sent_w))
-            fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
-    fmt = RowFormat(tuple(fields))
-    row_splits = plan.splits()
     outbox = pack(fmt, values, row_splits, codec)
-    table = torch.tensor([[n, b] for n, b in zip(row_splits, outbox.byte_splits)], dtype=torch.int64)
-    received_table = transport.exchange_counts(table, "dispatch/counts")
+    if pending_counts is None:
+        pending_counts = _start_count_exchange(transport, row_splits, outbox.byte_splits)
+    received_table = pending_counts.wait().view(torch.int64).view(transport.num_ranks, 2).cpu()
     rows_from = received_table[:, 0].tolist()
     bytes_from = received_table[:, 1].tolist()
     received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
@@ -161,6 +168,13 @@ def cached_dispatch(transport: Transport, handle: DispatchHandle,
     stats = _stats("cached_dispatch", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
                    [n * fmt.row_bytes for n in rows_from], bytes_from, before)
     return recv_x, stats
+
+
+def _start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int]):
+    """Starts sending every rank its ``(rows, bytes)`` pair; ``wait()`` gives ``[R * 16]`` uint8."""
+    table = torch.tensor([[n, b] for n, b in zip(rows, nbytes)], dtype=torch.int64)
+    splits = [16] * transport.num_ranks
+    return transport.exchange_bytes(table.view(torch.uint8).reshape(-1), splits, splits, "dispatch/counts")
 
 
 def _bytes_from(transport: Transport, outbox, rows_from: list[int], fmt: RowFormat, codec: str,

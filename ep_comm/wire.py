@@ -41,6 +41,22 @@ class RowFormat:
             return parts[0]
         return torch.cat(parts, dim=1)
 
+    def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[..., row_bytes]`` uint8 -> ``{name: [..., width]}`` views into ``rows`` (no copy).
+
+        Each field's byte offset must be a multiple of its element size (true when fields are
+        ordered from the widest element type down, or all widths keep that alignment).
+        """
+        out = {}
+        start = 0
+        for f in self.fields:
+            size = torch.empty(0, dtype=f.dtype).element_size()
+            if start % size:
+                raise ValueError(f"field {f.name} starts at byte {start}, not a multiple of {size}")
+            out[f.name] = rows[..., start:start + f.nbytes].view(f.dtype)
+            start += f.nbytes
+        return out
+
     def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """``[S, row_bytes]`` uint8 -> ``{name: [S, width] tensor}`` (fresh, contiguous)."""
         if rows.dim() != 2 or rows.shape[1] != self.row_bytes:

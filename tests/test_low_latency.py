@@ -54,7 +54,8 @@ def test_low_latency_bf16_matches_reference(ranks, world, experts, topk, hidden,
                                          MAX_TOKENS, placement)
     for rank, (got, want) in enumerate(zip(results, ref)):
         assert got["recv_x"].shape == (experts // world, world * MAX_TOKENS, hidden)
-        assert torch.equal(got["recv_x"], want.x), f"rank {rank}"
+        for j, count in enumerate(want.count):  # rows past recv_count hold no data (DeepEP's contract)
+            assert torch.equal(got["recv_x"][j, :count], want.x[j, :count]), f"rank {rank} expert {j}"
         assert got["recv_count"].dtype == torch.int32
         assert got["recv_count"].tolist() == want.count
         assert torch.equal(got["stats_acc"], got["recv_count"])
