@@ -43,7 +43,7 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "hypothesis", "pybind11>=2.12", "ruff", "matplotlib"],
         "nvshmem": ["nvshmem4py-cu13", "cuda-python"],
-        "megatron": ["megatron-core", "triton"],
+        "megatron": ["megatron-core>=0.16,<0.17"],
     },
     ext_modules=cpu_extensions() + cuda_extensions(),
     cmdclass={"build_ext": BuildExt},

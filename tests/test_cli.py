@@ -10,7 +10,7 @@ import torch
 
 from ep_comm.cli import check as ck
 from ep_comm.cli.baselines import NaiveAllToAll
-from ep_comm.cli.cases import EpNormalCase, Inputs
+from ep_comm.cli.cases import EpLowLatencyCase, EpNormalCase, Inputs
 from ep_comm.cli.config import BenchConfig, ConfigError, parse_args
 from ep_comm.cli.main import main
 from ep_comm.cli.metrics import build_results
@@ -52,7 +52,7 @@ def test_defaults_are_the_deepseek_shape(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     cfg = parse_args([])
-    assert (cfg.ranks, cfg.tokens, cfg.hidden, cfg.experts, cfg.topk) == (4, 128, 7168, 256, 8)
+    assert (cfg.ranks, cfg.tokens, cfg.hidden, cfg.experts, cfg.topk) == (4, 128, 7168, 64, 8)
     assert cfg.modes == ("normal", "low-latency") and cfg.codecs == ("none",)
     assert cfg.resolved_launcher() == "local"
     assert parse_args(["--simulate"]).codecs == ("none", "fp8", "lossless")
@@ -162,6 +162,31 @@ def test_check_accepts_the_reference_and_catches_corruption():
     bad[2] *= 2
     case.combined = (bad, *case.combined[1:])
     assert any("combined_x" in p for p in case.verify(gi, 0))
+
+
+def _ref_low_latency_case(gi: ck.GlobalInputs, rank: int) -> EpLowLatencyCase:
+    inp = Inputs(gi.x[rank], gi.topk_idx[rank], gi.topk_weights[rank], 8, rank, 2)
+    case = EpLowLatencyCase(None, inp, "none")
+    recv_x = torch.zeros(gi.num_local, 2 * 6, 256, dtype=torch.bfloat16)
+    counts = torch.zeros(gi.num_local, dtype=torch.int32)
+    for j in range(gi.num_local):
+        rows = torch.cat(ck.ref_expert_rows(gi, rank, j))
+        recv_x[j, :rows.shape[0]] = rows
+        counts[j] = rows.shape[0]
+    case.out = (recv_x, counts, None, None, None)
+    case.combined = (ck.ref_weighted_combine(gi, rank)[0].to(torch.bfloat16), None, None)
+    return case
+
+
+def test_low_latency_check_accepts_the_reference_and_catches_corruption():
+    gi = _global_inputs()
+    case = _ref_low_latency_case(gi, 0)
+    assert case.verify(gi, 0) == []
+    case.out[1][1] -= 1  # one row fewer announced
+    assert any("recv_count[1]" in p for p in case.verify(gi, 0))
+    case = _ref_low_latency_case(gi, 1)
+    case.out[0][0, 0] = case.out[0][1, 0]  # expert 0's first row replaced by expert 1's
+    assert case.verify(gi, 1) != []
 
 
 def test_reference_dispatch_by_hand():
@@ -275,7 +300,8 @@ def test_units_and_fit_by_hand():
 
 
 def test_simulate_scales_with_bytes_and_skips_impossible_sizes():
-    cfg = BenchConfig(ranks=2, tokens=16, hidden=128, experts=32, topk=4, sim_ep=(8, 16, 64))
+    cfg = BenchConfig(ranks=2, tokens=16, hidden=128, experts=32, topk=4, sim_ep=(8, 16, 64),
+                      sim_experts=32)
     u = units(torch.stack([make_routing(cfg, r)[0] for r in range(2)]), 32, "token-rank")
     measured = {("normal", "none", "dispatch"): u * 1000.0, ("normal", "fp8", "dispatch"): u * 500.0}
     sim = simulate(cfg, measured)

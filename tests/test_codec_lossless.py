@@ -27,6 +27,9 @@ def assert_round_trip(x: torch.Tensor, **kwargs) -> torch.Tensor:
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     assert torch.equal(bits(y), bits(x))
     assert torch.equal(bits(x), before), "encode modified its input"
+    # the portable core (what the GPU kernels run) writes the same bytes and reads them back
+    assert torch.equal(lossless.encode(x, simd=False, **kwargs), blob)
+    assert torch.equal(bits(lossless.decode(blob, simd=False)), bits(x))
     return blob
 
 
@@ -93,7 +96,7 @@ def test_long_zero_runs_compress():
     x = torch.randn(512, 384, generator=g).bfloat16()
     x[::3] = 0
     raw = lossless.encode(torch.randn(512, 384, generator=g).bfloat16()).numel()
-    assert assert_round_trip(x).numel() < 0.75 * raw
+    assert assert_round_trip(x).numel() < 0.80 * raw
 
 
 def test_normal_data_compresses():
@@ -141,10 +144,12 @@ def test_bad_chunk_size_rejected():
 
 def small_blob() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 100, generator=g).bfloat16()
-    x[1, 10:60] = 0
+    x = torch.randn(3, 500, generator=g).bfloat16()
+    x[1, 10:300] = 0
     x[2, 5] = float("nan")
-    return x, lossless.encode(x, chunk_values=64)
+    x[2, 400:] = torch.randint(-32768, 32768, (100,), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    blob = lossless.encode(x, chunk_values=448)
+    return x, blob
 
 
 def test_every_single_byte_corruption_is_detected():

@@ -117,3 +117,31 @@ def test_timeout_record_raises_comm_timeout_naming_peer_and_phase() -> None:
     record.words.copy_(torch.tensor(timeout_fill_record(2, 0, 1, 0, 0, 9), dtype=torch.int32))
     with pytest.raises(ValueError, match="expert 9"):
         record.check()
+
+
+def test_launch_failures_surface_as_runtime_errors() -> None:
+    """Without a GPU every launch fails; the binding must say so instead of returning quietly."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: launches succeed")
+    cuda = _cuda_module()
+    buf = torch.zeros(64, dtype=torch.int64)
+    p = buf.data_ptr()
+    args = {"topk_idx": p, "expert_to_rank": p, "num_tokens": 1, "num_topk": 1, "num_experts": 2,
+            "num_ranks": 2, "ranks_per_node": 8, "num_tokens_per_rank": p,
+            "num_tokens_per_rdma_rank": None, "num_tokens_per_expert": p, "is_token_in_rank": p}
+    with pytest.raises(RuntimeError, match="dispatch_layout"):
+        cuda.dispatch_layout(args, 0)
+
+
+def test_nvshmem_transport_is_not_usable_without_a_gpu() -> None:
+    """Buffer(backend="auto") asks this before picking NVSHMEM; on a GPU-less machine: no."""
+    from ep_comm.backends.nvshmem import NvshmemTransport, available
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert NvshmemTransport.usable(object()) is False and available() is False
+
+
+def test_nvshmem_transport_refuses_cpu_device() -> None:
+    from ep_comm.backends.nvshmem import NvshmemTransport
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        NvshmemTransport(None, 1.0, torch.device("cpu"))  # type: ignore[arg-type]

@@ -54,6 +54,27 @@ def _stream(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
+class _KernelTimer:
+    """CUDA events around the data-moving launches; ``ms`` after the stream synchronised."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = self.end = None
+
+    def __enter__(self) -> "_KernelTimer":
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record(torch.cuda.current_stream(self.device))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end.record(torch.cuda.current_stream(self.device))
+
+    @property
+    def ms(self) -> float:
+        return float(self.start.elapsed_time(self.end))
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else int(t.data_ptr())
 
@@ -156,9 +177,22 @@ class NvshmemTransport(Transport):
     name = "nvshmem"
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, device: torch.device,
-                 slot_bytes: int = 16 << 20, settings: NvshmemSettings | None = None) -> None:
+                 num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, num_qps_per_rank: int = 24, *,
+                 slot_bytes: int | None = None, settings: NvshmemSettings | None = None) -> None:
+        """``num_rdma_bytes`` (DeepEP's meaning: the symmetric buffer), when given, sizes the
+        per-peer round; ``num_qps_per_rank`` becomes NVSHMEM's IBGDA RC count per PE unless
+        ``settings`` says otherwise. ``num_nvl_bytes`` is unused by this transport."""
+        if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+            raise ValueError(f"backend='nvshmem' needs a CUDA device, got device={device} "
+                             f"(CUDA available: {torch.cuda.is_available()})")
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
         self.cuda = _cuda()
+        if slot_bytes is None:
+            slot_bytes = max(num_rdma_bytes // max(self.num_ranks, 1), 1 << 20) if num_rdma_bytes else 16 << 20
+        if settings is None:
+            total = _host().routing_exchange_layout(self.num_ranks, slot_bytes)[3]
+            extra = {"NVSHMEM_IBGDA_NUM_RC_PER_PE": str(num_qps_per_rank)} if num_qps_per_rank > 0 else {}
+            settings = NvshmemSettings(symmetric_size=max(1 << 30, 2 * total), extra=extra)
         pe, n = init_nvshmem(group, settings)
         if n != self.num_ranks:
             raise ValueError(f"NVSHMEM has {n} PEs but the group has {self.num_ranks} ranks")
@@ -168,6 +202,16 @@ class NvshmemTransport(Transport):
         self.timeout_ns = int(timeout_s * 1e9)
         self.record = TimeoutRecord()
         self.round_value = 0
+
+    @staticmethod
+    def usable(group: dist.ProcessGroup) -> bool:
+        """Whether ``backend="auto"`` may pick this transport for ``group``: the kernels were
+        built with NVSHMEM and this process sees a CUDA device."""
+        try:
+            cuda = _cuda()
+        except RuntimeError:
+            return False
+        return bool(cuda.nvshmem_built()) and torch.cuda.is_available() and group is not None
 
     def close(self) -> None:
         if self.symmetric:
@@ -309,6 +353,7 @@ class IntranodeEngine:
         self.e2l = placement.expert_to_local.to(self.device, torch.int32)
         self.records = [TimeoutRecord() for _ in self.local_ranks]
         self.barrier_value = 0
+        self.last_kernel_ms = 0.0  # the last dispatch / combine kernel launch (CUDA events)
 
     def _common(self) -> dict:
         self.barrier_value += 1
@@ -397,9 +442,11 @@ class IntranodeEngine:
                           "recv_topk_idx": _ptr(out["recv_topk_idx"]),
                           "recv_topk_weights": _ptr(out["recv_topk_weights"]),
                           "recv_src_idx": _ptr(out["recv_src_idx"]), "record": self.records[i].ptr})
-        self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads,
-                                     _stream(self.device))
+        with _KernelTimer(self.device) as timer:
+            self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads,
+                                         _stream(self.device))
         self._finish()
+        self.last_kernel_ms = timer.ms
         for out in outs:
             out.pop("_keep")
         return outs
@@ -431,9 +478,11 @@ class IntranodeEngine:
                           "record": self.records[i].ptr})
         for rec in self.records:
             rec.reset()
-        self.cuda.intranode_combine(self._common(), ranks, hidden, 0 if dtype == torch.bfloat16 else 1,
-                                    _stream(self.device))
+        with _KernelTimer(self.device) as timer:
+            self.cuda.intranode_combine(self._common(), ranks, hidden,
+                                        0 if dtype == torch.bfloat16 else 1, _stream(self.device))
         self._finish()
+        self.last_kernel_ms = timer.ms
         return outs
 
 

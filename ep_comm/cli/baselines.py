@@ -5,7 +5,8 @@
    rank), exchanges the per-expert counts, moves the rows with one ``all_to_all_single``, and
    sorts the received rows from (source rank, local expert) order into (local expert, source rank)
    order. Combine undoes the sort, sends the rows back with one ``all_to_all_single``, and sums
-   each token's rows weighted by its top-k weights (in float32). Payloads are bf16, no codec.
+   each token's rows weighted by its top-k weights in the payload dtype (Megatron's ``unpermute``
+   with bf16 probabilities: its cheapest setting). Payloads are bf16, no codec.
 2. ``TransportFloor``: one bare ``all_to_all_single`` of exactly the bytes ep_comm put on the wire,
    peer by peer (from ``CommStats.bytes_sent_wire`` / ``bytes_recv_wire``): what the transport
    alone costs for that traffic.
@@ -27,6 +28,7 @@ class NaiveState:
         pair_k: ``[P]`` int64, its top-k slot.
         send_splits / recv_splits: rows sent to / received from each rank.
         sort_index: ``[M]`` int64, received row of each expert-major output row.
+        unsort_index: ``[M]`` int64, its inverse (expert-major row of each received row).
         tokens_per_expert: ``[L]`` int64, output rows per local expert.
         recv_counts: ``[R, L]`` int64, rows from source rank ``r`` for local expert ``j``.
         num_tokens: ``N``.
@@ -37,6 +39,7 @@ class NaiveState:
     send_splits: list[int]
     recv_splits: list[int]
     sort_index: torch.Tensor
+    unsort_index: torch.Tensor
     tokens_per_expert: torch.Tensor
     recv_counts: torch.Tensor
     num_tokens: int
@@ -70,9 +73,11 @@ class NaiveAllToAll:
         recv_splits = recv_counts.sum(1).tolist()
         received = torch.empty(sum(recv_splits), x.shape[1], dtype=x.dtype, device=x.device)
         dist.all_to_all_single(received, permuted, recv_splits, send_splits, group=self.group)
-        sort_index = self._expert_major_index(recv_counts).to(x.device)
-        state = NaiveState(pair_token, pair_k, send_splits, recv_splits, sort_index,
-                           recv_counts.sum(0), recv_counts, x.shape[0])
+        sort_index = self._expert_major_index(recv_counts)
+        unsort_index = torch.empty_like(sort_index)
+        unsort_index[sort_index] = torch.arange(sort_index.numel())
+        state = NaiveState(pair_token, pair_k, send_splits, recv_splits, sort_index.to(x.device),
+                           unsort_index.to(x.device), recv_counts.sum(0), recv_counts, x.shape[0])
         return received.index_select(0, sort_index), state
 
     @staticmethod
@@ -90,14 +95,13 @@ class NaiveAllToAll:
 
     def combine(self, y: torch.Tensor, state: NaiveState, topk_weights: torch.Tensor) -> torch.Tensor:
         """``y``: ``[M, H]`` expert outputs in dispatch output order -> ``[N, H]`` weighted sums."""
-        unsorted = torch.empty_like(y)
-        unsorted[state.sort_index] = y
+        unsorted = y.index_select(0, state.unsort_index)
         back = torch.empty(sum(state.send_splits), y.shape[1], dtype=y.dtype, device=y.device)
         dist.all_to_all_single(back, unsorted, state.send_splits, state.recv_splits, group=self.group)
-        weights = topk_weights[state.pair_token, state.pair_k].unsqueeze(1)
-        out = torch.zeros(state.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        out.index_add_(0, state.pair_token, back.float() * weights)
-        return out.to(y.dtype)
+        weights = topk_weights[state.pair_token, state.pair_k].unsqueeze(1).to(y.dtype)
+        out = torch.zeros(state.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        out.index_add_(0, state.pair_token, back * weights)
+        return out
 
     def wire_bytes(self, state: NaiveState, row_bytes: int) -> tuple[list[int], list[int]]:
         """Bytes sent to each peer by ``(dispatch, combine)``: payload rows plus the count exchange."""

@@ -67,7 +67,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """e4m3 ``[..., H]`` with float32 ``[..., H/128]`` scales -> bf16."""
     vals = q.view(torch.float8_e4m3fn).float()
     shape = vals.shape
-    out = vals.reshape(*shape[:-1], scales.shape[-1], -1) * scales.float().unsqueeze(-1)
+    groups = scales.shape[-1]
+    out = vals.reshape(*shape[:-1], groups, shape[-1] // groups) * scales.float().unsqueeze(-1)
     return out.reshape(shape).to(torch.bfloat16)
 
 
@@ -85,12 +86,14 @@ def block_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def compare(name: str, got: torch.Tensor, want: torch.Tensor, fp8: bool,
-            scale: torch.Tensor | None = None, amax: torch.Tensor | None = None) -> list[str]:
+            scale: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+            rel: float | None = None) -> list[str]:
     """Exact when not ``fp8`` and ``scale`` is None, else ``|got - want| <= tol`` elementwise.
 
     ``tol = rel * scale + amax / 448 * 2**-8 + 1e-6`` where ``scale`` (default ``|want|``) is the
     magnitude of the terms summed, ``rel`` covers bf16 rounding (and e4m3's with ``fp8``), and
     ``amax`` (default: ``want``'s 128-channel block maxima) covers e4m3's subnormal steps.
+    ``rel`` overrides the bf16 part (a sum accumulated in bf16 needs more).
     """
     if got.shape != want.shape:
         return [f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
@@ -101,7 +104,9 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, fp8: bool,
         return [f"{name}: {bad.shape[0]} elements differ (first at {bad[0].tolist()})"]
     g, w = got.cpu().float(), want.cpu().float()
     mag = w.abs() if scale is None else scale.cpu().float()
-    rel = (FP8_REL if fp8 else 0.0) + (BF16_REL if scale is not None else 2.0 ** -8)
+    if rel is None:
+        rel = BF16_REL if scale is not None else 2.0 ** -8
+    rel += FP8_REL if fp8 else 0.0
     tol = rel * mag + 1e-6
     if fp8:
         tol = tol + (amax.cpu().float() if amax is not None else block_amax(w)) / 448 * 2.0 ** -8

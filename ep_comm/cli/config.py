@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 MODES = ("normal", "low-latency")
 CODECS = ("none", "fp8", "lossless", "auto")
@@ -26,9 +26,9 @@ class ConfigError(ValueError):
 class BenchConfig:
     """One ep-bench run.
 
-    The defaults are DeepSeek-V3's MoE layer (hidden 7168, top-8 of 256 experts, bf16) with the
-    token count of a decode step (128 tokens per rank, DeepEP's low-latency test), scaled to 4 CPU
-    ranks.
+    The defaults are DeepSeek-V3's MoE layer scaled to 4 CPU ranks: hidden 7168 bf16, top-8
+    routing, 16 experts per rank (DeepSeek-V3's 256 experts at EP 16; 64 experts over 4 ranks here),
+    128 tokens per rank (a decode step; DeepEP's low-latency test size).
 
     Attributes:
         tokens: tokens per rank ``N`` (also the low-latency capacity per rank).
@@ -51,12 +51,14 @@ class BenchConfig:
             job torchrun started; ``auto`` picks torchrun when its environment is present.
         backend: ``Buffer(backend=...)``.
         simulate: project the measured wire bytes onto EP 8..256 clusters.
+        sim_ep / sim_experts: the projected EP sizes and the experts of the projected model
+            (default 256, DeepSeek-V3's count).
         timeout_s: ``Buffer(timeout_s=...)``.
     """
 
     tokens: int = 128
     hidden: int = 7168
-    experts: int = 256
+    experts: int = 64
     topk: int = 8
     ranks: int = 4
     modes: tuple[str, ...] = MODES
@@ -75,6 +77,7 @@ class BenchConfig:
     backend: str = "auto"
     simulate: bool = False
     sim_ep: tuple[int, ...] = SIMULATED_EP
+    sim_experts: int = 256
     nvl_gbps: float = 450.0
     rdma_gbps: float = 50.0
     nvl_latency_us: float = 2.0
@@ -82,7 +85,6 @@ class BenchConfig:
     ranks_per_node: int = 8
     timeout_s: float = 60.0
     quiet: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,6 +144,12 @@ class BenchConfig:
             raise ConfigError("link latencies must be >= 0")
         if not self.sim_ep or any(e <= 0 for e in self.sim_ep):
             raise ConfigError(f"--sim-ep must list positive EP sizes, got {list(self.sim_ep)}")
+        if self.simulate:
+            if self.sim_experts < self.topk:
+                raise ConfigError(f"--sim-experts ({self.sim_experts}) cannot be below --topk ({self.topk})")
+            if self.routing == "group-limited" and self.sim_experts % self.num_groups:
+                raise ConfigError(f"--num-groups ({self.num_groups}) must divide --sim-experts "
+                                  f"({self.sim_experts})")
 
     def _validate_routing(self) -> None:
         if self.routing not in ROUTINGS:
@@ -205,15 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--num-groups", type=int, default=d.num_groups, help="expert groups (group-limited)")
     shape.add_argument("--topk-groups", type=int, default=d.topk_groups,
                        help="groups per token (group-limited)")
-    shape.add_argument("--seed", type=int, default=d.seed)
+    shape.add_argument("--seed", type=int, default=d.seed, help="seed of the data and routing")
     run = p.add_argument_group("run")
     run.add_argument("--mode", type=_csv(str, MODES), default=d.modes,
                      help="normal, low-latency or both (comma list; default both)")
     run.add_argument("--codec", type=_csv(str), default=None,
                      help="dispatch codec(s), comma list of none,fp8,lossless,auto (default none; "
                           "with --simulate: none,fp8,lossless)")
-    run.add_argument("--warmup", type=int, default=d.warmup)
-    run.add_argument("--iters", type=int, default=d.iters, help="timed iterations")
+    run.add_argument("--warmup", type=int, default=d.warmup, help="untimed iterations (default %(default)s)")
+    run.add_argument("--iters", type=int, default=d.iters, help="timed iterations (default %(default)s)")
     run.add_argument("--check", action="store_true", help="verify every result against a reference")
     run.add_argument("--launcher", choices=LAUNCHERS, default=d.launcher)
     run.add_argument("--backend", choices=BACKENDS, default=d.backend)
@@ -227,12 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--simulate", action="store_true",
                      help="project the measured wire bytes onto EP 8..256 clusters")
     sim.add_argument("--sim-ep", type=_csv(int), default=d.sim_ep, help="EP sizes to project")
-    sim.add_argument("--nvl-gbps", type=float, default=d.nvl_gbps, help="NVLink GB/s per GPU, one way")
+    sim.add_argument("--sim-experts", type=int, default=d.sim_experts,
+                     help="experts of the projected model (default %(default)s)")
+    sim.add_argument("--nvl-gbps", type=float, default=d.nvl_gbps,
+                     help="NVLink GB/s per GPU, one way (default %(default)s)")
     sim.add_argument("--rdma-gbps", type=float, default=d.rdma_gbps,
                      help="RDMA GB/s per GPU, one way (default 50 = 400 Gb/s)")
-    sim.add_argument("--nvl-latency-us", type=float, default=d.nvl_latency_us)
-    sim.add_argument("--rdma-latency-us", type=float, default=d.rdma_latency_us)
-    sim.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
+    sim.add_argument("--nvl-latency-us", type=float, default=d.nvl_latency_us,
+                     help="NVLink latency per op, assumed (default %(default)s)")
+    sim.add_argument("--rdma-latency-us", type=float, default=d.rdma_latency_us,
+                     help="RDMA latency per op, assumed (default %(default)s)")
+    sim.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
+                     help="GPUs per NVLink domain (default %(default)s)")
     return p
 
 

@@ -6,6 +6,7 @@ options.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -14,7 +15,7 @@ import torch
 from .config import BenchConfig, parse_args
 from .launch import LaunchError, run_local, run_torchrun
 from .metrics import build_results, check_totals, wire_sent_matrix
-from .report import build_report, print_results
+from .report import build_report, print_results, problem_text
 
 
 def measured_bytes(cfg: BenchConfig, raw: dict) -> dict[tuple[str, str, str], torch.Tensor]:
@@ -55,6 +56,9 @@ def finish(cfg: BenchConfig, raw: dict, started: float) -> dict:
 def run(cfg: BenchConfig) -> int:
     """Runs the benchmark described by ``cfg``; returns the exit status."""
     started = time.perf_counter()
+    if not cfg.quiet and os.environ.get("RANK", "0") == "0":
+        where = f"{cfg.ranks} local CPU ranks (gloo)" if cfg.resolved_launcher() == "local" else "torchrun"
+        print(f"ep-bench: {problem_text(cfg)}; starting {where}", file=sys.stderr)
     try:
         raw = run_local(cfg) if cfg.resolved_launcher() == "local" else run_torchrun(cfg)
     except LaunchError as error:

@@ -92,6 +92,8 @@ def build_results(cfg: BenchConfig, raw: dict) -> tuple[list[dict], list[dict]]:
                 row["ratio_vs_naive"] = ep / row["naive"]["latency_us"]["median"]
                 row["ratio_vs_floor"] = ep / row["floor"]["latency_us"]["median"]
                 if op != "dispatch+combine":
+                    row["codec_used"] = sorted({str(r["wire"][name][op].get("codec", codec))
+                                                for r in raw["ranks"]})
                     row["wire_bytes_per_peer"] = wire_sent_matrix(raw, name, op)
                     row["raw_bytes_per_peer"] = [list(r["wire"][name][op]["sent_raw"]) for r in raw["ranks"]]
                 row["check"] = _check_summary(raw, name) if cfg.check else None

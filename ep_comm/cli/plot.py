@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -51,6 +52,8 @@ def plot_simulation(sim: dict, path: str | Path) -> Path:
             pts = [(r["ep"], r.get(op, 0.0)) for r in sim["rows"] if (r["mode"], r["codec"]) == (mode, codec)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} / {codec}")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["ep"] for r in sim["rows"]}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_yscale("log")
         ax.set_xlabel("EP size (GPUs)")
         ax.set_ylabel("projected time, us")

@@ -115,7 +115,9 @@ def print_results(report: dict, console: Console | None = None) -> None:
             table.add_row(row["mode"], row["codec"], row["op"], "[red]error[/]", *["-"] * 9)
             continue
         ep, lat = row["ep_comm"], row["ep_comm"]["latency_us"]
-        table.add_row(row["mode"], row["codec"], row["op"], fmt_time(lat["median"]), fmt_time(lat["p10"]),
+        used = row.get("codec_used") or [row["codec"]]
+        codec = row["codec"] if used == [row["codec"]] else f"{row['codec']} ({'/'.join(used)})"
+        table.add_row(row["mode"], codec, row["op"], fmt_time(lat["median"]), fmt_time(lat["p10"]),
                       fmt_time(lat["p90"]), f"{ep['algbw_gbps']:.3f}", f"{ep['wirebw_gbps']:.3f}",
                       f"{ep['wire_bytes_per_token']:,.0f}", fmt_time(row["naive"]["latency_us"]["median"]),
                       f"{row['ratio_vs_naive']:.2f}x", fmt_time(row["floor"]["latency_us"]["median"]),

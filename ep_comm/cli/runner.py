@@ -117,6 +117,8 @@ def run_rank(cfg: BenchConfig, group: Any, device: torch.device, progress: Progr
     inp = Inputs(make_tokens(cfg, rank).to(device), topk_idx.to(device), topk_weights.to(device),
                  cfg.experts, rank, world)
     errors: dict[str, str] = {}
+    if progress is not None:
+        progress("first (untimed) run of every case", 0, 1)
     cases, backends = build_cases(cfg, group, inp, device, errors)
     cases += [FloorCase(c, group, device) for c in cases if c.method == "ep_comm"]
     for c in cases:

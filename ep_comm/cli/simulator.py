@@ -11,9 +11,9 @@ one expert on ``s`` (token-rank pairs); for normal combine the same pairs in the
 expert) pairs of ``r``'s tokens whose expert lives on ``s``. ``b_op`` is the measured wire bytes
 divided by the measured units (summed over all ranks and peers: it carries the codec's compression
 and the per-row metadata); ``a_op`` is the measured mean bytes per peer. At the target EP size
-``P`` the units come from the same router generator (same tokens per rank, experts, top-k, seed)
-with ``E / P`` experts per rank; ``fit_error`` reports how far the model is from the measured
-bytes at the measured size.
+``P`` the units come from the same router generator (same tokens per rank, top-k, seed) over
+``E_sim`` experts (``--sim-experts``, default 256 as in DeepSeek-V3), ``E_sim / P`` per rank.
+``fit_error`` reports how far the model is from the measured bytes at the measured size.
 
 Time model. Ranks ``r`` and ``s`` share a node when ``r // G == s // G`` (``G`` = GPUs per node,
 default 8); a rank's own bytes cost nothing. Each GPU has one NVLink port (bandwidth ``B_nvl``,
@@ -94,9 +94,9 @@ def units(topk_idx: torch.Tensor, num_experts: int, kind: str) -> torch.Tensor:
     raise ValueError(f"unknown unit kind {kind!r}")
 
 
-def routing_at(cfg: BenchConfig, num_ranks: int) -> torch.Tensor:
-    """``[P, N, K]`` routing of ``num_ranks`` ranks under ``cfg``'s generator."""
-    return torch.stack([make_routing(cfg, r)[0] for r in range(num_ranks)])
+def routing_at(cfg: BenchConfig, num_ranks: int, num_experts: int) -> torch.Tensor:
+    """``[P, N, K]`` routing of ``num_ranks`` ranks over ``num_experts`` under ``cfg``'s generator."""
+    return torch.stack([make_routing(cfg, r, num_experts=num_experts)[0] for r in range(num_ranks)])
 
 
 def bytes_from_units(u: torch.Tensor, coef: float, reverse: bool) -> torch.Tensor:
@@ -124,7 +124,7 @@ def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], torch.Tensor
     Returns ``{"links": ..., "coefficients": [...], "rows": [...], "skipped": [...]}``.
     """
     links = Links.from_config(cfg)
-    here = routing_at(cfg, cfg.ranks)
+    here = routing_at(cfg, cfg.ranks, cfg.experts)
     coefs: dict[tuple[str, str, str], float] = {}
     coef_rows = []
     for (mode, codec, op), matrix in sorted(measured.items()):
@@ -135,10 +135,10 @@ def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], torch.Tensor
                           "bytes_per_unit": coef, "fit_error": err})
     rows, skipped = [], []
     for ep in cfg.sim_ep:
-        if cfg.experts % ep:
-            skipped.append(f"EP {ep}: {cfg.experts} experts are not divisible by {ep}")
+        if cfg.sim_experts % ep:
+            skipped.append(f"EP {ep}: {cfg.sim_experts} experts are not divisible by {ep}")
             continue
-        routing = routing_at(cfg, ep)
+        routing = routing_at(cfg, ep, cfg.sim_experts)
         cache: dict[str, torch.Tensor] = {}
         cases = sorted({(m, c) for m, c, _ in measured})
         for mode, codec in cases:
@@ -149,14 +149,14 @@ def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], torch.Tensor
                     continue
                 kind, reverse = UNITS[(mode, op)]
                 if kind not in cache:
-                    cache[kind] = units(routing, cfg.experts, kind)
+                    cache[kind] = units(routing, cfg.sim_experts, kind)
                 t, where = op_time(bytes_from_units(cache[kind], coefs[(mode, codec, op)], reverse), links)
                 row[f"{op}_us"] = t * 1e6
                 row[f"{op}_bottleneck"] = where
                 total += t
             row["total_us"] = total * 1e6
             rows.append(row)
-    return {"links": {"nvl_gbps": cfg.nvl_gbps, "rdma_gbps": cfg.rdma_gbps,
+    return {"experts": cfg.sim_experts, "links": {"nvl_gbps": cfg.nvl_gbps, "rdma_gbps": cfg.rdma_gbps,
                       "nvl_latency_us": cfg.nvl_latency_us, "rdma_latency_us": cfg.rdma_latency_us,
                       "ranks_per_node": cfg.ranks_per_node},
             "coefficients": coef_rows, "rows": rows, "skipped": skipped}

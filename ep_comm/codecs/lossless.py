@@ -25,13 +25,15 @@ def _lib():
     return _host
 
 
-def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads: int = 0) -> torch.Tensor:
+def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads: int = 0,
+           simd: bool = True) -> torch.Tensor:
     """Compresses ``x`` (bfloat16, any shape, any device) into a blob.
 
     Args:
         x: bf16 tensor of any shape; not modified.
         chunk_values: values per independently coded chunk (multiple of 32).
         threads: CPU threads (0 = OpenMP's default).
+        simd: use the AVX2 coder where the CPU has it (False: the portable core; same bytes).
 
     Returns:
         1-D uint8 CPU tensor, self-describing (``decode`` needs nothing else).
@@ -40,7 +42,7 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a bfloat16 tensor, got {got}")
     bits = x.detach().to("cpu").contiguous().view(torch.int16).reshape(-1).numpy()
-    blob = _lib().lossless_encode(bits, list(x.shape), chunk_values, threads)
+    blob = _lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd)
     return torch.from_numpy(blob)
 
 
@@ -62,12 +64,13 @@ def shape_of(blob: torch.Tensor) -> tuple[int, ...]:
     return tuple(_lib().lossless_shape(_blob_array(blob)))
 
 
-def decode(blob: torch.Tensor, *, threads: int = 0) -> torch.Tensor:
+def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True) -> torch.Tensor:
     """Decompresses a blob from ``encode``.
 
     Args:
         blob: 1-D uint8 tensor; not modified.
         threads: CPU threads (0 = OpenMP's default).
+        simd: use the AVX2 decoder where the CPU has it (False: the portable core).
 
     Returns:
         bf16 CPU tensor of the encoded shape, bit-identical to the encoded tensor.
@@ -78,7 +81,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0) -> torch.Tensor:
     data = _blob_array(blob)
     shape = tuple(_lib().lossless_shape(data))
     out = torch.empty(shape, dtype=torch.bfloat16)
-    _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads)
+    _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd)
     return out
 
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _engine(r: int, placement: ExpertPlacement, k: int, hidden_bytes: int, channels: int = 4,
-            timeout_s: float = 20.0, max_scales: int = 0):
+            timeout_s: float = 5.0, max_scales: int = 0):
     from ep_comm.backends.nvshmem import IntranodeEngine
     return IntranodeEngine(r, placement, torch.device("cuda"), k, hidden_bytes, num_channels=channels,
                            ring_slots=32, timeout_s=timeout_s, max_scales=max_scales)

@@ -20,7 +20,7 @@ def _run(r: int, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = Fal
     counts = [int(torch.randint(1, max_tokens + 1, (1,), generator=gen)) for _ in range(r)]
     xs = [torch.randn(n, hidden, generator=gen).bfloat16() for n in counts]
     topks = [random_routing(gen, n, k, e) for n in counts]
-    eng = LowLatencyEngine(r, placement, torch.device("cuda"), max_tokens, hidden, k, timeout_s=20.0)
+    eng = LowLatencyEngine(r, placement, torch.device("cuda"), max_tokens, hidden, k, timeout_s=5.0)
     got = eng.dispatch([x.cuda() for x in xs], [t.cuda() for t in topks], use_fp8, round_scale, use_ue8m0)
     return eng, placement, xs, topks, got
 

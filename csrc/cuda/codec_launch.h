@@ -1,0 +1,41 @@
+// C-callable launchers of the codec kernels (csrc/cuda/lossless_kernels.cu, fp8_kernels.cu).
+// Pointers are device pointers unless named host_*; every launch is asynchronous on `stream`.
+// No torch headers: the Python layer owns the tensors and binds these.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+extern "C" {
+
+// Bytes of device workspace ep_lossless_encode_cuda needs for num_values values.
+size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
+// Largest blob the encoder can produce (size `out` for this).
+size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values);
+
+// values [num_values] bf16 bits -> blob in out (capacity ep_lossless_max_blob_bytes); the blob's
+// size is written to *out_size (device). The blob is byte-identical to the host encoder's.
+// Returns a cudaError_t of the launches (cudaErrorInvalidValue for bad arguments).
+int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const int64_t* host_shape,
+                            uint32_t ndim, uint32_t chunk_values, uint8_t* out, uint64_t* out_size,
+                            void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Bytes of device workspace ep_lossless_decode_cuda needs for a blob of num_values values.
+size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
+
+// blob [blob_bytes] -> out [num_values] bf16 bits. *status (device int) is set to 0 on success or
+// a lossless::Status code (the blob is corrupted, or does not hold num_values values); out is
+// undefined then. Reads stay inside the blob. min_chunk_values bounds the blob's chunk size from
+// below, which sizes the workspace (use the encoder's chunk_values).
+int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
+                            uint32_t min_chunk_values, int* status, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream);
+
+// x [rows, hidden] bf16 bits -> q [rows, hidden] e4m3 bytes and scales: [rows, hidden/128] float32,
+// or with use_ue8m0 [rows, hidden/512] int32 (viewed here as bytes). hidden % 128 == 0
+// (% 512 with use_ue8m0). Bit-identical to the host build and to ep_comm/codecs/fp8.py.
+int ep_fp8_quantize_cuda(const uint16_t* x, int64_t rows, int64_t hidden, int round_scale, int use_ue8m0,
+                         uint8_t* q, void* scales, cudaStream_t stream);
+
+}  // extern "C"

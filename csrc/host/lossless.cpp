@@ -1,0 +1,284 @@
+// Host (CPU) build of the lossless BF16 codec: binds encode/decode of csrc/codec/lossless_core.h
+// (AVX2 paths from lossless_avx2.h where the CPU has them), parallel over chunks.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "codec/lossless_avx2.h"
+#include "codec/host_parallel.h"
+#include "codec/lossless_core.h"
+
+namespace py = pybind11;
+using namespace ep_comm::lossless;
+
+namespace ep_comm::host {
+namespace {
+
+// Threads for `chunks` chunks of `values` values in all: no more than the chunks, and one for small
+// inputs, where starting a thread team costs more than it saves.
+int resolve_threads(int threads, uint64_t chunks, uint64_t values) {
+  int nt = threads > 0 ? threads : hardware_threads();
+  if (values < (1u << 17)) return 1;
+  return chunks < uint64_t(nt) ? static_cast<int>(chunks > 0 ? chunks : 1) : nt;
+}
+
+// Two-byte, C-contiguous, 1-D view of a Python buffer.
+const uint16_t* u16_data(const py::buffer_info& info, const char* name) {
+  if (info.itemsize != 2) throw std::invalid_argument(std::string(name) + " must hold 2-byte values");
+  if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != 2))
+    throw std::invalid_argument(std::string(name) + " must be 1-D and contiguous");
+  return static_cast<const uint16_t*>(info.ptr);
+}
+
+struct ChunkScratch {
+  uint32_t n = 0;
+  uint32_t states[kLanes];
+  ChunkEntry entry{};
+  uint16_t* words_end = nullptr;  // words are [words_end - num_words, words_end)
+  uint8_t* mant = nullptr;
+  const uint16_t* values = nullptr;
+};
+
+// bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
+py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>& shape,
+                            int64_t chunk_values, int threads, bool simd) {
+  py::buffer_info info = values.request();
+  const uint16_t* v = u16_data(info, "values");
+  const uint64_t num_values = static_cast<uint64_t>(info.shape[0]);
+  if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
+  uint64_t product = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw std::invalid_argument("negative dimension");
+    product *= static_cast<uint64_t>(d);
+  }
+  if (product != num_values) throw std::invalid_argument("shape does not match the number of values");
+  if (num_values > kMaxValues) throw std::invalid_argument("too many values");
+  if (chunk_values < kMinChunkValues || chunk_values > kMaxChunkValues || chunk_values % kLanes != 0)
+    throw std::invalid_argument("chunk_values must be a multiple of 32 in [32, 2^24]");
+  const uint32_t cv = static_cast<uint32_t>(chunk_values);
+  const uint64_t num_chunks = num_chunks_for(num_values, cv);
+  if (num_chunks > 0xFFFFFFFFull) throw std::invalid_argument("too many chunks");
+  const int nt = resolve_threads(threads, num_chunks, num_values);
+
+  uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
+  EncSym syms[kNumSymbols] = {};
+  uint32_t entries = 0;
+  std::unique_ptr<uint8_t[]> scratch;
+  std::vector<ChunkScratch> chunks(num_chunks);
+  {
+    py::gil_scoped_release release;
+    if (num_values > 0) {
+      // per-chunk histograms (chunks hold at most 2^24 values: u32 counts suffice)
+      std::vector<uint32_t> hist(num_chunks * kNumSymbols, 0);
+      parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
+        uint32_t local[4][kNumSymbols] = {};
+        uint64_t b = uint64_t(c) * cv, e = b + cv < num_values ? b + cv : num_values;
+        uint64_t i = b;
+        for (; i + 4 <= e; i += 4) {
+          ++local[0][symbol_of(v[i])];
+          ++local[1][symbol_of(v[i + 1])];
+          ++local[2][symbol_of(v[i + 2])];
+          ++local[3][symbol_of(v[i + 3])];
+        }
+        for (; i < e; ++i) ++local[0][symbol_of(v[i])];
+        uint32_t* h = hist.data() + uint64_t(c) * kNumSymbols;
+        for (int s = 0; s < kNumSymbols; ++s) h[s] = local[0][s] + local[1][s] + local[2][s] + local[3][s];
+      });
+      uint64_t counts[kNumSymbols] = {};
+      for (uint64_t c = 0; c < num_chunks; ++c)
+        for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[c * kNumSymbols + s];
+      normalize_counts(counts, num_values, freq);
+      cumulative(freq, start);
+      for (int s = 0; s < kNumSymbols; ++s) {
+        entries += freq[s] != 0;
+        syms[s] = make_enc_sym(start[s], freq[s]);
+      }
+    }
+    // scratch per chunk (stride 3 cv + 2 kSlack): kSlack + n words, then n mantissa bytes; the
+    // AVX2 encoder's 8-word stores may reach below the n words
+    constexpr uint64_t kSlack = 16;
+    const uint64_t stride = 3ull * cv + 2 * kSlack;
+    const bool use_simd = simd && have_avx2();
+    SimdEncTables simd_tables;
+    make_simd_enc_tables(syms, simd_tables);
+    scratch.reset(new uint8_t[stride * num_chunks + 8]);
+    parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
+      ChunkScratch& cs = chunks[c];
+      uint64_t b = uint64_t(c) * cv;
+      cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
+      cs.values = v + b;
+      uint8_t* base = scratch.get() + stride * uint64_t(c);  // even: cv is a multiple of 32
+      cs.words_end = reinterpret_cast<uint16_t*>(base) + kSlack + cs.n;
+      cs.mant = base + 2 * (kSlack + cs.n);
+      if (use_simd)
+        encode_chunk_avx2(cs.values, cs.n, syms, simd_tables, cs.states, cs.words_end, cs.mant, cs.entry);
+      else
+        encode_chunk(cs.values, cs.n, syms, cs.states, cs.words_end, cs.mant, cs.entry);
+      if (payload_bytes(cs.entry, cs.n) >= 2ull * cs.n) {
+        uint32_t checksum = cs.entry.checksum;
+        cs.entry = ChunkEntry{kModeRaw, 0, 0, checksum};
+      }
+    });
+  }
+  // layout
+  const uint32_t ndim = static_cast<uint32_t>(shape.size());
+  const uint64_t dir_off = directory_offset_for(ndim, entries);
+  const uint64_t data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
+  std::vector<uint64_t> offsets(num_chunks + 1);
+  offsets[0] = data_off;
+  for (uint64_t c = 0; c < num_chunks; ++c)
+    offsets[c + 1] = offsets[c] + align4(payload_bytes(chunks[c].entry, chunks[c].n));
+  py::array_t<uint8_t> out(static_cast<py::ssize_t>(offsets[num_chunks]));
+  uint8_t* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    std::memset(o, 0, data_off);
+    store_le<uint32_t>(o, kMagic);
+    o[4] = static_cast<uint8_t>(kVersion);
+    o[5] = static_cast<uint8_t>(ndim);
+    store_le<uint16_t>(o + 6, static_cast<uint16_t>(entries));
+    store_le<uint32_t>(o + 8, cv);
+    store_le<uint32_t>(o + 12, static_cast<uint32_t>(num_chunks));
+    store_le<uint64_t>(o + 16, num_values);
+    for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(o + kHeaderBytes + 8ull * d, uint64_t(shape[d]));
+    uint64_t p = table_offset_for(ndim);
+    for (int s = 0; s < kNumSymbols; ++s) {
+      if (freq[s] == 0) continue;
+      store_le<uint16_t>(o + p, static_cast<uint16_t>(s));
+      store_le<uint16_t>(o + p + 2, static_cast<uint16_t>(freq[s]));
+      p += 4;
+    }
+    store_le<uint32_t>(o + kMetaChecksumOffset, meta_checksum(o, dir_off));
+    parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
+      const ChunkScratch& cs = chunks[c];
+      uint8_t* d = o + dir_off + sizeof(ChunkEntry) * uint64_t(c);
+      store_le<uint32_t>(d, cs.entry.mode);
+      store_le<uint32_t>(d + 4, cs.entry.num_words);
+      store_le<uint32_t>(d + 8, cs.entry.num_mantissa);
+      store_le<uint32_t>(d + 12, cs.entry.checksum);
+      uint8_t* q = o + offsets[c];
+      uint64_t used = payload_bytes(cs.entry, cs.n);
+      if (cs.entry.mode == kModeRaw) {
+        std::memcpy(q, cs.values, 2ull * cs.n);
+      } else {
+        std::memcpy(q, cs.states, kStateBytes);
+        std::memcpy(q + kStateBytes, cs.words_end - cs.entry.num_words, 2ull * cs.entry.num_words);
+        std::memcpy(q + kStateBytes + 2ull * cs.entry.num_words, cs.mant, cs.entry.num_mantissa);
+      }
+      std::memset(q + used, 0, offsets[c + 1] - offsets[c] - used);
+    });
+  }
+  return out;
+}
+
+struct Parsed {
+  Header h;
+  uint32_t freq[kNumSymbols];
+  uint32_t start[kNumSymbols];
+};
+
+[[noreturn]] void fail(int status) { throw std::invalid_argument(std::string("lossless blob: ") + error_message(status)); }
+
+void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
+  int st = parse_header(blob, size, p.h);
+  if (st != kOk) fail(st);
+  st = read_table(blob, p.h, p.freq, p.start);
+  if (st != kOk) fail(st);
+}
+
+const uint8_t* blob_data(const py::buffer_info& info, uint64_t& size) {
+  if (info.itemsize != 1 || info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != 1))
+    throw std::invalid_argument("blob must be a 1-D contiguous uint8 buffer");
+  size = static_cast<uint64_t>(info.shape[0]);
+  return static_cast<const uint8_t*>(info.ptr);
+}
+
+// blob -> shape (list of ints); validates the header and table only.
+std::vector<int64_t> header_shape(const py::buffer& blob) {
+  py::buffer_info info = blob.request();
+  uint64_t size = 0;
+  const uint8_t* b = blob_data(info, size);
+  Parsed p;
+  parse(b, size, p);
+  return std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim);
+}
+
+// blob -> values written to `out` (num_values u16, contiguous). Raises ValueError on any
+// inconsistency; never reads outside the blob.
+void decode_into(const py::buffer& blob, const py::buffer& out, int threads, bool simd) {
+  py::buffer_info info = blob.request();
+  uint64_t size = 0;
+  const uint8_t* b = blob_data(info, size);
+  py::buffer_info oinfo = out.request(true);
+  uint16_t* o = const_cast<uint16_t*>(u16_data(oinfo, "out"));
+  Parsed p;
+  parse(b, size, p);
+  const Header& h = p.h;
+  if (uint64_t(oinfo.shape[0]) != h.num_values) throw std::invalid_argument("out has the wrong size");
+  const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
+  int status = kOk;
+  const bool use_simd = simd && have_avx2();
+  {
+    py::gil_scoped_release release;
+    std::vector<ChunkEntry> entries(h.num_chunks);
+    std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
+    offsets[0] = h.data_offset;
+    for (uint64_t c = 0; c < h.num_chunks && status == kOk; ++c) {
+      entries[c] = read_entry(b, h, c);
+      status = check_entry(entries[c], chunk_count(h, c));
+      offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
+    }
+    if (status == kOk && offsets[h.num_chunks] != size) status = kErrSize;
+    std::vector<uint32_t> table(kProbScale);
+    if (status == kOk && h.num_values > 0) build_decode_table(p.freq, p.start, table.data());
+    if (status == kOk) {
+      std::vector<int> chunk_status(h.num_chunks, kOk);
+      parallel_for(int64_t(h.num_chunks), nt, [&](int64_t c) {
+        const ChunkEntry& e = entries[c];
+        uint32_t n = chunk_count(h, uint64_t(c));
+        const uint8_t* payload = b + offsets[c];
+        uint64_t used = payload_bytes(e, n);
+        int st = kOk;
+        for (uint64_t q = offsets[c] + used; q < offsets[c + 1]; ++q)
+          if (b[q] != 0) st = kErrPadding;
+        uint16_t* dst = o + uint64_t(c) * h.chunk_values;
+        if (st == kOk) {
+          if (e.mode == kModeRaw) st = decode_raw_chunk(payload, e, n, dst);
+          else if (use_simd) st = decode_chunk_avx2(payload, e, n, table.data(), dst);
+          else st = decode_chunk(payload, e, n, table.data(), dst);
+        }
+        chunk_status[c] = st;
+      });
+      for (int st : chunk_status)
+        if (status == kOk && st != kOk) status = st;
+    }
+  }
+  if (status != kOk) fail(status);
+}
+
+}  // namespace
+
+void register_lossless(py::module_& m) {
+  m.def("lossless_encode", &encode, py::arg("values"), py::arg("shape"),
+        py::arg("chunk_values") = int64_t(kDefaultChunkValues), py::arg("threads") = 0, py::arg("simd") = true,
+        "bf16 bit patterns (1-D, 2-byte items) and their shape -> self-describing blob (uint8 array);\n"
+        "simd=False forces the portable core (the output is identical)");
+  m.def("lossless_shape", &header_shape, py::arg("blob"),
+        "validates a blob's header and table; returns the encoded tensor's shape");
+  m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("out"), py::arg("threads") = 0, py::arg("simd") = true,
+        "decodes a blob into out (1-D, 2-byte items, num_values long); ValueError on a bad blob;\n"
+        "simd=False forces the portable core (the AVX2 path is used where the CPU has it)");
+  m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv) {
+    return max_blob_bytes(n, ndim, cv);
+  }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);
+  m.attr("LOSSLESS_DEFAULT_CHUNK_VALUES") = kDefaultChunkValues;
+}
+
+}  // namespace ep_comm::host
