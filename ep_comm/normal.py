@@ -14,7 +14,7 @@ import torch
 from .backends.base import Transport
 from .handle import DispatchHandle
 from .layout import count_per_local_expert
-from .payload import pack, unpack
+from .payload import RowSource, chunk_bytes, pack, unpack
 from .placement_map import ExpertPlacement
 from .plan import SendPlan, build_send_plan
 from .stats import CommStats
@@ -55,11 +55,11 @@ def _payload_fields(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tupl
 
 
 def _payload_values(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                    rows: torch.Tensor) -> dict[str, torch.Tensor]:
+                    rows: torch.Tensor) -> dict[str, RowSource]:
     if isinstance(x, tuple):
         q, scales = x
-        return {"x": q.view(torch.uint8)[rows], "scales": scales[rows]}
-    return {"x": x[rows]}
+        return {"x": RowSource(q.view(torch.uint8), rows), "scales": RowSource(scales, rows)}
+    return {"x": RowSource(x, rows)}
 
 
 def _stats(op: str, codec: str, transport: Transport, sent_raw: list[int], sent_wire: list[int],
@@ -97,9 +97,9 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
     pending_counts = None
     if codec != "lossless":
         # sizes are known before packing: exchange them while the rows are being packed
-        pending_counts = _start_count_exchange(transport, row_splits, [n * fmt.row_bytes for n in row_splits])
+        pending_counts = _start_count_exchange(transport, row_splits, [chunk_bytes(fmt, n) for n in row_splits])
     values = _payload_values(x, plan.token_index)
-    values["src"] = plan.token_index.to(torch.int32).unsqueeze(1)
+    values["src"] = RowSource(plan.token_index.to(torch.int32).unsqueeze(1))
     if topk_idx is not None:
         row_rank = _row_rank(plan.send_counts, plan.num_rows)
         sent_topk = topk_idx[plan.token_index]
@@ -107,10 +107,10 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
         owner = placement.expert_to_rank.to(safe.device)[safe]
         here = (sent_topk >= 0) & (owner == row_rank.unsqueeze(1))
         local = placement.expert_to_local.to(safe.device)[safe]
-        values["topk"] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
+        values["topk"] = RowSource(torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
         if topk_weights is not None:
             sent_w = topk_weights[plan.token_index]
-            values["weights"] = torch.where(here, sent_w, torch.zeros_like(sent_w))
+            values["weights"] = RowSource(torch.where(here, sent_w, torch.zeros_like(sent_w)))
     outbox = pack(fmt, values, row_splits, codec)
     if pending_counts is None:
         pending_counts = _start_count_exchange(transport, row_splits, outbox.byte_splits)
@@ -181,7 +181,7 @@ def _bytes_from(transport: Transport, outbox, rows_from: list[int], fmt: RowForm
                 phase: str) -> list[int]:
     """Bytes each source sends here: known from row counts unless the codec is variable-size."""
     if codec != "lossless":
-        return [n * fmt.row_bytes for n in rows_from]
+        return [chunk_bytes(fmt, n) for n in rows_from]
     table = torch.tensor(outbox.byte_splits, dtype=torch.int64).unsqueeze(1)
     return transport.exchange_counts(table, phase)[:, 0].tolist()
 
@@ -201,10 +201,10 @@ def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
     before = transport.num_collectives
     num_rows = handle.num_recv_tokens
     fields = [FieldSpec("x", x.dtype, x.shape[1])]
-    values = {"x": x[:num_rows]}
+    values = {"x": RowSource(x[:num_rows])}
     if topk_weights is not None:
         fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
-        values["weights"] = topk_weights[:num_rows]
+        values["weights"] = RowSource(topk_weights[:num_rows])
     fmt = RowFormat(tuple(fields))
     send_rows = handle.recv_counts.tolist()
     outbox = pack(fmt, values, send_rows, codec)

@@ -1,9 +1,14 @@
-"""Messages: rows for every destination rank packed into one byte buffer, optionally compressed.
+"""Messages: the rows for every destination rank, packed into one byte buffer.
 
-A message to rank ``r`` carries ``rows[r]`` rows. Fixed-size rows (no codec, or FP8) interleave
-the payload and metadata fields of a row, so a received buffer is one ``[M, row_bytes]`` view.
-With the lossless codec, each destination's chunk is ``[lossless blob of the payload rows]
-[metadata rows]``, and the receiver needs each chunk's byte size too.
+The chunk for rank ``r`` holds ``n_r`` rows as one block per field, in the format's field order:
+``[field 0 of all n_r rows][field 1 of all n_r rows]...``. With several fields, each block is
+padded to a multiple of 8 bytes so that every block starts aligned for its dtype; a single-field
+message is just the rows, so it is sent and received without any copy. Blocks let the sender
+gather straight from the source tensor into the send buffer (``index_select(..., out=)``) and the
+receiver concatenate each field's blocks once.
+
+With the lossless codec the payload field's block is a self-describing lossless blob instead of
+raw rows (its size varies, so the receiver learns each chunk's byte count from the sender).
 """
 from __future__ import annotations
 
@@ -12,6 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from .wire import RowFormat
+
+BLOCK_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Rows of one field: ``tensor[index]`` (``index`` None: ``tensor`` already holds the rows
+    in send order)."""
+
+    tensor: torch.Tensor
+    index: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -29,59 +45,120 @@ def _lossless():
     return lossless
 
 
-def pack(fmt: RowFormat, values: dict[str, torch.Tensor], row_splits: list[int], codec: str,
-         payload_field: str = "x") -> Outbox:
-    """Packs ``values`` (each ``[S, width]``, rows grouped by destination per ``row_splits``).
+def _align(fmt: RowFormat) -> int:
+    return BLOCK_ALIGN if len(fmt.fields) > 1 else 1
 
-    With ``codec == "lossless"``, the ``payload_field`` (bf16) is entropy-coded per destination.
+
+def _round(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def chunk_bytes(fmt: RowFormat, rows: int) -> int:
+    """Bytes of a fixed-size (uncompressed) chunk of ``rows`` rows."""
+    align = _align(fmt)
+    return sum(_round(rows * f.nbytes, align) for f in fmt.fields)
+
+
+def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], codec: str,
+         payload_field: str = "x") -> Outbox:
+    """Packs ``values`` (each field's rows, grouped by destination per ``row_splits``).
+
+    With ``codec == "lossless"`` the ``payload_field`` (bf16) is entropy-coded per destination.
     """
     raw = [n * fmt.row_bytes for n in row_splits]
-    if codec != "lossless":
-        return Outbox(fmt.pack(values).reshape(-1), raw, raw)
-    lossless = _lossless()
-    meta_fmt = RowFormat(tuple(f for f in fmt.fields if f.name != payload_field))
-    payload = values[payload_field]
-    meta_rows = meta_fmt.pack({f.name: values[f.name] for f in meta_fmt.fields}) \
-        if meta_fmt.fields else None
-    pieces: list[torch.Tensor] = []
-    splits: list[int] = []
+    if len(fmt.fields) == 1 and codec != "lossless":
+        (spec,) = fmt.fields
+        source = values[spec.name]
+        rows = source.tensor if source.index is None else source.tensor.index_select(0, source.index)
+        return Outbox(rows.contiguous().view(torch.uint8).reshape(-1), raw, raw)
+    align = _align(fmt)
+    order = _layout_order(fmt, codec, payload_field)
+    blobs: list[torch.Tensor | None] = []
+    sizes: list[int] = []
     start = 0
     for n in row_splits:
-        blob = lossless.encode(payload[start:start + n])
-        chunk = [blob]
-        if meta_rows is not None:
-            chunk.append(meta_rows[start:start + n].reshape(-1))
-        pieces.extend(chunk)
-        splits.append(sum(int(c.numel()) for c in chunk))
+        blob = None
+        if codec == "lossless":
+            blob = _lossless().encode(_rows(values[payload_field], start, n))
+        blobs.append(blob)
+        sizes.append(sum(blob.numel() if (blob is not None and f.name == payload_field)
+                         else _round(n * f.nbytes, align) for f in fmt.fields))
         start += n
-    data = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-    return Outbox(data, splits, raw)
+    data = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(values))
+    offset = start = 0
+    for n, blob, size in zip(row_splits, blobs, sizes):
+        position = offset
+        for f in order:
+            if blob is not None and f.name == payload_field:  # last in the chunk: no padding
+                data[position:position + blob.numel()] = blob.to(data.device)
+                position += blob.numel()
+                continue
+            block = data[position:position + n * f.nbytes].view(f.dtype).view(n, f.width)
+            source = values[f.name]
+            if source.index is None:
+                block.copy_(source.tensor[start:start + n].reshape(n, f.width))
+            else:
+                torch.index_select(source.tensor.reshape(-1, f.width), 0, source.index[start:start + n],
+                                   out=block)
+            position += _round(n * f.nbytes, align)
+        offset += size
+        start += n
+    return Outbox(data, sizes, raw)
+
+
+def _layout_order(fmt: RowFormat, codec: str, payload_field: str):
+    """Field order inside a chunk: a variable-size lossless blob goes last."""
+    if codec != "lossless":
+        return fmt.fields
+    return tuple(f for f in fmt.fields if f.name != payload_field) + tuple(
+        f for f in fmt.fields if f.name == payload_field)
+
+
+def _rows(source: RowSource, start: int, n: int) -> torch.Tensor:
+    if source.index is None:
+        return source.tensor[start:start + n]
+    return source.tensor.index_select(0, source.index[start:start + n])
+
+
+def _device(values: dict[str, RowSource]) -> torch.device:
+    return next(iter(values.values())).tensor.device
 
 
 def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_from: list[int],
            codec: str, payload_field: str = "x") -> dict[str, torch.Tensor]:
     """Inverse of :func:`pack` on the receiver: ``{name: [M, width]}`` ordered by source rank."""
-    if codec != "lossless":
-        return fmt.unpack(received.reshape(sum(rows_from), fmt.row_bytes))
-    lossless = _lossless()
-    meta_fmt = RowFormat(tuple(f for f in fmt.fields if f.name != payload_field))
-    payload_spec = next(f for f in fmt.fields if f.name == payload_field)
-    payloads: list[torch.Tensor] = []
-    metas: list[torch.Tensor] = []
-    start = 0
+    total = sum(rows_from)
+    if len(fmt.fields) == 1 and codec != "lossless":
+        (spec,) = fmt.fields
+        if total == 0:
+            return {spec.name: torch.empty(0, spec.width, dtype=spec.dtype, device=received.device)}
+        return {spec.name: received.view(spec.dtype).view(total, spec.width)}
+    align = _align(fmt)
+    order = _layout_order(fmt, codec, payload_field)
+    blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in fmt.fields}
+    offset = 0
     for n, nbytes in zip(rows_from, bytes_from):
-        meta_bytes = n * meta_fmt.row_bytes
-        blob = received[start:start + nbytes - meta_bytes]
-        rows = lossless.decode(blob)
-        if tuple(rows.shape) != (n, payload_spec.width):
-            raise ValueError(f"lossless chunk decoded to shape {tuple(rows.shape)}, expected "
-                             f"{(n, payload_spec.width)}")
-        payloads.append(rows)
-        metas.append(received[start + nbytes - meta_bytes:start + nbytes])
-        start += nbytes
-    out = {payload_field: torch.cat(payloads) if payloads else
-           torch.empty(0, payload_spec.width, dtype=payload_spec.dtype)}
-    if meta_fmt.fields:
-        meta = torch.cat(metas) if metas else torch.empty(0, dtype=torch.uint8)
-        out.update(meta_fmt.unpack(meta.reshape(sum(rows_from), meta_fmt.row_bytes)))
+        position = offset
+        meta_bytes = sum(_round(n * f.nbytes, align) for f in fmt.fields if f.name != payload_field)
+        for f in order:
+            if codec == "lossless" and f.name == payload_field:
+                blob_bytes = nbytes - meta_bytes
+                rows = _lossless().decode(received[position:position + blob_bytes])
+                if tuple(rows.shape) != (n, f.width):
+                    raise ValueError(f"lossless chunk decoded to shape {tuple(rows.shape)}, expected "
+                                     f"{(n, f.width)}")
+                blocks[f.name].append(rows.to(received.device))
+                position += blob_bytes
+                continue
+            if n:
+                blocks[f.name].append(received[position:position + n * f.nbytes].view(f.dtype).view(n, f.width))
+            position += _round(n * f.nbytes, align)
+        if position - offset != nbytes:
+            raise ValueError(f"a chunk of {nbytes} bytes does not match its {n} rows")
+        offset += nbytes
+    out = {}
+    for f in fmt.fields:
+        parts = blocks[f.name]
+        out[f.name] = (torch.cat(parts) if len(parts) > 1 else parts[0].clone()) if parts else \
+            torch.empty(0, f.width, dtype=f.dtype, device=received.device)
     return out

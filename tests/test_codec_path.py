@@ -46,7 +46,7 @@ def test_lossless_on_the_wire_is_bit_identical(ranks, case):
                 assert a == b
         stats = packed[7]
         assert stats.codec == "lossless" and plain[7].codec == "none"
-        assert stats.bytes_sent_raw == plain[7].bytes_sent_wire
+        assert stats.bytes_sent_raw == plain[7].bytes_sent_raw
         big = [i for i, raw in enumerate(stats.bytes_sent_raw) if raw >= 16 * case.hidden * 2]
         for peer in big:
             assert stats.bytes_sent_wire[peer] < stats.bytes_sent_raw[peer], (peer, stats)

@@ -6,6 +6,11 @@ byte (stored raw). Values are coded in independent chunks (one OpenMP task on th
 the GPU). The blob is self-describing: magic, version, shape, table, per-chunk sizes and
 checksums; ``decode`` validates every field before use and raises ``ValueError`` on a truncated or
 corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
+
+Why rANS and one table per blob: on real activations, weights and gradients (bench/codec_bench.py)
+it lands within 0.2% of the order-0 entropy of the split, while a fixed-rate code with escapes
+(3 or 4 bits for the most frequent exponents) costs 4-13% more bytes; one table per blob (per
+destination message on the dispatch path) amortises the table over >= 64 tokens.
 """
 from __future__ import annotations
 
