@@ -1,8 +1,10 @@
 """Low-latency mode: fixed-capacity dispatch into per-expert slots, and weighted combine.
 
 Wire format of dispatch: every rank sends every rank one block of
-``num_max_dispatch_tokens_per_rank`` row slots plus an 8-byte row count, so the exchange has
-fixed, equal sizes and needs no count exchange first. A row is one token (sent once per rank, not
+``T = num_max_dispatch_tokens_per_rank`` row slots plus one header row whose first 8 bytes hold
+the row count (a whole row, so the ``R * (T + 1)`` rows of a message are evenly spaced and can be
+gathered with one flat index), so the exchange has fixed, equal sizes and needs no count
+exchange first. A row is one token (sent once per rank, not
 once per expert): its payload (bf16, or e4m3 plus scales when ``use_fp8``) and its top-k ids
 renumbered to the destination's local experts. The receiver copies each row into the slot of
 every local expert it selected; an expert's slots are grouped by source rank, ascending token
@@ -26,8 +28,6 @@ from .placement_map import ExpertPlacement
 from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
 from .stats import CommStats
 from .wire import FieldSpec, RowFormat
-
-COUNT_HEADER_BYTES = 8
 
 
 @dataclass
@@ -70,7 +70,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     topk = topk_idx.shape[1]
     num_local = int(placement.num_local_experts[rank])
     fmt = _row_format(hidden, topk, use_fp8, use_ue8m0)
-    block_bytes = max_tokens * fmt.row_bytes + COUNT_HEADER_BYTES
+    slots_per_block = max_tokens + 1  # T row slots, then the header row
+    block_bytes = slots_per_block * fmt.row_bytes
     before = transport.num_collectives
 
     mask = token_rank_mask(topk_idx, placement)  # [N, R]
@@ -87,14 +88,14 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     local = placement.expert_to_local.to(x.device)[safe]
 
     # slots beyond each block's count are never read: no need to clear them
-    send = torch.empty(num_ranks, block_bytes, dtype=torch.uint8, device=x.device)
-    send_fields = fmt.views(send[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes)))
-    slot_of_pair = (dest, position[token, dest])
+    send = torch.empty(num_ranks, slots_per_block, fmt.row_bytes, dtype=torch.uint8, device=x.device)
+    send_fields = fmt.views(send.view(num_ranks * slots_per_block, fmt.row_bytes))
+    send_row = dest * slots_per_block + position[token, dest]
     for name, value in payload.items():
-        send_fields[name][slot_of_pair] = value[token]
-    send_fields["topk"][slot_of_pair] = torch.where(here, local, torch.full_like(local, -1)).to(torch.int32)
+        send_fields[name].index_copy_(0, send_row, value.index_select(0, token))
+    send_fields["topk"].index_copy_(0, send_row, torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
     counts = mask.sum(0, dtype=torch.int64)
-    send[:, max_tokens * fmt.row_bytes:] = counts.unsqueeze(1).view(torch.uint8)
+    send[:, max_tokens, :8] = counts.unsqueeze(1).view(torch.uint8)
     splits = [block_bytes] * num_ranks
     pending: PendingExchange = transport.exchange_bytes(send.reshape(-1), splits, splits,
                                                         "low_latency_dispatch/payload")
@@ -121,15 +122,20 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     def receive() -> None:
         if state.done:
             return
-        received = pending.wait().view(num_ranks, block_bytes)
-        rows_from = received[:, max_tokens * fmt.row_bytes:].contiguous().view(torch.int64).reshape(-1)
+        received = pending.wait().view(num_ranks, slots_per_block, fmt.row_bytes)
+        rows_from = received[:, max_tokens, :8].contiguous().view(torch.int64).reshape(-1)
         valid = torch.arange(max_tokens, device=x.device).unsqueeze(0) < rows_from.unsqueeze(1)
         src_rank, src_slot = torch.nonzero(valid, as_tuple=True)
-        fields = fmt.views(received[:, :max_tokens * fmt.row_bytes].unflatten(1, (max_tokens, fmt.row_bytes)))
-        slot_plan = build_expert_slot_plan(fields["topk"][src_rank, src_slot].to(torch.int64), rows_from, num_local)
-        pair_rank, pair_src_slot = src_rank[slot_plan.row], src_slot[slot_plan.row]
+        src_row = src_rank * slots_per_block + src_slot
+        fields = fmt.views(received.view(num_ranks * slots_per_block, fmt.row_bytes))
+        slot_plan = build_expert_slot_plan(fields["topk"].index_select(0, src_row).to(torch.int64), rows_from,
+                                           num_local)
+        pair_row = src_row[slot_plan.row]
+        target_row = slot_plan.local_expert * slots_per_expert + slot_plan.slot
         for name, target in targets.items():
-            target[slot_plan.local_expert, slot_plan.slot] = fields[name][pair_rank, pair_src_slot]
+            flat = target.view(num_local * slots_per_expert, target.shape[-1])
+            flat.index_copy_(0, target_row, fields[name].index_select(0, pair_row))
+        pair_rank = src_rank[slot_plan.row]
         recv_count.copy_(slot_plan.recv_count.to(torch.int32))
         state.pair_rank = pair_rank
         state.pair_slot = slot_plan.slot
@@ -152,7 +158,8 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
     before = transport.num_collectives
     hidden = x.shape[2]
     row_bytes = hidden * x.element_size()
-    back = x[state.pair_expert, state.pair_slot]  # [P, H] in (source rank, row, k) order
+    slots = x.shape[1]
+    back = x.reshape(-1, hidden).index_select(0, state.pair_expert * slots + state.pair_slot)  # [P, H]
     send_splits = [int(n) * row_bytes for n in state.pairs_from_rank.tolist()]
     plan = build_send_plan(token_rank_mask(topk_idx, placement))
     pair_token, pair_k, pairs_per_rank = combine_pair_order(topk_idx, plan.token_index,
@@ -167,13 +174,12 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         rows = pending.wait().view(x.dtype).reshape(-1, hidden)
         num_tokens, topk = topk_idx.shape
         acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-        weights = topk_weights.float()
-        # k ascending, so each token's terms are added in the same order as the reference;
-        # within one k a token appears at most once, so index_add_ has no colliding rows
-        for k in range(topk):
-            sel = torch.nonzero(pair_k == k).flatten()
-            tokens = pair_token[sel]
-            acc.index_add_(0, tokens, weights[tokens, k:k + 1] * rows[sel].float())
+        # one index_add_ over the pairs sorted by (token, k): each token's terms are added in
+        # k-ascending order (index_add_ walks its index in order), the reference's order
+        order = torch.argsort(pair_token * topk + pair_k)
+        tokens, ks = pair_token[order], pair_k[order]
+        scaled = rows.index_select(0, order).float().mul_(topk_weights.float()[tokens, ks].unsqueeze(1))
+        acc.index_add_(0, tokens, scaled)
         stats.num_collectives = transport.num_collectives - before
         result = acc.to(x.dtype)
         if out is not None:
