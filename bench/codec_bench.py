@@ -298,6 +298,20 @@ def gpu_measure(data: dict[str, list[torch.Tensor]], reps: int) -> dict[str, dic
     return results
 
 
+def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
+    """DeepEP's calc_diff of fp8-quantized real activations (those with 512 | H, the FFN outputs)
+    against bf16, per scale mode."""
+    from ep_comm.codecs import fp8
+
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in activations if t.shape[-1] % 512 == 0])
+    out = {}
+    for name, round_scale, ue8m0 in (("fp32 scales", False, False), ("pow2 scales", True, False),
+                                     ("ue8m0", True, True)):
+        q, scales = fp8.quantize(x, round_scale=round_scale, use_ue8m0=ue8m0)
+        out[name] = fp8.calc_diff(fp8.dequantize(q, scales), x)
+    return out
+
+
 # ---------------------------------------------------------------- report
 def run(reps: int, batch: int, seq: int) -> dict:
     data = model_tensors(batch, seq)
@@ -320,6 +334,7 @@ def run(reps: int, batch: int, seq: int) -> dict:
             if layout == "whole tensors":
                 row["design"] = design_sizes(tensors)
             report["results"].append(row)
+    report["fp8_calc_diff"] = fp8_accuracy(data["activations"])
     if torch.cuda.is_available():
         report["gpu"] = {"device": torch.cuda.get_device_name(), **gpu_measure(data, reps)}
     else:
@@ -357,6 +372,8 @@ def print_report(report: dict) -> None:
             design.add_row(row["kind"], f"{d['entropy']:.4f}", f"{row['ours']['ratio']:.4f}", f"{d['fixed3']:.4f}",
                            f"{d['fixed4']:.4f}", f"{d['entropy_mantissa_given_exp']:.4f}")
     console.print(design)
+    diffs = ", ".join(f"{k} {v:.2e}" for k, v in report["fp8_calc_diff"].items())
+    console.print(f"fp8 calc_diff on the real FFN activations (rows of 1536): {diffs}")
     if report["gpu"] is None:
         console.print("GPU mode: skipped (no CUDA device)")
     else:
