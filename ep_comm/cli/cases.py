@@ -6,6 +6,7 @@ call, ``wire[op]`` holds the bytes this rank sent to / received from each peer.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from .baselines import NaiveAllToAll, TransportFloor
 OPS = ("dispatch", "combine")
 
 
-class Case:
+class Case(ABC):
     """One method on one (mode, codec); subclasses fill in the four steps."""
 
     method = "abstract"
@@ -32,14 +33,16 @@ class Case:
     def name(self) -> str:
         return f"{self.method}/{self.mode}/{self.codec}"
 
+    @abstractmethod
     def dispatch(self) -> None:
-        raise NotImplementedError
+        """Timed: one dispatch (or the baseline's equivalent)."""
 
-    def between(self) -> None:
-        """Untimed: builds the combine input from the dispatch output."""
+    def between(self) -> None:  # noqa: B027 - optional hook, most cases need nothing here
+        """Untimed: builds the combine input from the dispatch output (default: nothing)."""
 
+    @abstractmethod
     def combine(self) -> None:
-        raise NotImplementedError
+        """Timed: one combine (or the baseline's equivalent)."""
 
     def verify(self, g: ck.GlobalInputs, rank: int) -> list[str]:
         """Problems found in the last dispatch and combine (empty when correct)."""
