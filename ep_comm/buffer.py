@@ -74,6 +74,9 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.buffer_id = next(_buffer_ids)
         self.device = self._pick_device(group)
+        # gloo stages payloads through host memory, so it takes tensors on any device (a
+        # mixed-vendor job's GPUs); NCCL/RCCL take tensors on this rank's GPU only
+        self._input_device: torch.device | None = None if str(dist.get_backend(group)) == "gloo" else self.device
         self._placement: ExpertPlacement | None = None
         if expert_placement is not None:
             self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
@@ -244,7 +247,7 @@ class Buffer:
             ``event)``.
         """
         placement = self.placement(num_experts)
-        topk_idx = check_topk_idx(topk_idx, num_experts, self.device)
+        topk_idx = check_topk_idx(topk_idx, num_experts, self._input_device)
         topk_idx, _ = self._drop_masked(topk_idx, placement)
         wait_previous(previous_event)
         layout = compute_dispatch_layout(topk_idx, placement)
@@ -258,12 +261,12 @@ class Buffer:
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError("x as a tuple must be (fp8 values [N, H], scales [N, H // 128])")
-            q = require_tensor("x[0]", x[0], dtypes=(torch.float8_e4m3fn,), dim=2, device=self.device)
-            s = require_tensor("x[1]", x[1], dtypes=FP8_INPUT_SCALE_DTYPES, dim=2, device=self.device)
+            q = require_tensor("x[0]", x[0], dtypes=(torch.float8_e4m3fn,), dim=2, device=self._input_device)
+            s = require_tensor("x[1]", x[1], dtypes=FP8_INPUT_SCALE_DTYPES, dim=2, device=self._input_device)
             if s.shape[0] != q.shape[0]:
                 raise ValueError(f"x[1] (scales) has {s.shape[0]} rows but x[0] has {q.shape[0]}")
             return int(q.shape[0]), int(q.shape[1])
-        t = require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self.device)
+        t = require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
         return int(t.shape[0]), int(t.shape[1])
 
     def dispatch(self, x, handle: DispatchHandle | None = None,
@@ -318,9 +321,10 @@ class Buffer:
         if topk_idx is None:
             raise ValueError("topk_idx is required for a dispatch without a handle")
         num_experts = self._infer_num_experts(num_tokens_per_expert)
-        topk_idx = check_topk_idx(topk_idx, num_experts, self.device, num_tokens)
+        x_device = (x[0] if isinstance(x, tuple) else x).device
+        topk_idx = check_topk_idx(topk_idx, num_experts, x_device, num_tokens)
         if topk_weights is not None:
-            topk_weights = check_topk_weights(topk_weights, topk_idx, self.device)
+            topk_weights = check_topk_weights(topk_weights, topk_idx, x_device)
         placement = self.placement(num_experts)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
         if is_token_in_rank is None or self.masked_ranks:
@@ -328,11 +332,10 @@ class Buffer:
                 require_shape("is_token_in_rank", is_token_in_rank, (num_tokens, self.group_size))
             is_token_in_rank = compute_dispatch_layout(topk_idx, placement).is_token_in_rank
         else:
-            require_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), dim=2,
-                           device=self.device)
+            require_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), dim=2, device=x_device)
             require_shape("is_token_in_rank", is_token_in_rank, (num_tokens, self.group_size))
         if num_tokens_per_rank is not None:
-            require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self.device)
+            require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self._input_device)
             require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
 
         out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
@@ -356,7 +359,7 @@ class Buffer:
 
     def _infer_num_experts(self, num_tokens_per_expert: torch.Tensor | None) -> int:
         if num_tokens_per_expert is not None:
-            require_tensor("num_tokens_per_expert", num_tokens_per_expert, dim=1, device=self.device)
+            require_tensor("num_tokens_per_expert", num_tokens_per_expert, dim=1, device=self._input_device)
             return int(num_tokens_per_expert.numel())
         if self._placement is not None:
             return self._placement.num_experts
@@ -409,7 +412,7 @@ class Buffer:
             ``event)``. A token routed to no rank combines to zeros.
         """
         self._check_handle(handle, "handle")
-        require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self.device)
+        require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
         if x.shape[0] != handle.num_recv_rows:
             raise ValueError(f"x has {x.shape[0]} rows but the handle received "
                              f"{handle.num_recv_rows}: x and handle do not match")
@@ -417,7 +420,7 @@ class Buffer:
         codec_name = self._resolve_codec(codec_name, x, x.shape[1])
         if topk_weights is not None:
             require_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float64), dim=2,
-                           device=self.device)
+                           device=self._input_device)
             if topk_weights.shape[0] != x.shape[0]:
                 raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {x.shape[0]}")
         biases: tuple[torch.Tensor, ...] = ()
@@ -426,7 +429,7 @@ class Buffer:
             if len(biases) > 2:
                 raise ValueError("bias takes at most two tensors")
             for i, b in enumerate(biases):
-                require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self.device)
+                require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
                 require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
         wait_previous(previous_event)
         combined, combined_w, stats = normal.combine(self.transport, handle, x, topk_weights, biases,
@@ -458,8 +461,8 @@ class Buffer:
             ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by source rank.
         """
         num_experts = check_num_experts(num_experts, self.group_size, self._placement is not None)
-        require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
-        topk_idx = check_topk_idx(topk_idx, num_experts, self.device, x.shape[0])
+        require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
+        topk_idx = check_topk_idx(topk_idx, num_experts, x.device, x.shape[0])
         check_nonneg_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
                          positive=True)
         if x.shape[0] > num_max_dispatch_tokens_per_rank:
@@ -476,7 +479,7 @@ class Buffer:
         num_local = int(placement.num_local_experts[self.rank])
         if cumulative_local_expert_recv_stats is not None:
             require_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                           dtypes=(torch.int32, torch.int64), dim=1, device=self.device)
+                           dtypes=(torch.int32, torch.int64), dim=1, device=self._input_device)
             require_shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           (num_local,))
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
@@ -527,21 +530,21 @@ class Buffer:
             raise ValueError("handle: the dispatch's receive hook has not been called yet")
         num_ranks = self.group_size
         slots = num_ranks * handle.num_max_dispatch_tokens_per_rank
-        require_tensor("x", x, dtypes=(torch.bfloat16,), dim=3, device=self.device)
+        require_tensor("x", x, dtypes=(torch.bfloat16,), dim=3, device=self._input_device)
         require_shape("x", x, (handle.num_local_experts, slots, handle.hidden))
-        topk_idx = check_topk_idx(topk_idx, handle.num_experts, self.device)
+        topk_idx = check_topk_idx(topk_idx, handle.num_experts, x.device)
         placement = self.placement(handle.num_experts)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
         if topk_idx.shape != handle.topk_idx.shape or not torch.equal(topk_idx, handle.topk_idx):
             raise ValueError("topk_idx differs from the routing the handle dispatched")
-        topk_weights = check_topk_weights(topk_weights, topk_idx, self.device)
+        topk_weights = check_topk_weights(topk_weights, topk_idx, x.device)
         if out is not None:
-            require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self.device)
+            require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
             require_shape("out", out, (topk_idx.shape[0], handle.hidden))
         finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
                                             placement, out)
         self._record(stats, dropped)
-        result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self.device) \
+        result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self._input_device) \
             if out is None else out
         done = [False]
 

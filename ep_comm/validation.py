@@ -8,7 +8,8 @@ PAYLOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 def require_tensor(name: str, value: object, *, dtypes: tuple[torch.dtype, ...] | None = None,
                    dim: int | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """Checks that ``value`` is a tensor of one of ``dtypes``, ``dim`` dims, on ``device``."""
+    """Checks that ``value`` is a tensor of one of ``dtypes``, ``dim`` dims, on ``device`` (any
+    device when ``device`` is None)."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if dtypes is not None and value.dtype not in dtypes:
@@ -16,8 +17,9 @@ def require_tensor(name: str, value: object, *, dtypes: tuple[torch.dtype, ...] 
         raise ValueError(f"{name} must have dtype {allowed}; got {str(value.dtype).replace('torch.', '')}")
     if dim is not None and value.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
-    if device is not None and value.device.type != device.type:
-        raise ValueError(f"{name} is on {value.device}, but the buffer works on {device}")
+    if device is not None and value.device != device and not (
+            device.type == value.device.type and device.index is None):
+        raise ValueError(f"{name} is on {value.device}, expected {device}")
     return value
 
 

@@ -48,6 +48,8 @@ def _bad_inputs(rank, world, group):
         "weights dtype": _expect(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w.half(),
                                                       num_tokens_per_expert=per_expert), "topk_weights"),
         "missing topk_idx": _expect(lambda: buf.dispatch(x), "topk_idx"),
+        "topk_idx on another device than x": _expect(lambda: buf.dispatch(
+            x, topk_idx=idx.to("meta"), num_tokens_per_expert=per_expert), "topk_idx"),
         "is_token_in_rank shape": _expect(lambda: buf.dispatch(
             x, topk_idx=idx, is_token_in_rank=torch.ones(n, world + 1, dtype=torch.bool),
             num_tokens_per_expert=per_expert), "is_token_in_rank"),

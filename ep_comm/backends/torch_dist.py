@@ -32,7 +32,7 @@ class TorchDistTransport(Transport):
         self.group = group
         self.timeout_s = float(timeout_s)
         self.backend_name = str(dist.get_backend(group))
-        self.host_staged = self.backend_name == "gloo" and device.type != "cpu"
+        self.host_staged = self.backend_name == "gloo"
         self.instance_id = instance_id
         self._incidents = 0
 
@@ -49,6 +49,7 @@ class TorchDistTransport(Transport):
         if send.dtype != torch.uint8 or send.dim() != 1:
             raise ValueError("transport payloads are 1-D uint8 tensors")
         comm_device = torch.device("cpu") if self.host_staged else send.device
+        result_device = send.device
         send_c = send.to(comm_device).contiguous()
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
         self.num_collectives += 1
@@ -61,7 +62,7 @@ class TorchDistTransport(Transport):
 
         def finish() -> torch.Tensor:
             self._wait(work, phase, started)
-            return recv.to(self.device) if self.host_staged else recv
+            return recv.to(result_device) if result_device != comm_device else recv
 
         return PendingExchange(finish)
 
