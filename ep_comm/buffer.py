@@ -12,6 +12,7 @@ from . import low_latency, normal
 from .backends.base import Transport
 from .codecs.auto import AutoCodecPolicy, choose_codec
 from .config import Config, default_combine_config, default_dispatch_config
+from .errors import CommTimeoutError
 from .event import EventOverlap, finish_event, wait_previous
 from .handle import DispatchHandle, LowLatencyHandle
 from .layout import align_up, compute_dispatch_layout
@@ -86,6 +87,8 @@ class Buffer:
         self.last_stats: CommStats | None = None
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
+        self._unmasked_transport = self.transport
+        self._formations: dict[tuple[int, ...], int] = {}
         self.auto_codec = AutoCodecPolicy()
         """The rule ``codec="auto"`` follows (see ep_comm.codecs.auto); set its fields to tune."""
 
@@ -182,7 +185,11 @@ class Buffer:
         self._set_masked(self.masked_ranks | self._check_rank_list("ranks", ranks))
 
     def unmask_ranks(self, ranks: list[int]) -> None:
-        """Brings ``ranks`` back into the exchanges; collective over the new set of live ranks."""
+        """Brings ``ranks`` back into the exchanges; collective over the new set of live ranks.
+
+        The survivors pass the ranks that return; a returning rank (whose own Buffer masked
+        nothing) passes ``[]``. Everyone then exchanges over a new group of the live ranks.
+        """
         self._set_masked(self.masked_ranks - self._check_rank_list("ranks", ranks))
 
     def _check_rank_list(self, name: str, ranks: object) -> frozenset[int]:
@@ -206,11 +213,28 @@ class Buffer:
         live = [r for r in range(self.group_size) if r not in masked]
         if len(live) < 1:
             raise ValueError("ranks would mask every rank")
-        subgroup = dist.new_group(ranks=[dist.get_global_rank(self.group, r) for r in live],
-                                  timeout=timedelta(seconds=self.timeout_s),
-                                  backend=str(dist.get_backend(self.group)), use_local_synchronization=True)
-        inner = TorchDistTransport(subgroup, self.timeout_s, self.device,
-                                   TorchDistTransport.agree_instance_id(subgroup))
+        base = self._unmasked_transport
+        # name the new group after this Buffer, the live set and how often that set was formed, so
+        # every member derives the same name without relying on torch's group counter (a rank
+        # that stalled and comes back has created fewer groups than the survivors)
+        formed = self._formations.get(tuple(live), 0)
+        name = f"ep_comm/{getattr(base, 'instance_id', self.buffer_id)}/live/{'_'.join(map(str, live))}/{formed}"
+        try:
+            if str(dist.get_backend(self.group)) == "gloo":
+                store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+                inner = TorchDistTransport.with_gloo_backend(store, live.index(self.rank), len(live),
+                                                             self.timeout_s, name)
+            else:
+                subgroup = dist.new_group(ranks=[dist.get_global_rank(self.group, r) for r in live],
+                                          timeout=timedelta(seconds=self.timeout_s),
+                                          backend=str(dist.get_backend(self.group)),
+                                          use_local_synchronization=True)
+                inner = TorchDistTransport(subgroup, self.timeout_s, self.device, name)
+        except (RuntimeError, dist.DistError) as error:
+            raise CommTimeoutError(f"ep_comm: rank {self.rank} could not form a group of ranks {live} "
+                                   f"within timeout_s={self.timeout_s:g}: {error}", peers=[],
+                                   phase="mask_ranks") from error
+        self._formations[tuple(live)] = formed + 1
         inner.num_collectives = self.transport.num_collectives
         self.transport = MaskedTransport(inner, live, self.group_size, self.rank)
         self.masked_ranks = masked

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -99,9 +100,13 @@ def _one_rank_stops_mid_run(rank, world, group):
     x = make_x(rank, 31, 7, 128, torch.bfloat16)
     rx, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
     buf.combine(rx, handle)  # step 1 completes on every rank
+    store = torch.distributed.distributed_c10d._get_default_store()
     if rank == STALLED_RANK:
-        time.sleep(TIMEOUT_S * 4)
-        return None
+        time.sleep(TIMEOUT_S + 1)
+        # comes back once the survivors have carried on without it, and rejoins
+        store.wait(["test/survivors_done"], timedelta(seconds=60))
+        buf.unmask_ranks([])
+        return dict(rejoined=_full_step(buf, x, idx, w, per_expert))
     try:
         buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
         return dict(error=None)
@@ -117,12 +122,25 @@ def _one_rank_stops_mid_run(rank, world, group):
     combined, _, _ = buf.combine(y, handle2)
     ll_x, ll_count, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False)
     ll_out, _, _ = buf.low_latency_combine(ll_x, idx, w, ll_handle)
+    if rank == 0:
+        store.set("test/survivors_done", "1")
+    buf.unmask_ranks([STALLED_RANK])
+    rejoined = _full_step(buf, x, idx, w, per_expert)
     return dict(error=peers, x=x, idx=idx, w=w, recv_x=recv_x, recv_idx=recv_idx, counts=counts,
-                dropped=dropped, y=y, combined=combined, ll_x=ll_x, ll_count=ll_count, ll_out=ll_out)
+                dropped=dropped, y=y, combined=combined, ll_x=ll_x, ll_count=ll_count, ll_out=ll_out,
+                rejoined=rejoined)
+
+
+def _full_step(buf, x, idx, w, per_expert):
+    """After unmasking: a dispatch + combine over all ranks again."""
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
+    combined, _, _ = buf.combine(recv_x, handle)
+    return dict(x=x, idx=idx, w=w, recv_x=recv_x, combined=combined, dropped=buf.last_stats.dropped_topk_entries,
+                masked=sorted(buf.masked_ranks))
 
 
 def test_survivors_mask_a_stalled_rank_and_continue():
-    results = spawn_once(4, _one_rank_stops_mid_run, timeout=90, may_die=frozenset({STALLED_RANK}))
+    results = spawn_once(4, _one_rank_stops_mid_run, timeout=120)
     survivors = [r for r in range(4) if r != STALLED_RANK]
     placement = ExpertPlacement.contiguous(8, 4)
     dead_experts = placement.local_experts(STALLED_RANK)
@@ -157,3 +175,12 @@ def test_survivors_mask_a_stalled_rank_and_continue():
                                              for r in range(4)], ll_ref, idxs, ws, placement)
     for rank in survivors:
         assert torch.equal(results[rank]["ll_out"], ll_comb[rank])
+    # then the stalled rank comes back: everyone unmasks it and the full exchange works again
+    full = [results[r]["rejoined"] for r in range(4)]
+    full_ref = reference.dispatch([f["x"] for f in full], [f["idx"] for f in full], [f["w"] for f in full],
+                                  placement)
+    for rank, f in enumerate(full):
+        assert f["masked"] == [] and f["dropped"] == 0
+        assert torch.equal(f["recv_x"], full_ref[rank].x)
+        copies = sum(((f["idx"] >= 0) & (f["idx"] // 2 == d)).any(1).float() for d in range(4))
+        assert torch.equal(f["combined"], (f["x"].float() * copies[:, None]).to(torch.bfloat16))

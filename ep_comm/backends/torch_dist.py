@@ -29,12 +29,38 @@ class TorchDistTransport(Transport):
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, device: torch.device,
                  instance_id: str) -> None:
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
+        self.gloo: object | None = None  # a bare gloo backend (see with_gloo_backend)
         self.timeout_s = float(timeout_s)
         self.backend_name = str(dist.get_backend(group))
         self.host_staged = self.backend_name == "gloo"
         self.instance_id = instance_id
         self._incidents = 0
+
+    @classmethod
+    def with_gloo_backend(cls, store: dist.Store, rank: int, size: int, timeout_s: float,
+                          instance_id: str) -> "TorchDistTransport":
+        """A transport over a gloo backend that rendezvouses under ``store`` (a prefix store whose
+        name the members agree on), independent of ``torch.distributed``'s group registry."""
+        from datetime import timedelta
+
+        self = cls.__new__(cls)
+        Transport.__init__(self, rank, size, torch.device("cpu"))
+        self.group = None
+        self.gloo = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+        self.timeout_s = float(timeout_s)
+        self.backend_name = "gloo"
+        self.host_staged = True
+        self.instance_id = instance_id
+        self._incidents = 0
+        return self
+
+    def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int] | None,
+                    send_splits: list[int] | None):
+        if self.gloo is not None:
+            return self.gloo.alltoall_base(recv, send, recv_splits or [], send_splits or [],  # type: ignore[attr-defined]
+                                           dist.AllToAllOptions())
+        return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
 
     @staticmethod
     def agree_instance_id(group: dist.ProcessGroup) -> str:
@@ -55,8 +81,7 @@ class TorchDistTransport(Transport):
         self.num_collectives += 1
         started = time.monotonic()
         try:
-            work = dist.all_to_all_single(recv, send_c, list(recv_splits), list(send_splits),
-                                          group=self.group, async_op=True)
+            work = self._all_to_all(recv, send_c, list(recv_splits), list(send_splits))
         except RuntimeError as error:
             self._raise_timeout(phase, error, started)
 
@@ -75,7 +100,7 @@ class TorchDistTransport(Transport):
         self.num_collectives += 1
         started = time.monotonic()
         try:
-            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            work = self._all_to_all(recv, send, None, None)
         except RuntimeError as error:
             self._raise_timeout(phase, error, started)
         self._wait(work, phase, started)
