@@ -18,6 +18,7 @@ import torch
 from .buffer import Buffer
 from .handle import DispatchHandle
 from .plan import SendPlan
+from .validation import PAYLOAD_DTYPES, check_codec, check_nonneg_int, check_num_experts, require_tensor
 
 _live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 
@@ -69,8 +70,8 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec):
     local = ctx.new_dynamic_size()
     k = topk_idx.shape[1]
     return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, k), topk_weights.new_empty(rows, k),
-            topk_idx.new_empty(sent), topk_idx.new_empty(num_ranks), topk_idx.new_empty(num_ranks),
-            topk_idx.new_empty(local))
+            topk_idx.new_empty(sent), topk_idx.new_empty(num_ranks),
+            torch.empty(num_ranks, dtype=torch.int64, device="cpu"), topk_idx.new_empty(local))
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -188,6 +189,12 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         raise ValueError("x must be a tensor (FP8 tuples are not differentiable)")
     if not isinstance(topk_weights, torch.Tensor):
         raise ValueError("topk_weights must be a [N, K] float tensor")
+    require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2)
+    require_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), dim=2)
+    check_num_experts(num_experts, buffer.group_size, buffer._placement is not None)
+    check_nonneg_int("expert_alignment", expert_alignment, positive=True)
+    check_nonneg_int("num_worst_tokens", num_worst_tokens)
+    check_codec(codec, ("none", "fp8", "lossless", "auto"))
     _live_buffers[buffer.buffer_id] = buffer
     codec_name = "none" if codec is None else codec
     if codec_name == "auto":
@@ -234,6 +241,11 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
     buffer._check_handle(handle, "handle")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != handle.num_recv_rows:
         raise ValueError(f"x must be [{handle.num_recv_rows}, H] to match the handle")
+    if topk_weights is not None:
+        require_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float64), dim=2)
+        if topk_weights.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {x.shape[0]}")
+    check_codec(codec, ("none", "lossless", "auto"))
     _live_buffers[buffer.buffer_id] = buffer
     rows = handle.num_recv_tokens
     codec_name = "none" if codec is None else codec

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -63,7 +64,8 @@ class Buffer:
         check_nonneg_int("num_qps_per_rank", num_qps_per_rank, positive=True)
         if backend not in ("auto", "torch", "nvshmem"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'nvshmem', got {backend!r}")
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not math.isfinite(timeout_s)
+                or timeout_s <= 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
@@ -289,6 +291,11 @@ class Buffer:
             s = require_tensor("x[1]", x[1], dtypes=FP8_INPUT_SCALE_DTYPES, dim=2, device=self._input_device)
             if s.shape[0] != q.shape[0]:
                 raise ValueError(f"x[1] (scales) has {s.shape[0]} rows but x[0] has {q.shape[0]}")
+            hidden = q.shape[1]
+            groups = hidden // 512 if s.dtype == torch.int32 else hidden // 128
+            if hidden % 128 or s.shape[1] != groups:
+                raise ValueError(f"x[1] (scales) must be [N, H // 128] float32 or [N, H // 512] int32 for "
+                                 f"H = {hidden} (a multiple of 128); got {tuple(s.shape)} {s.dtype}")
             return int(q.shape[0]), int(q.shape[1])
         t = require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
         return int(t.shape[0]), int(t.shape[1])
@@ -393,7 +400,13 @@ class Buffer:
     def _resolve_codec(self, codec: str, x: object, hidden: int) -> str:
         if codec == "auto":
             kind = getattr(self.transport, "backend_name", self.transport.name)
-            return choose_codec(x, self.auto_codec, "nvshmem" if self.transport.name == "nvshmem" else kind)
+            mine = choose_codec(x, self.auto_codec, "nvshmem" if self.transport.name == "nvshmem" else kind)
+            # ranks may see different data and speeds: compress only if every rank votes for it,
+            # so all ranks use the same wire format
+            vote = torch.full((self.group_size, 1), int(mine == "lossless"), dtype=torch.int64)
+            votes = self.transport.exchange_counts(vote, "auto_codec/vote")
+            live = [r for r in range(self.group_size) if r not in self.masked_ranks]
+            return "lossless" if bool((votes[live] == 1).all()) else "none"
         if codec in ("fp8", "lossless") and isinstance(x, tuple):
             raise ValueError(f"codec={codec!r} cannot apply to an FP8 tuple input (already encoded)")
         if codec == "fp8" and hidden % 128 != 0:
@@ -499,6 +512,11 @@ class Buffer:
         if use_ue8m0 and x.shape[1] % 512 != 0:
             raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of "
                              f"512, got {x.shape[1]}")
+        if topk_idx.shape[1] > 1 and topk_idx.numel() > 0:
+            ordered = topk_idx.sort(dim=1).values
+            if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
+                raise ValueError("topk_idx selects the same expert twice for one token; low-latency mode "
+                                 "gives each (token, expert) one slot")
         placement = self.placement(num_experts)
         num_local = int(placement.num_local_experts[self.rank])
         if cumulative_local_expert_recv_stats is not None:

@@ -51,13 +51,19 @@ class LowLatencyDispatchOutput:
 
 
 def _row_format(hidden: int, topk: int, use_fp8: bool, use_ue8m0: bool) -> RowFormat:
+    """Top-k ids first, then scales, then the payload, then padding to 8 bytes, so every field
+    of every row starts aligned for its dtype whatever the hidden size."""
+    fields = [FieldSpec("topk", torch.int32, topk)]
     if not use_fp8:
-        payload = (FieldSpec("x", torch.bfloat16, hidden),)
-    elif use_ue8m0:
-        payload = (FieldSpec("x", torch.uint8, hidden), FieldSpec("scales", torch.int32, hidden // 512))
+        fields.append(FieldSpec("x", torch.bfloat16, hidden))
     else:
-        payload = (FieldSpec("x", torch.uint8, hidden), FieldSpec("scales", torch.float32, hidden // 128))
-    return RowFormat((*payload, FieldSpec("topk", torch.int32, topk)))
+        groups = hidden // 512 if use_ue8m0 else hidden // 128
+        fields += [FieldSpec("scales", torch.int32 if use_ue8m0 else torch.float32, groups),
+                   FieldSpec("x", torch.uint8, hidden)]
+    used = sum(f.nbytes for f in fields)
+    if used % 8:
+        fields.append(FieldSpec("pad", torch.uint8, 8 - used % 8))
+    return RowFormat(tuple(fields))
 
 
 def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,

@@ -155,6 +155,10 @@ def cached_dispatch(transport: Transport, handle: DispatchHandle,
     Returns ``([M, H]`` rows ordered like the original dispatch, stats).
     """
     before = transport.num_collectives
+    if codec == "fp8":
+        from .codecs import fp8
+
+        x = fp8.quantize(x)
     plan = handle.send_plan
     fmt = RowFormat(_payload_fields(x))
     outbox = pack(fmt, _payload_values(x, plan.token_index), plan.splits(), codec)

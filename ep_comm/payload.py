@@ -7,8 +7,10 @@ message is just the rows, so it is sent and received without any copy. Blocks le
 gather straight from the source tensor into the send buffer (``index_select(..., out=)``) and the
 receiver concatenate each field's blocks once.
 
-With the lossless codec the payload field's block is a self-describing lossless blob instead of
-raw rows (its size varies, so the receiver learns each chunk's byte count from the sender).
+With the lossless codec the payload field's block is an 8-byte length followed by a
+self-describing lossless blob instead of raw rows, placed last in the chunk, and the chunk is
+padded to 8 bytes (its size varies, so the receiver learns each chunk's byte count from the
+sender). A chunk of 0 bytes (from a masked rank) carries no rows.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from .wire import RowFormat
 
 BLOCK_ALIGN = 8
+BLOB_LENGTH_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
     if len(fmt.fields) == 1 and codec != "lossless":
         (spec,) = fmt.fields
         source = values[spec.name]
-        rows = source.tensor if source.index is None else source.tensor.index_select(0, source.index)
+        tensor = source.tensor.detach()
+        rows = tensor if source.index is None else tensor.index_select(0, source.index)
         return Outbox(rows.contiguous().view(torch.uint8).reshape(-1), raw, raw)
     align = _align(fmt)
     order = _layout_order(fmt, codec, payload_field)
@@ -81,7 +85,8 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
         if codec == "lossless":
             blob = _lossless().encode(_rows(values[payload_field], start, n))
         blobs.append(blob)
-        sizes.append(sum(blob.numel() if (blob is not None and f.name == payload_field)
+        sizes.append(sum(_round(BLOB_LENGTH_BYTES + blob.numel(), align)
+                         if (blob is not None and f.name == payload_field)
                          else _round(n * f.nbytes, align) for f in fmt.fields))
         start += n
     data = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(values))
@@ -89,17 +94,20 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
     for n, blob, size in zip(row_splits, blobs, sizes):
         position = offset
         for f in order:
-            if blob is not None and f.name == payload_field:  # last in the chunk: no padding
-                data[position:position + blob.numel()] = blob.to(data.device)
-                position += blob.numel()
+            if blob is not None and f.name == payload_field:  # last in the chunk
+                length = torch.tensor([blob.numel()], dtype=torch.int64).view(torch.uint8)
+                data[position:position + BLOB_LENGTH_BYTES] = length.to(data.device)
+                data[position + BLOB_LENGTH_BYTES:position + BLOB_LENGTH_BYTES + blob.numel()] = \
+                    blob.to(data.device)
+                position += _round(BLOB_LENGTH_BYTES + blob.numel(), align)
                 continue
             block = data[position:position + n * f.nbytes].view(f.dtype).view(n, f.width)
             source = values[f.name]
+            tensor = source.tensor.detach()  # Buffer calls are not differentiable; autograd.py is
             if source.index is None:
-                block.copy_(source.tensor[start:start + n].reshape(n, f.width))
+                block.copy_(tensor[start:start + n].reshape(n, f.width))
             else:
-                torch.index_select(source.tensor.reshape(-1, f.width), 0, source.index[start:start + n],
-                                   out=block)
+                torch.index_select(tensor.reshape(-1, f.width), 0, source.index[start:start + n], out=block)
             position += _round(n * f.nbytes, align)
         offset += size
         start += n
@@ -115,9 +123,10 @@ def _layout_order(fmt: RowFormat, codec: str, payload_field: str):
 
 
 def _rows(source: RowSource, start: int, n: int) -> torch.Tensor:
+    tensor = source.tensor.detach()
     if source.index is None:
-        return source.tensor[start:start + n]
-    return source.tensor.index_select(0, source.index[start:start + n])
+        return tensor[start:start + n]
+    return tensor.index_select(0, source.index[start:start + n])
 
 
 def _device(values: dict[str, RowSource]) -> torch.device:
@@ -138,17 +147,23 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
     blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in fmt.fields}
     offset = 0
     for n, nbytes in zip(rows_from, bytes_from):
+        if nbytes == 0 and n == 0:  # a masked rank sends nothing at all
+            continue
         position = offset
-        meta_bytes = sum(_round(n * f.nbytes, align) for f in fmt.fields if f.name != payload_field)
         for f in order:
             if codec == "lossless" and f.name == payload_field:
-                blob_bytes = nbytes - meta_bytes
-                rows = _lossless().decode(received[position:position + blob_bytes])
+                if offset + nbytes - position < BLOB_LENGTH_BYTES:
+                    raise ValueError("a lossless chunk is too short to hold its blob length")
+                length = int(received[position:position + BLOB_LENGTH_BYTES].cpu().clone().view(torch.int64)[0])
+                if not 0 <= length <= offset + nbytes - position - BLOB_LENGTH_BYTES:
+                    raise ValueError(f"a lossless chunk names a blob of {length} bytes that it does not hold")
+                start = position + BLOB_LENGTH_BYTES
+                rows = _lossless().decode(received[start:start + length])
                 if tuple(rows.shape) != (n, f.width):
                     raise ValueError(f"lossless chunk decoded to shape {tuple(rows.shape)}, expected "
                                      f"{(n, f.width)}")
                 blocks[f.name].append(rows.to(received.device))
-                position += blob_bytes
+                position += _round(BLOB_LENGTH_BYTES + length, align)
                 continue
             if n:
                 blocks[f.name].append(received[position:position + n * f.nbytes].view(f.dtype).view(n, f.width))

@@ -91,3 +91,86 @@ def test_auto_rule():
     measured = AutoCodecPolicy(link_gbps=1.0)
     enc, dec = measured.throughputs()
     assert enc > 0 and dec > 0
+
+
+def _auto_with_diverging_data(rank, world, group):
+    """Rank 0's payload compresses, rank 1's does not: "auto" must still agree across ranks."""
+    idx, w = make_routing(rank, 8, 16, 4, 2, 0.0)
+    if rank == 0:
+        x = (torch.randn(16, 256) * 0.01).to(torch.bfloat16)
+    else:
+        x = torch.randint(-32768, 32767, (16, 256), dtype=torch.int16).view(torch.bfloat16)
+    buf = ep_comm.Buffer(group)
+    buf.auto_codec = AutoCodecPolicy(link_gbps=1.0, encode_gbps=10.0, decode_gbps=10.0)
+    per_expert = torch.zeros(4, dtype=torch.int32)
+    rx, _, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+                                           codec="lossless")
+    plain, _, _ = buf.combine(rx, handle, topk_weights=rw)
+    auto, _, _ = buf.combine(rx, handle, topk_weights=rw, codec="auto")
+    auto_codec = buf.last_stats.codec
+    cached, *_ = buf.dispatch(x, handle=handle, codec="auto")
+    return torch.equal(plain.view(torch.int16), auto.view(torch.int16)), auto_codec, torch.equal(
+        cached.view(torch.int16), rx.view(torch.int16))
+
+
+def test_auto_codec_is_agreed_by_all_ranks(ranks):
+    outs = ranks(2, _auto_with_diverging_data)
+    assert all(same and cached_same for same, _, cached_same in outs)
+    assert len({codec for _, codec, _ in outs}) == 1
+
+
+def _lossless_float64_weights_and_fp8_cached(rank, world, group):
+    idx = torch.tensor([[0, 2]])
+    w = torch.rand(1, 2, dtype=torch.float64)
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    buf = ep_comm.Buffer(group)
+    per_expert = torch.zeros(4, dtype=torch.int32)
+    outs = []
+    for codec in ("none", "lossless"):
+        rx, _, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+                                               codec=codec)
+        combined, cw, _ = buf.combine(rx, handle, topk_weights=rw, codec=codec)
+        outs.append((rx, rw, combined, cw))
+    q_first, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w.float(), num_tokens_per_expert=per_expert,
+                               codec="fp8")
+    _, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=per_expert)
+    q_cached, *_ = buf.dispatch(x, handle=handle, codec="fp8")
+    grad_x = torch.randn(1, 128, requires_grad=True)
+    rx_grad, *_ = buf.dispatch(grad_x, topk_idx=idx, num_tokens_per_expert=per_expert)  # plain Buffer call
+    # rows arrive ordered by source rank: this rank's own token is row `rank`
+    return outs, q_first, q_cached, rx_grad.shape == (2, 128) and torch.equal(rx_grad[rank], grad_x.detach()[0])
+
+
+def test_lossless_with_float64_weights_cached_fp8_and_grad_inputs(ranks):
+    for outs, q_first, q_cached, grad_ok in ranks(2, _lossless_float64_weights_and_fp8_cached):
+        for a, b in zip(outs[0], outs[1]):
+            assert torch.equal(a, b)
+        assert isinstance(q_cached, tuple) and q_cached[0].dtype == torch.float8_e4m3fn
+        assert torch.equal(q_cached[0].view(torch.uint8), q_first[0].view(torch.uint8))
+        assert torch.equal(q_cached[1], q_first[1])
+        assert grad_ok
+
+
+def _lossless_after_masking(rank, world, group):
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    if rank == 3:
+        return None  # masked: takes no part
+    buf.mask_ranks([3])
+    idx, w = make_routing(rank, 13, 9, 8, 3, 0.0)
+    x = (torch.randn(9, 256) * 0.02).to(torch.bfloat16)
+    per_expert = torch.zeros(8, dtype=torch.int32)
+    outs = {}
+    for codec in ("none", "lossless", "auto"):
+        rx, _, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+                                               codec=codec)
+        combined, _, _ = buf.combine(rx, handle, codec=codec)
+        cached, *_ = buf.dispatch(x, handle=handle, codec=codec)
+        outs[codec] = (rx, combined, cached)
+    return outs
+
+
+def test_lossless_after_masking_a_rank(ranks):
+    for outs in ranks(4, _lossless_after_masking)[:3]:
+        for codec in ("lossless", "auto"):
+            for a, b in zip(outs["none"], outs[codec]):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))

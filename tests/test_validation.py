@@ -79,6 +79,23 @@ def _bad_inputs(rank, world, group):
         "buffer timeout": _expect(lambda: ep_comm.Buffer(group, timeout_s=0), "timeout_s"),
         "buffer group": _expect(lambda: ep_comm.Buffer(None), "group"),
         "set_num_sms": _expect(lambda: ep_comm.Buffer.set_num_sms(7), "new_num_sms"),
+        "ll duplicate expert": _expect(lambda: buf.low_latency_dispatch(
+            x, torch.tensor([[1, 1]] * n), 8, e, use_fp8=False), "topk_idx"),
+        "fp8 tuple scales shape": _expect(lambda: buf.dispatch(
+            (torch.zeros(n, 512).to(torch.float8_e4m3fn), torch.ones(n, 1)), topk_idx=idx,
+            num_tokens_per_expert=per_expert), "x[1]"),
+        "fp8 tuple hidden": _expect(lambda: buf.dispatch(
+            (torch.zeros(n, 100).to(torch.float8_e4m3fn), torch.ones(n, 1)), topk_idx=idx,
+            num_tokens_per_expert=per_expert), "x[1]"),
+        "buffer timeout nan": _expect(lambda: ep_comm.Buffer(group, timeout_s=float("nan")), "timeout_s"),
+        "autograd expert_alignment": _expect(lambda: ep_comm.dispatch(buf, x.float(), idx, w, e,
+                                                                      expert_alignment=0), "expert_alignment"),
+        "autograd num_worst_tokens": _expect(lambda: ep_comm.dispatch(buf, x.float(), idx, w, e,
+                                                                      num_worst_tokens=-5), "num_worst_tokens"),
+        "autograd num_experts": _expect(lambda: ep_comm.dispatch(buf, x.float(), idx, w, 4.0), "num_experts"),
+        "autograd topk_idx": _expect(lambda: ep_comm.dispatch(buf, x.float(), [[0, 1]], w, e), "topk_idx"),
+        "autograd combine weights": _expect(lambda: ep_comm.combine(buf, rx, handle, topk_weights=[1, 2]),
+                                            "topk_weights"),
         "placement range": _expect(lambda: ep_comm.Buffer(group, expert_placement=torch.tensor([0, 5])),
                                    "expert_placement"),
     }

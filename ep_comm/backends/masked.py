@@ -20,6 +20,7 @@ class MaskedTransport(Transport):
         self.inner = inner
         self.live = list(live)
         self.name = inner.name
+        self.backend_name = getattr(inner, "backend_name", inner.name)
 
     @property
     def num_collectives(self) -> int:  # type: ignore[override]
