@@ -91,6 +91,8 @@ class Buffer:
         self.mask_epoch = 0
         self._unmasked_transport = self.transport
         self._formations: dict[tuple[int, ...], int] = {}
+        self._ll_receive_areas: dict[object, list[tuple[torch.Tensor, ...]]] = {}
+        self._ll_turn = 0
         self.auto_codec = AutoCodecPolicy()
         """The rule ``codec="auto"`` follows (see ep_comm.codecs.auto); set its fields to tune."""
 
@@ -495,7 +497,9 @@ class Buffer:
             ``(recv_x, recv_count [L]`` int32, ``handle``, ``event``, ``hook`` or None): ``recv_x``
             is ``[L, R * T, H]`` bf16 or ``(e4m3 [L, R*T, H], scales [L, R*T, H // 128]`` float32
             / ``[L, R*T, H // 512]`` int32 with UE8M0); local expert ``j``'s tokens are rows
-            ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by source rank.
+            ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by source rank. As in DeepEP, the
+            receive tensors are double-buffered inside the Buffer: they stay valid until the call
+            after next, so clone them to keep them longer.
         """
         num_experts = check_num_experts(num_experts, self.group_size, self._placement is not None)
         require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
@@ -526,7 +530,9 @@ class Buffer:
                           (num_local,))
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
         out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                   placement, use_fp8, round_scale, use_ue8m0)
+                                   placement, use_fp8, round_scale, use_ue8m0,
+                                   self._low_latency_receive_area(num_local, num_max_dispatch_tokens_per_rank,
+                                                                  x, use_fp8, use_ue8m0))
         self._record(out.stats, dropped)
         handle = LowLatencyHandle(
             buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -547,6 +553,23 @@ class Buffer:
             hook = None
         event = finish_event(async_finish, self.device)
         return out.recv_x, out.recv_count, handle, event, hook
+
+    def _low_latency_receive_area(self, num_local: int, max_tokens: int, x: torch.Tensor, use_fp8: bool,
+                                  use_ue8m0: bool) -> tuple[torch.Tensor, ...]:
+        """Double-buffered receive tensors, like DeepEP's: a call's ``recv_x`` stays valid until
+        the call after next (clone it to keep it longer). Reusing them keeps their pages resident
+        instead of faulting in a fresh ``[L, R*T, H]`` tensor on every call."""
+        spec = low_latency.receive_area_spec(num_local, self.group_size * max_tokens, x.shape[1], use_fp8,
+                                             use_ue8m0)
+        key = (spec, x.device)
+        areas = self._ll_receive_areas.get(key)
+        if areas is None:
+            self._ll_receive_areas.clear()  # keep one shape's pair at most
+            areas = [tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype in spec)
+                     for _ in range(2)]
+            self._ll_receive_areas[key] = areas
+        self._ll_turn ^= 1
+        return areas[self._ll_turn]
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, async_finish: bool = False,

@@ -66,11 +66,25 @@ def _row_format(hidden: int, topk: int, use_fp8: bool, use_ue8m0: bool) -> RowFo
     return RowFormat(tuple(fields))
 
 
+def receive_area_spec(num_local: int, slots_per_expert: int, hidden: int, use_fp8: bool,
+                      use_ue8m0: bool) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """Shapes and dtypes of the receive tensors: ``recv_x`` (and its scales with FP8)."""
+    if not use_fp8:
+        return (((num_local, slots_per_expert, hidden), torch.bfloat16),)
+    groups = hidden // 512 if use_ue8m0 else hidden // 128
+    return (((num_local, slots_per_expert, hidden), torch.float8_e4m3fn),
+            ((num_local, slots_per_expert, groups), torch.int32 if use_ue8m0 else torch.float32))
+
+
 def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
-             placement: ExpertPlacement, use_fp8: bool, round_scale: bool,
-             use_ue8m0: bool) -> LowLatencyDispatchOutput:
+             placement: ExpertPlacement, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+             receive_area: tuple[torch.Tensor, ...] | None = None) -> LowLatencyDispatchOutput:
     """Sends this rank's tokens (``x [N, H]`` bf16, ``topk_idx [N, K]`` int64, ``N <= T``) and
-    returns outputs whose ``receive()`` completes the exchange."""
+    returns outputs whose ``receive()`` completes the exchange.
+
+    ``receive_area``: tensors of :func:`receive_area_spec` to receive into (reused across calls by
+    the Buffer, so their pages stay resident); fresh ones when None.
+    """
     rank, num_ranks = transport.rank, transport.num_ranks
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
@@ -108,15 +122,14 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
 
     # DeepEP's layout: rows past recv_count[j] of recv_x[j] hold no data and are left unwritten
     slots_per_expert = num_ranks * max_tokens
+    if receive_area is None:
+        receive_area = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype in
+                             receive_area_spec(num_local, slots_per_expert, hidden, use_fp8, use_ue8m0))
     if use_fp8:
-        groups = hidden // 512 if use_ue8m0 else hidden // 128
-        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (
-            torch.empty(num_local, slots_per_expert, hidden, dtype=torch.float8_e4m3fn, device=x.device),
-            torch.empty(num_local, slots_per_expert, groups,
-                        dtype=torch.int32 if use_ue8m0 else torch.float32, device=x.device))
+        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (receive_area[0], receive_area[1])
         targets = {"x": recv_x[0].view(torch.uint8), "scales": recv_x[1]}
     else:
-        recv_x = torch.empty(num_local, slots_per_expert, hidden, dtype=torch.bfloat16, device=x.device)
+        recv_x = receive_area[0]
         targets = {"x": recv_x}
     recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
     state = LowLatencyReceiveState()

@@ -106,3 +106,29 @@ def test_fp8_codec_matches_deep_ep_definition():
     assert fp8.calc_diff(fp8.dequantize(q, s), x) < 9e-4
     q2, s2 = fp8.quantize(x, round_scale=True, use_ue8m0=True)
     assert torch.equal(fp8.unpack_ue8m0(s2), torch.exp2(torch.ceil(torch.log2(amax / 448.0))))
+
+
+def _two_calls(rank, world, group):
+    buf = ep_comm.Buffer(group)
+    outs = []
+    for seed in (1, 2):
+        idx, _ = make_routing(rank, seed, 6, 4, 2, 0.0)
+        x = make_x(rank, seed, 6, 128, torch.bfloat16)
+        recv_x, count, _, _, _ = buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
+        outs.append((x, idx, recv_x, count))
+    first_area, second_area = outs[0][2].data_ptr(), outs[1][2].data_ptr()
+    return [(x, idx, recv_x.clone(), count) for x, idx, recv_x, count in outs], first_area != second_area
+
+
+def test_receive_tensors_are_double_buffered(ranks):
+    results = ranks(2, _two_calls)
+    placement = ExpertPlacement.contiguous(4, 2)
+    for call in range(2):
+        ref = reference.low_latency_dispatch([r[0][call][0] for r in results], [r[0][call][1] for r in results],
+                                             8, placement)
+        for rank, (outs, distinct) in enumerate(results):
+            assert distinct  # the second call did not overwrite the first call's tensors
+            recv_x, count = outs[call][2], outs[call][3]
+            assert count.tolist() == ref[rank].count
+            for j, c in enumerate(ref[rank].count):
+                assert torch.equal(recv_x[j, :c], ref[rank].x[j, :c])
