@@ -27,7 +27,7 @@ from .layout import token_rank_mask
 from .placement_map import ExpertPlacement
 from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
 from .stats import CommStats
-from .wire import FieldSpec, RowFormat
+from .wire import FieldSpec, RowFormat, wide_pair, widest_view
 
 
 @dataclass
@@ -112,7 +112,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     send_fields = fmt.views(send.view(num_ranks * slots_per_block, fmt.row_bytes))
     send_row = dest * slots_per_block + position[token, dest]
     for name, value in payload.items():
-        send_fields[name].index_copy_(0, send_row, value.index_select(0, token))
+        target, source = wide_pair(send_fields[name], value)
+        target.index_copy_(0, send_row, source.index_select(0, token))
     send_fields["topk"].index_copy_(0, send_row, torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
     counts = mask.sum(0, dtype=torch.int64)
     send[:, max_tokens, :8] = counts.unsqueeze(1).view(torch.uint8)
@@ -152,8 +153,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         pair_row = src_row[slot_plan.row]
         target_row = slot_plan.local_expert * slots_per_expert + slot_plan.slot
         for name, target in targets.items():
-            flat = target.view(num_local * slots_per_expert, target.shape[-1])
-            flat.index_copy_(0, target_row, fields[name].index_select(0, pair_row))
+            flat, source = wide_pair(target.view(num_local * slots_per_expert, target.shape[-1]), fields[name])
+            flat.index_copy_(0, target_row, source.index_select(0, pair_row))
         pair_rank = src_rank[slot_plan.row]
         recv_count.copy_(slot_plan.recv_count.to(torch.int32))
         state.pair_rank = pair_rank
@@ -178,7 +179,8 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
     hidden = x.shape[2]
     row_bytes = hidden * x.element_size()
     slots = x.shape[1]
-    back = x.reshape(-1, hidden).index_select(0, state.pair_expert * slots + state.pair_slot)  # [P, H]
+    rows_in = widest_view(x.reshape(-1, hidden))
+    back = rows_in.index_select(0, state.pair_expert * slots + state.pair_slot)  # [P, H] as wide ints
     send_splits = [int(n) * row_bytes for n in state.pairs_from_rank.tolist()]
     plan = build_send_plan(token_rank_mask(topk_idx, placement))
     pair_token, pair_k, pairs_per_rank = combine_pair_order(topk_idx, plan.token_index,
@@ -197,7 +199,8 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         # k-ascending order (index_add_ walks its index in order), the reference's order
         order = torch.argsort(pair_token * topk + pair_k)
         tokens, ks = pair_token[order], pair_k[order]
-        scaled = rows.index_select(0, order).float().mul_(topk_weights.float()[tokens, ks].unsqueeze(1))
+        ordered = widest_view(rows).index_select(0, order).view(x.dtype)
+        scaled = ordered.float().mul_(topk_weights.float()[tokens, ks].unsqueeze(1))
         acc.index_add_(0, tokens, scaled)
         stats.num_collectives = transport.num_collectives - before
         result = acc.to(x.dtype)

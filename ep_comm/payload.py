@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .wire import RowFormat
+from .wire import RowFormat, wide_pair, widest_view
 
 BLOCK_ALIGN = 8
 BLOB_LENGTH_BYTES = 8
@@ -73,7 +73,7 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
         (spec,) = fmt.fields
         source = values[spec.name]
         tensor = source.tensor.detach()
-        rows = tensor if source.index is None else tensor.index_select(0, source.index)
+        rows = tensor if source.index is None else widest_view(tensor).index_select(0, source.index)
         return Outbox(rows.contiguous().view(torch.uint8).reshape(-1), raw, raw)
     align = _align(fmt)
     order = _layout_order(fmt, codec, payload_field)
@@ -107,7 +107,8 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
             if source.index is None:
                 block.copy_(tensor[start:start + n].reshape(n, f.width))
             else:
-                torch.index_select(tensor.reshape(-1, f.width), 0, source.index[start:start + n], out=block)
+                out, rows = wide_pair(block, tensor.reshape(-1, f.width))
+                torch.index_select(rows, 0, source.index[start:start + n], out=out)
             position += _round(n * f.nbytes, align)
         offset += size
         start += n

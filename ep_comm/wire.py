@@ -76,3 +76,33 @@ class RowFormat:
 def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
     """``[S, ...]`` any dtype -> ``[S, bytes per row]`` uint8 view of a contiguous copy."""
     return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
+
+
+_WIDE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def widest_view(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes viewed with the widest integer element the last dimension allows.
+
+    Row gathers and scatters (``index_select``, ``index_copy_``) move whole rows; on the CPU they
+    run several times faster on 8-byte elements than on 2-byte ones, and the bytes are identical.
+    """
+    if t.dim() == 0 or t.shape[-1] == 0:
+        return t
+    for dtype in _WIDE_DTYPES:
+        if dtype.itemsize < t.element_size():
+            break
+        try:
+            return t.view(dtype)
+        except RuntimeError:
+            continue
+    return t
+
+
+def wide_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`widest_view` of two tensors with rows of equal bytes, in a dtype both allow."""
+    wa, wb = widest_view(a), widest_view(b)
+    if wa.dtype == wb.dtype:
+        return wa, wb
+    narrow = wa.dtype if wa.element_size() < wb.element_size() else wb.dtype
+    return a.view(narrow), b.view(narrow)
