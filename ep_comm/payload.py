@@ -175,6 +175,17 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
     out = {}
     for f in fmt.fields:
         parts = blocks[f.name]
-        out[f.name] = (torch.cat(parts) if len(parts) > 1 else parts[0].clone()) if parts else \
-            torch.empty(0, f.width, dtype=f.dtype, device=received.device)
+        if not parts:
+            out[f.name] = torch.empty(0, f.width, dtype=f.dtype, device=received.device)
+        elif len(parts) == 1:
+            out[f.name] = parts[0].clone()
+        else:
+            out[f.name] = _cat_rows(parts)
     return out
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of row blocks, done on their widest common integer view (same bytes)."""
+    wide = [widest_view(p) for p in parts]
+    narrow = min((w.dtype for w in wide), key=lambda d: d.itemsize)
+    return torch.cat([p.view(narrow) for p in parts]).view(parts[0].dtype)
