@@ -24,11 +24,17 @@ SMALL = ["--ranks", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "
 
 
 # -- option validation -----------------------------------------------------------------------
+def test_repeated_list_values_count_once():
+    cfg = parse_args(["--mode", "normal,normal", "--codec", "none,none,fp8"])
+    assert cfg.modes == ("normal",) and cfg.codecs == ("none", "fp8")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ranks", "3", "--experts", "8"], "must be divisible by the number of ranks"),
     (["--experts", "8", "--topk", "9", "--ranks", "2"], "cannot exceed --experts"),
     (["--hidden", "200", "--codec", "fp8"], "multiple of 128"),
     (["--mode", "low-latency", "--codec", "lossless"], "low-latency mode supports"),
+    (["--mode", "normal,low-latency", "--codec", "lossless"], "low-latency mode supports"),
     (["--tokens", "0"], "--tokens must be positive"),
     (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--codec", "zstd"], "unknown value"),

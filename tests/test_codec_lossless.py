@@ -195,3 +195,51 @@ def test_blob_type_checked():
         lossless.decode(torch.zeros(10, dtype=torch.int32))
     with pytest.raises(ValueError):
         lossless.decode(torch.zeros(2, 10, dtype=torch.uint8))
+
+
+def _forge(shape, chunk_values, num_values=None):
+    """A blob with a valid header, table and meta checksum whose chunk directory is all zeros:
+    it declares ``shape`` but carries no payload."""
+    import struct
+
+    count = num_values
+    if count is None:
+        count = 1
+        for d in shape:
+            count *= d
+    count &= (1 << 64) - 1
+    chunks = (count + chunk_values - 1) // chunk_values
+    entries = [(256, 2048)] if count else []
+    header = bytearray(struct.pack("<IBBHIIQII", 0x424C5045, 1, len(shape), len(entries), chunk_values, chunks,
+                                   count, 0, 0))
+    for d in shape:
+        header += struct.pack("<Q", d)
+    for symbol, freq in entries:
+        header += struct.pack("<HH", symbol, freq)
+    while len(header) % 4:
+        header += b"\0"
+    checksum = 0
+    for i in range(len(header)):
+        if i < 24 or i >= 28:
+            checksum = (checksum + header[i] * (2 * i + 1)) & 0xFFFFFFFF
+    struct.pack_into("<I", header, 24, checksum)
+    header += b"\0" * (16 * chunks)
+    return torch.frombuffer(header, dtype=torch.uint8).clone()
+
+
+@pytest.mark.parametrize("shape,chunk_values,num_values", [
+    ([2**36], 2**24, None),          # 128 GiB declared by a 64 KiB blob
+    ([2**31], 2**24, None),          # 4 GiB declared
+    ([2**40, 2**24], 2**24, 0),      # shape product wraps around 2**64
+])
+def test_forged_headers_are_rejected_before_allocating(shape, chunk_values, num_values):
+    blob = _forge(shape, chunk_values, num_values)
+    with pytest.raises(ValueError):
+        lossless.shape_of(blob)
+    with pytest.raises(ValueError):
+        lossless.decode(blob)
+
+
+def test_dimensions_beyond_the_format_are_rejected_by_encode():
+    with pytest.raises(ValueError, match="x"):
+        lossless.encode(torch.empty(0, 2**49, dtype=torch.bfloat16))

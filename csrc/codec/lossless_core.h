@@ -268,8 +268,9 @@ EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
   for (uint32_t d = 0; d < h.ndim; ++d) {
     h.shape[d] = load_le<uint64_t>(blob + kHeaderBytes + 8ull * d);
     if (h.shape[d] > kMaxValues) return kErrShape;
+    // checked before multiplying, so the product cannot wrap around
+    if (h.shape[d] != 0 && product > kMaxValues / h.shape[d]) return kErrShape;
     product = product * h.shape[d];
-    if (product > kMaxValues) return kErrShape;
   }
   if (product != h.num_values) return kErrShape;
   h.directory_offset = directory_offset_for(h.ndim, h.num_table_entries);

@@ -191,6 +191,18 @@ void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
   if (st != kOk) fail(st);
   st = read_table(blob, p.h, p.freq, p.start);
   if (st != kOk) fail(st);
+  // the chunk directory must account for exactly the blob's bytes: checked here, before any
+  // caller allocates the declared shape (a forged header must not cost memory)
+  uint64_t offset = p.h.data_offset;
+  for (uint64_t c = 0; c < p.h.num_chunks; ++c) {
+    const uint32_t n = chunk_count(p.h, c);
+    const ChunkEntry e = read_entry(blob, p.h, c);
+    st = check_entry(e, n);
+    if (st != kOk) fail(st);
+    offset += align4(payload_bytes(e, n));
+    if (offset > size) fail(kErrSize);
+  }
+  if (offset != size) fail(kErrSize);
 }
 
 const uint8_t* blob_data(const py::buffer_info& info, uint64_t& size) {

@@ -116,9 +116,9 @@ class BenchConfig:
             bad = [v for v in values if v not in allowed]
             if bad:
                 raise ConfigError(f"{name}: unknown value(s) {bad}; choose from {list(allowed)}")
-        if self.modes == ("low-latency",) and not self.mode_codecs("low-latency"):
+        if "low-latency" in self.modes and not self.mode_codecs("low-latency"):
             raise ConfigError(f"low-latency mode supports --codec {' or '.join(LOW_LATENCY_CODECS)}, "
-                              f"got {list(self.codecs)}")
+                              f"got {list(self.codecs)}; add one of them or drop low-latency from --mode")
         uses_fp8 = "fp8" in self.codecs
         if uses_fp8 and self.hidden % 128:
             raise ConfigError(f"--codec fp8 needs --hidden to be a multiple of 128 (one scale per 128 "
@@ -190,7 +190,7 @@ def _csv(kind: type, choices: tuple | None = None):
         items = [s.strip() for s in text.split(",") if s.strip()]
         if choices is not None and "both" in items:
             items = [c for c in choices if c not in items] + [c for c in items if c != "both"]
-        return tuple(kind(s) for s in items)
+        return tuple(dict.fromkeys(kind(s) for s in items))  # repeated values once, order kept
 
     return parse
 

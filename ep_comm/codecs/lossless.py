@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - the host build is part of every instal
     _host = None
 
 DEFAULT_CHUNK_VALUES = 65536
+MAX_DIMENSION = 1 << 48
 
 
 def _lib():
@@ -46,6 +47,8 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a bfloat16 tensor, got {got}")
+    if any(d > MAX_DIMENSION for d in x.shape):
+        raise ValueError(f"x has a dimension above 2**48 (shape {tuple(x.shape)}), which blobs cannot describe")
     bits = x.detach().to("cpu").contiguous().view(torch.int16).reshape(-1).numpy()
     blob = _lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd)
     return torch.from_numpy(blob)
