@@ -83,7 +83,6 @@ class Buffer:
         self._placement: ExpertPlacement | None = None
         if expert_placement is not None:
             self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
-            self._check_no_replication(expert_placement)
         self.transport: Transport = self._make_transport(backend)
         self.backend = self.transport.name
         self.last_stats: CommStats | None = None
@@ -103,10 +102,6 @@ class Buffer:
         if backend in ("nccl", "rccl") and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-
-    def _check_no_replication(self, expert_placement: torch.Tensor) -> None:
-        if expert_placement.dim() != 1:
-            raise ValueError("expert_placement must be a 1-D [num_experts] tensor")
 
     def _make_transport(self, backend: str) -> Transport:
         from .backends.torch_dist import TorchDistTransport

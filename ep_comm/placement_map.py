@@ -44,7 +44,8 @@ class ExpertPlacement:
     def from_expert_to_rank(expert_to_rank: torch.Tensor, num_ranks: int) -> "ExpertPlacement":
         """Builds the placement from an ``[E]`` integer tensor of owning ranks."""
         if not isinstance(expert_to_rank, torch.Tensor) or expert_to_rank.dim() != 1:
-            raise ValueError("expert_placement must be a 1-D integer tensor [num_experts]")
+            raise ValueError("expert_placement must be a 1-D integer tensor [num_experts] giving each expert "
+                             "exactly one rank (replicated experts are not supported)")
         if expert_to_rank.dtype.is_floating_point or expert_to_rank.dtype == torch.bool:
             raise ValueError(f"expert_placement must be an integer tensor, got {expert_to_rank.dtype}")
         owners = expert_to_rank.detach().to("cpu", torch.int64)
