@@ -29,6 +29,9 @@ from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
 from .stats import CommStats
 from .wire import FieldSpec, RowFormat, wide_pair, widest_view
 
+COMBINE_BLOCK_ROWS = 128
+"""Rows reduced per step in the low-latency combine (bounds its float32 temporaries)."""
+
 
 @dataclass
 class LowLatencyDispatchOutput:
@@ -199,9 +202,14 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         # k-ascending order (index_add_ walks its index in order), the reference's order
         order = torch.argsort(pair_token * topk + pair_k)
         tokens, ks = pair_token[order], pair_k[order]
-        ordered = widest_view(rows).index_select(0, order).view(x.dtype)
-        scaled = ordered.float().mul_(topk_weights.float()[tokens, ks].unsqueeze(1))
-        acc.index_add_(0, tokens, scaled)
+        weights = topk_weights.float()[tokens, ks].unsqueeze(1)
+        wide_rows = widest_view(rows)
+        # consecutive blocks of the sorted pairs keep each token's k order, and keep the float32
+        # temporaries small enough to be reused instead of faulted in
+        for start in range(0, order.numel(), COMBINE_BLOCK_ROWS):
+            block = slice(start, start + COMBINE_BLOCK_ROWS)
+            scaled = wide_rows.index_select(0, order[block]).view(x.dtype).float().mul_(weights[block])
+            acc.index_add_(0, tokens[block], scaled)
         stats.num_collectives = transport.num_collectives - before
         result = acc.to(x.dtype)
         if out is not None:
