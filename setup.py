@@ -30,7 +30,7 @@ def cpu_extensions():
 
 
 class BuildExt(CudaBuildExt, build_ext):
-    pass
+    """setuptools' build_ext plus the nvcc/NVSHMEM steps of tools/cuda_build.py."""
 
 
 setup(
