@@ -7,6 +7,7 @@ A task that does not finish within its timeout kills the pool, which restarts on
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import time
@@ -107,10 +108,8 @@ class RankPool:
 
     def close(self) -> None:
         for q in getattr(self, "_tasks", []):
-            try:
+            with contextlib.suppress(Exception):  # the queue may already be broken
                 q.put(None)
-            except Exception:  # noqa: BLE001 - the queue may already be broken
-                pass
         deadline = time.monotonic() + 3.0
         for p in self._procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.01))

@@ -218,8 +218,8 @@ def _event_and_bias(rank, world, group):
     ev.current_stream_wait()
     rx, _, rw, _, handle, ev2 = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
                                              is_token_in_rank=in_rank, previous_event=ev, async_finish=True)
-    with ev2:
-        pass
+    with ev2:  # DeepEP's "with event:" form waits on exit
+        assert rx.shape[1] == x.shape[1]
     bias = torch.ones_like(x)
     combined, _, ev3 = buf.combine(rx, handle, bias=(bias, bias), previous_event=ev2)
     plain, _, _ = buf.combine(rx, handle)

@@ -134,12 +134,7 @@ __attribute__((target("avx2,popcnt"))) inline void encode_chunk_avx2(const uint1
   // the partial top step first (coding runs backwards), scalar
   for (int l = int(n - full_steps * kLanes) - 1; l >= 0; --l) {
     const EncSym& s = syms[symbol_of(v[full_steps * kLanes + l])];
-    uint32_t x = st[l];
-    uint32_t need = uint64_t(x) >= s.x_max ? 1u : 0u;
-    cursor[-1] = static_cast<uint16_t>(x & 0xFFFFu);
-    cursor -= need;
-    x >>= need << 4;
-    st[l] = enc_put(x, s);
+    st[l] = enc_step(st[l], s, cursor);
   }
   const CompressTable& ct = compress_table();
   const __m256i ff = _mm256_set1_epi32(0xFF), zero = _mm256_setzero_si256(), lo16 = _mm256_set1_epi32(0xFFFF);

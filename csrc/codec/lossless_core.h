@@ -187,6 +187,16 @@ EP_HD uint32_t enc_put(uint32_t x, const EncSym& s) {
   uint32_t q = static_cast<uint32_t>(mulhi64(x, s.rcp)) + (x & s.bypass);
   return (q << kProbBits) + (x - q * s.freq) + s.start;
 }
+
+// One rANS encode step: renormalise (write at most one 16-bit word just below `cursor`, moving it
+// down only when the word is kept) and code `s`. Branch-free; the host, AVX2 and GPU coders share it.
+EP_HD uint32_t enc_step(uint32_t x, const EncSym& s, uint16_t*& cursor) {
+  const uint32_t need = uint64_t(x) >= s.x_max ? 1u : 0u;
+  cursor[-1] = static_cast<uint16_t>(x & 0xFFFFu);
+  cursor -= need;
+  x >>= need << 4;
+  return enc_put(x, s);
+}
 // Decoder table entry of a slot: symbol (9 bits) << 23 | freq (12 bits) << 11 | slot - start.
 EP_HD uint32_t dec_entry(uint32_t symbol, uint32_t freq, uint32_t bias) {
   return (symbol << 23) | (freq << kProbBits) | bias;
@@ -354,14 +364,8 @@ EP_HD void encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint3
       for (int l = top - 1; l >= 0; --l) {
         uint32_t i = t * kLanes + uint32_t(l);
         const EncSym& s = syms[symbol_of(v[i])];
-        uint32_t x = states[l];
-        // branch-free renormalisation: cursor[-1] is always inside the n-word area, since at
-        // most one word was written per value coded so far
-        uint32_t need = uint64_t(x) >= s.x_max ? 1u : 0u;
-        cursor[-1] = static_cast<uint16_t>(x & 0xFFFFu);
-        cursor -= need;
-        x >>= need << 4;
-        states[l] = enc_put(x, s);
+        // cursor[-1] is always inside the n-word area: at most one word per value coded so far
+        states[l] = enc_step(states[l], s, cursor);
       }
     }
   }

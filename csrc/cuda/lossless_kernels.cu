@@ -17,6 +17,19 @@ struct ShapeArg {
   uint64_t dims[kMaxDims];
 };
 
+// Hands out 256-byte-aligned pieces of one workspace allocation; with a null base it only
+// measures (the same call sizes the allocation and then carves it).
+struct Carver {
+  char* base;
+  size_t off = 0;
+  template <typename T>
+  T* take(size_t bytes) {
+    char* p = base ? base + off : nullptr;
+    off = (off + bytes + 255) & ~size_t(255);
+    return reinterpret_cast<T*>(p);
+  }
+};
+
 // Encoder workspace, carved out of one allocation.
 struct EncWs {
   unsigned long long* counts;  // [257]
@@ -29,22 +42,17 @@ struct EncWs {
 };
 
 size_t carve(uint64_t chunks, uint32_t cv, char* base, EncWs* ws) {
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* p = base ? base + off : nullptr;
-    off = (off + bytes + 255) & ~size_t(255);
-    return p;
-  };
+  Carver c{base};
   EncWs w;
-  w.counts = reinterpret_cast<unsigned long long*>(take(8 * kNumSymbols));
-  w.syms = reinterpret_cast<EncSym*>(take(sizeof(EncSym) * kNumSymbols));
-  w.num_entries = reinterpret_cast<uint32_t*>(take(4));
-  w.entries = reinterpret_cast<ChunkEntry*>(take(sizeof(ChunkEntry) * chunks));
-  w.states = reinterpret_cast<uint32_t*>(take(4ull * kLanes * chunks));
-  w.offsets = reinterpret_cast<uint64_t*>(take(8 * (chunks + 1)));
-  w.scratch = reinterpret_cast<uint8_t*>(take(3ull * cv * chunks));
+  w.counts = c.take<unsigned long long>(8 * kNumSymbols);
+  w.syms = c.take<EncSym>(sizeof(EncSym) * kNumSymbols);
+  w.num_entries = c.take<uint32_t>(4);
+  w.entries = c.take<ChunkEntry>(sizeof(ChunkEntry) * chunks);
+  w.states = c.take<uint32_t>(4ull * kLanes * chunks);
+  w.offsets = c.take<uint64_t>(8 * (chunks + 1));
+  w.scratch = c.take<uint8_t>(3ull * cv * chunks);
   if (ws) *ws = w;
-  return off;
+  return c.off;
 }
 
 __global__ void histogram_kernel(const uint16_t* v, uint64_t n, unsigned long long* counts) {
@@ -217,18 +225,13 @@ struct DecWs {
 };
 
 size_t carve_dec(uint64_t chunks, char* base, DecWs* ws) {
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* p = base ? base + off : nullptr;
-    off = (off + bytes + 255) & ~size_t(255);
-    return p;
-  };
+  Carver c{base};
   DecWs w;
-  w.table = reinterpret_cast<uint32_t*>(take(4 * kProbScale));
-  w.offsets = reinterpret_cast<uint64_t*>(take(8 * (chunks + 1)));
-  w.header = reinterpret_cast<Header*>(take(sizeof(Header)));
+  w.table = c.take<uint32_t>(4 * kProbScale);
+  w.offsets = c.take<uint64_t>(8 * (chunks + 1));
+  w.header = c.take<Header>(sizeof(Header));
   if (ws) *ws = w;
-  return off;
+  return c.off;
 }
 
 // One thread: every check of the host decoder before any chunk is touched.
