@@ -31,7 +31,7 @@ $PY -c "import json, ep_comm._build as b; print(json.dumps(b.build_info()))" | t
 
 summary "GPU tests"
 export EP_COMM_GPU_REPORT="$OUT/report.txt"; rm -f "$EP_COMM_GPU_REPORT"
-timeout 180 $PY -m pytest -q -m gpu tests/gpu -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+timeout 240 $PY -m pytest -q -m gpu tests/gpu -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
 
 summary "benchmark"

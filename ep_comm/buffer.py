@@ -15,6 +15,7 @@ from .codecs.auto import AutoCodecPolicy, choose_codec
 from .config import Config, default_combine_config, default_dispatch_config
 from .errors import CommTimeoutError
 from .event import EventOverlap, finish_event, wait_previous
+from .fused import FusedKernels, KernelCapabilities, KernelPlan, gather_hostnames, plan_kernels
 from .handle import DispatchHandle, LowLatencyHandle
 from .layout import align_up, compute_dispatch_layout
 from .placement_map import ExpertPlacement
@@ -46,7 +47,10 @@ class Buffer:
         low_latency_mode: whether the low-latency calls will be used (kept for DeepEP parity).
         num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM backend).
         backend: ``"auto"`` (NVSHMEM when built and on NVIDIA GPUs, else torch), ``"torch"`` or
-            ``"nvshmem"``.
+            ``"nvshmem"``. With NVSHMEM and 1..8 ranks on one host, normal and low-latency calls
+            run the fused CUDA kernels (``ep_comm.fused``; ``kernel_plan`` says which and why);
+            ``backend="nvshmem"`` puts the Buffer on this process's current CUDA device even over
+            a gloo group (the group then only bootstraps).
         timeout_s: the longest any call waits for a peer before ``CommTimeoutError``.
         expert_placement: optional ``[E]`` int64 map from global expert to owning rank (default:
             contiguous ``E / R`` blocks).
@@ -76,7 +80,7 @@ class Buffer:
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.buffer_id = next(_buffer_ids)
-        self.device = self._pick_device(group)
+        self.device = self._pick_device(group, backend)
         # gloo stages payloads through host memory, so it takes tensors on any device (a
         # mixed-vendor job's GPUs); NCCL/RCCL take tensors on this rank's GPU only
         self._input_device: torch.device | None = None if str(dist.get_backend(group)) == "gloo" else self.device
@@ -85,6 +89,8 @@ class Buffer:
             self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
         self.transport: Transport = self._make_transport(backend)
         self.backend = self.transport.name
+        self.kernel_plan = KernelPlan(False, False, f"the {self.backend} transport moves bytes only")
+        self._fused = self._make_fused()
         self.last_stats: CommStats | None = None
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
@@ -97,7 +103,9 @@ class Buffer:
 
     # -- construction helpers ------------------------------------------------------------------
     @staticmethod
-    def _pick_device(group: dist.ProcessGroup) -> torch.device:
+    def _pick_device(group: dist.ProcessGroup, backend: str = "auto") -> torch.device:
+        if backend == "nvshmem" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
         backend = str(dist.get_backend(group))
         if backend in ("nccl", "rccl") and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
@@ -121,6 +129,26 @@ class Buffer:
                                             num_qps_per_rank=self.num_qps_per_rank)
         instance_id = TorchDistTransport.agree_instance_id(self.group)
         return TorchDistTransport(self.group, self.timeout_s, self.device, instance_id)
+
+    def _make_fused(self) -> FusedKernels | None:
+        """The fused-kernel path (``ep_comm/fused.py``) when ``plan_kernels`` allows it
+        (collective: all-gathers the hostnames)."""
+        if self.transport.name != "nvshmem":
+            return None
+        from .backends.nvshmem import _cuda
+
+        caps = KernelCapabilities("nvshmem", True, bool(_cuda().nvshmem_built()), self.device.type,
+                                  gather_hostnames(self.group))
+        self.kernel_plan = plan_kernels(caps)
+        if not (self.kernel_plan.intranode or self.kernel_plan.low_latency):
+            return None
+        return FusedKernels(self.group, self.device, self.kernel_plan, self.timeout_s)
+
+    def close(self) -> None:
+        """Releases the fused kernels' buffers (CUDA IPC mappings, NVSHMEM memory). Collective:
+        every rank calls it together; later calls make them again."""
+        if self._fused is not None:
+            self._fused.close()
 
     def placement(self, num_experts: int) -> ExpertPlacement:
         """The expert -> rank map for ``num_experts`` experts."""
@@ -366,8 +394,13 @@ class Buffer:
             require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self._input_device)
             require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
 
-        out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
-                              is_token_in_rank, placement, codec_name)
+        if self._fused is not None and self._fused.dispatch_reason(
+                x, topk_idx, topk_weights, codec_name, bool(self.masked_ranks)) is None:
+            out = self._fused.dispatch(self.buffer_id, x, topk_idx, topk_weights, placement,
+                                       max(1, self.num_sms // 2))
+        else:
+            out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
+                                  is_token_in_rank, placement, codec_name)
         self._record(out.stats, dropped)
         handle_out = replace(out.handle, mask_epoch=self.mask_epoch)
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
@@ -466,8 +499,12 @@ class Buffer:
                 require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
                 require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
         wait_previous(previous_event)
-        combined, combined_w, stats = normal.combine(self.transport, handle, x, topk_weights, biases,
-                                                     codec_name)
+        if self._fused is not None and self._fused.combine_reason(
+                handle, x, topk_weights, len(biases), codec_name, bool(self.masked_ranks)) is None:
+            combined, combined_w, stats = self._fused.combine(handle, x, topk_weights)
+        else:
+            combined, combined_w, stats = normal.combine(self.transport, handle, x, topk_weights, biases,
+                                                         codec_name)
         self._record(stats)
         if combined_w is not None and combined_w.dtype != torch.float64:
             combined_w = combined_w.float()
@@ -524,16 +561,20 @@ class Buffer:
             require_shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           (num_local,))
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
-        out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                   placement, use_fp8, round_scale, use_ue8m0,
-                                   self._low_latency_receive_area(num_local, num_max_dispatch_tokens_per_rank,
-                                                                  x, use_fp8, use_ue8m0))
+        area = self._low_latency_receive_area(num_local, num_max_dispatch_tokens_per_rank, x, use_fp8,
+                                              use_ue8m0)
+        if self._fused is not None and self._fused.low_latency_reason(x.shape[1], bool(self.masked_ranks)) is None:
+            out = self._fused.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, placement,
+                                                   use_fp8, round_scale, use_ue8m0, area)
+        else:
+            out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                       placement, use_fp8, round_scale, use_ue8m0, area)
         self._record(out.stats, dropped)
         handle = LowLatencyHandle(
             buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
             topk_idx=topk_idx.clone(), state=out.state, recv_count=out.recv_count,
-            mask_epoch=self.mask_epoch)
+            mask_epoch=self.mask_epoch, kernel=out.kernel)
 
         def receive() -> None:
             out.receive()
@@ -601,8 +642,11 @@ class Buffer:
         if out is not None:
             require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
             require_shape("out", out, (topk_idx.shape[0], handle.hidden))
-        finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
-                                            placement, out)
+        if handle.kernel is not None and self._fused is not None:
+            finish, stats = self._fused.low_latency_combine(x, topk_idx, topk_weights, handle.kernel, out)
+        else:
+            finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
+                                                placement, out)
         self._record(stats, dropped)
         result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self._input_device) \
             if out is None else out

@@ -26,6 +26,8 @@ class DispatchHandle:
             (the rows are ordered by source rank, then this index).
         mask_epoch: the Buffer's rank-mask generation when it was made (a handle from before
             ``mask_ranks``/``unmask_ranks`` is rejected).
+        kernel: engine state of a dispatch that ran on the fused NVIDIA kernels
+            (``ep_comm.fused.FusedNormalHandle``), else None.
     """
 
     buffer_id: int
@@ -39,6 +41,7 @@ class DispatchHandle:
     num_experts: int
     recv_src_token_index: torch.Tensor
     mask_epoch: int = 0
+    kernel: object | None = None
 
     @property
     def num_recv_rows(self) -> int:
@@ -78,6 +81,8 @@ class LowLatencyHandle:
         state: the receive side's routing facts (complete once the receive hook ran).
         recv_count: ``[L]`` int32 tokens per local expert.
         stats_added: whether ``cumulative_local_expert_recv_stats`` was already updated.
+        kernel: engine state of a dispatch that ran on the fused NVIDIA kernels
+            (``ep_comm.fused.FusedLowLatencyHandle``), else None.
     """
 
     buffer_id: int
@@ -90,6 +95,7 @@ class LowLatencyHandle:
     recv_count: torch.Tensor
     stats_added: bool = False
     mask_epoch: int = 0
+    kernel: object | None = None
 
     @property
     def layout_range(self) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ class LowLatencyDispatchOutput:
         state: routing facts the combine needs.
         receive: completes the exchange and fills the tensors (idempotent).
         stats: bytes moved.
+        kernel: engine state when the fused kernels ran it (``ep_comm.fused``), else None.
     """
 
     recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -51,6 +52,7 @@ class LowLatencyDispatchOutput:
     state: LowLatencyReceiveState
     receive: Callable[[], None]
     stats: CommStats
+    kernel: object | None = None
 
 
 def _row_format(hidden: int, topk: int, use_fp8: bool, use_ue8m0: bool) -> RowFormat:

@@ -3,10 +3,11 @@
 - ``NvshmemTransport``: a ``Transport`` (byte all-to-all with GPU-initiated NVSHMEM puts and
   signals), bootstrapped from the user's ``torch.distributed`` group by broadcasting the NVSHMEM
   unique id over it. NVSHMEM settings are passed explicitly (``NvshmemSettings``).
-- ``IntranodeEngine``: normal-mode layout/dispatch/combine through peer buffers (NVLink peers, or
-  ``R`` virtual ranks of one process on one GPU for tests), fused into the kernels of
-  ``csrc/cuda/layout.cu`` and ``intranode.cu``.
-- ``LowLatencyEngine``: the low-latency kernels of ``csrc/cuda/low_latency.cu``.
+- ``IntranodeEngine``: normal-mode layout/dispatch/combine through peer buffers (NVLink peers
+  mapped with CUDA IPC, ``cuda_ipc.py``, or ``R`` virtual ranks of one process on one GPU for
+  tests), fused into the kernels of ``csrc/cuda/layout.cu`` and ``intranode.cu``.
+- ``LowLatencyEngine``: the low-latency kernels of ``csrc/cuda/low_latency.cu`` over NVSHMEM
+  symmetric memory (or virtual ranks).
 
 Buffer byte layouts are defined once in ``csrc/common/buffer_layout.h``; sizes are read through
 ``ep_comm._host`` so Python and the kernels agree. Every kernel wait is bounded: a timeout is
@@ -15,6 +16,7 @@ recorded in a pinned host record and raised here as ``CommTimeoutError`` naming 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from ..errors import CommTimeoutError
 from ..placement_map import ExpertPlacement
 from .base import PendingExchange, Transport
+from .cuda_ipc import IpcPeerBuffers
 
 _TIMED_OUT, _OVERFLOW = 1, 2
 
@@ -262,7 +265,7 @@ class NvshmemTransport(Transport):
 
 # ---- peer buffers: virtual ranks, or NVSHMEM symmetric memory ----------------------------------
 class PeerBuffers:
-    """One communication buffer per rank, as this process addresses them.
+    """One communication buffer per rank, as this process addresses them (low-latency engine).
 
     ``group=None``: ``num_ranks`` virtual ranks, every buffer allocated here (tests, one GPU).
     Otherwise one NVSHMEM symmetric buffer per PE of ``group``; ``peers[r]`` is ``nvshmem_ptr``
@@ -291,7 +294,9 @@ class PeerBuffers:
         self.local_ranks = [pe]
 
     def close(self) -> None:
+        """Frees the buffers (``nvshmem_free`` is collective over the PEs)."""
         if self.symmetric:
+            torch.cuda.synchronize()
             self.cuda.nvshmem_free(self.symmetric)
             self.symmetric = 0
         self._tensors = []
@@ -318,14 +323,18 @@ class IntranodeEngine:
     With ``group=None`` it allocates ``num_ranks`` buffers on this process's GPU and runs every
     rank here (virtual ranks: one launch covers all ranks, each rank gets ``2 * num_channels``
     blocks, so keep ``num_ranks * 2 * num_channels`` below the SM count). With a group, each
-    process runs its own rank over NVSHMEM symmetric buffers reached through ``nvshmem_ptr``
-    (NVLink peers). Lists passed to the calls hold one entry per rank in ``local_ranks``.
+    process runs its own rank over buffers mapped with CUDA IPC (``cuda_ipc.IpcPeerBuffers``;
+    NVLink peers or processes sharing one GPU); construction and ``close()`` are then collective,
+    and every rank must make the same sequence of calls. No extra barrier is needed between
+    calls: the notify and the combine start with a barrier across the ranks that every rank joins
+    only after its previous kernels finished (stream order), and a rank resets only its own rings.
+    Lists passed to the calls hold one entry per rank in ``local_ranks``.
     """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
                  num_topk: int, max_hidden_bytes: int, num_channels: int = 4, ring_slots: int = 64,
-                 timeout_s: float = 60.0, max_scales: int = 0, group: dist.ProcessGroup | None = None,
-                 settings: NvshmemSettings | None = None) -> None:
+                 timeout_s: float = 60.0, max_scales: int = 0,
+                 group: dist.ProcessGroup | None = None) -> None:
         num_ranks = _group_size(group, num_ranks)
         if not 1 <= num_ranks <= 8:
             raise ValueError(f"the intranode engine runs 1..8 ranks, got {num_ranks}")
@@ -344,10 +353,11 @@ class IntranodeEngine:
         self.ring_slots = ring_slots
         lay = host.routing_intranode_layout(num_ranks, num_channels, self.max_local, ring_slots,
                                             self.row_bytes)
-        self.buffers = PeerBuffers(lay["total_bytes"], num_ranks, self.device, group, settings)
-        if not all(self.buffers.peers):
-            raise ValueError("the intranode engine needs every rank's buffer load/store reachable "
-                             "(NVLink peers); use the internode transport across nodes")
+        if group is None:
+            self.buffers: PeerBuffers | IpcPeerBuffers = PeerBuffers(lay["total_bytes"], num_ranks,
+                                                                     self.device, None, None)
+        else:
+            self.buffers = IpcPeerBuffers(int(lay["total_bytes"]), group, self.device)
         self.local_ranks = self.buffers.local_ranks
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
         self.e2l = placement.expert_to_local.to(self.device, torch.int32)
@@ -368,6 +378,10 @@ class IntranodeEngine:
         torch.cuda.current_stream(self.device).synchronize()
         for record in self.records:
             record.check()
+
+    def close(self) -> None:
+        """Releases the peer buffers (collective with a group: see ``IpcPeerBuffers.close``)."""
+        self.buffers.close()
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, ranks_per_node: int = 8
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -393,7 +407,10 @@ class IntranodeEngine:
                  threads: int = 256) -> list[dict]:
         """Dispatches every virtual rank's tokens; returns per rank ``{"recv_x", "recv_scales",
         "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "num_recv_tokens_per_expert",
-        "handle"}`` with rows ordered by source rank, then source token."""
+        "recv_counts", "layout", "handle"}`` with rows ordered by source rank, then source token.
+        ``recv_counts`` is ``[R]`` int64 (CPU), rows from each source rank; ``layout`` is this
+        rank's ``(num_tokens_per_rank [R], None, num_tokens_per_expert [E], is_token_in_rank
+        [N, R])``."""
         r, c, k = self.num_ranks, self.num_channels, self.num_topk
         hidden_bytes = xs[0].shape[1] * xs[0].element_size()
         if hidden_bytes % 16 or hidden_bytes > self.max_hidden_bytes:
@@ -427,6 +444,8 @@ class IntranodeEngine:
                    "recv_src_idx": torch.empty(m, dtype=torch.int32, device=self.device)}
             local = self.placement.num_local_experts[rank]
             out["num_recv_tokens_per_expert"] = metas_cpu[i][r * c: r * c + int(local)].tolist()
+            out["recv_counts"] = metas_cpu[i][: r * c].view(r, c).sum(1, dtype=torch.int64)
+            out["layout"] = layouts[i]
             out["handle"] = IntranodeHandle(metas[i], layouts[i][3], x.shape[0], m)
             w = topk_weights[i]
             out["_keep"] = (x, topk_idx[i].to(self.device, torch.int64).contiguous(),
@@ -499,10 +518,30 @@ class LowLatencyResult:
     layout_range: torch.Tensor
 
 
+@dataclass
+class LowLatencyLaunch:
+    """A low-latency call whose send kernel is queued; ``finish_*`` launches its receive.
+
+    Attributes:
+        ranks: the per-rank kernel arguments. flags: ``(use_fp8, round_scale, use_ue8m0)``.
+        keep: tensors the kernels read, kept alive until the receive ran.
+    """
+
+    ranks: list[dict]
+    flags: tuple[bool, bool, bool]
+    keep: list[torch.Tensor | None]
+
+
 class LowLatencyEngine:
     """Low-latency dispatch/combine among up to 8 ranks: virtual ranks on one GPU
     (``group=None``), or one rank per process over NVSHMEM (loads/stores to NVLink peers, puts to
-    the others). Lists passed to the calls hold one entry per rank in ``local_ranks``."""
+    the others). Lists passed to the calls hold one entry per rank in ``local_ranks``.
+
+    Each call is a send (``start_*``) and a receive (``finish_*``). With a group, every send is
+    preceded by an NVSHMEM barrier on the stream: a rank's next send must not overwrite a peer's
+    staging rows or re-arm its flags while that peer still receives the previous call (two
+    dispatches, or two combines, in a row). Virtual ranks run in stream order and need none.
+    """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
                  max_tokens: int, hidden: int, num_topk: int, timeout_s: float = 60.0,
@@ -520,6 +559,7 @@ class LowLatencyEngine:
                                               max_tokens, num_topk, hidden)
         self.buffers = PeerBuffers(lay["total_bytes"], num_ranks, self.device, group, settings)
         self.local_ranks = self.buffers.local_ranks
+        self.multi_process = group is not None
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
         self.e2l = placement.expert_to_local.to(self.device, torch.int32)
         self.records = [TimeoutRecord() for _ in self.local_ranks]
@@ -533,46 +573,102 @@ class LowLatencyEngine:
                 "max_tokens": self.max_tokens, "hidden": self.hidden, "timeout_ns": self.timeout_ns}
 
     def _check(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.multi_process:
+            self._wait_bounded()
+        else:
+            torch.cuda.current_stream(self.device).synchronize()
         for record in self.records:
             record.check()
 
-    def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor], use_fp8: bool = False,
-                 round_scale: bool = False, use_ue8m0: bool = False) -> list[LowLatencyResult]:
-        """Send and receive phases for every virtual rank; ``xs[i]`` is ``[N_i, H]`` bf16."""
+    def _wait_bounded(self) -> None:
+        """Waits for the stream, but not forever: the NVSHMEM barrier before a send has no
+        timeout of its own, so a peer that never calls would hang the stream. After the
+        kernels' timeout (plus a grace period) this raises ``CommTimeoutError``, naming the peer
+        when a kernel recorded one."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        started = time.monotonic()
+        deadline = started + self.timeout_ns / 1e9 + 5.0
+        while not event.query():
+            if time.monotonic() > deadline:
+                for record in self.records:
+                    record.check()
+                raise CommTimeoutError(
+                    f"ep_comm low_latency/barrier: rank {self.local_ranks[0]} waited "
+                    f"{time.monotonic() - started:.1f}s at the NVSHMEM barrier before a send; a peer "
+                    "did not call (could not tell which; the GPU stream stays blocked)", peers=[],
+                    phase="low_latency/barrier")
+            time.sleep(0)
+
+    def _before_send(self) -> None:
+        for rec in self.records:
+            rec.reset()
+        if self.multi_process:
+            self.cuda.nvshmem_barrier_on_stream(_stream(self.device))
+
+    def close(self) -> None:
+        """Frees the buffers (collective over the PEs with a group)."""
+        self.buffers.close()
+
+    def result_tensors(self, rank: int, use_fp8: bool, use_ue8m0: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fresh ``recv_x`` (``[L, R*T, H]`` bf16 or e4m3) and scales (``[L, R*T, H/128]``
+        float32, ``[L, R*T, H/512]`` int32 with UE8M0, or None) for ``rank``."""
+        r, t, h = self.num_ranks, self.max_tokens, self.hidden
+        local, dev = int(self.placement.num_local_experts[rank]), self.device
+        recv_x = torch.empty(local, r * t, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                             device=dev)
+        scales = None
+        if use_fp8:
+            scales = (torch.empty(local, r * t, h // 512, dtype=torch.int32, device=dev) if use_ue8m0
+                      else torch.empty(local, r * t, h // 128, dtype=torch.float32, device=dev))
+        return recv_x, scales
+
+    def start_dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor], use_fp8: bool = False,
+                       round_scale: bool = False, use_ue8m0: bool = False,
+                       outputs: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+                       ) -> tuple[list[LowLatencyResult], LowLatencyLaunch]:
+        """Queues the send phase; ``xs[i]`` is ``[N_i, H]`` bf16, ``topk_idx[i]`` ``[N_i, K]``.
+        ``outputs[i]``: ``(recv_x, scales)`` to receive into (``result_tensors``' shapes)."""
         r, t, h = self.num_ranks, self.max_tokens, self.hidden
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
         if use_ue8m0 and h % 512:
             raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {h}")
-        results, ranks = [], []
+        results, ranks, keep = [], [], []
         for i, rank in enumerate(self.local_ranks):
             x, topk = xs[i].contiguous(), topk_idx[i].to(torch.int64).contiguous()
-            if x.dtype != torch.bfloat16 or x.shape[1] != h:
+            if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != h:
                 raise ValueError(f"x must be [N, {h}] bfloat16")
+            if topk.dim() != 2 or topk.shape != (x.shape[0], self.num_topk):
+                raise ValueError(f"topk_idx must be [N, {self.num_topk}] for x of {x.shape[0]} rows")
             if x.shape[0] > t:
                 raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={t}")
-            local = int(self.placement.num_local_experts[rank])
-            dev = self.device
-            recv_x = torch.empty(local, r * t, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                                 device=dev)
-            scales = None
-            if use_fp8:
-                scales = (torch.empty(local, r * t, h // 512, dtype=torch.int32, device=dev) if use_ue8m0
-                          else torch.empty(local, r * t, h // 128, dtype=torch.float32, device=dev))
+            local, dev = int(self.placement.num_local_experts[rank]), self.device
+            recv_x, scales = outputs[i] if outputs is not None else self.result_tensors(rank, use_fp8, use_ue8m0)
             res = LowLatencyResult(recv_x, scales, torch.empty(local, dtype=torch.int32, device=dev),
                                    torch.empty(local, r * t, dtype=torch.int32, device=dev),
                                    torch.empty(local, r * t, dtype=torch.int32, device=dev),
                                    torch.empty(local, r, 2, dtype=torch.int64, device=dev))
-            results.append((res, x, topk))
+            results.append(res)
+            keep += [x, topk]
             ranks.append(self._rank(i, rank, x, topk, None, res, None))
-        flags = (use_fp8, round_scale, use_ue8m0)
-        for rec in self.records:
-            rec.reset()
-        self.cuda.low_latency_dispatch_send(self._common(), ranks, *flags, _stream(self.device))
-        self.cuda.low_latency_dispatch_recv(self._common(), ranks, *flags, _stream(self.device))
+        launch = LowLatencyLaunch(ranks, (use_fp8, round_scale, use_ue8m0), keep)
+        self._before_send()
+        self.cuda.low_latency_dispatch_send(self._common(), ranks, *launch.flags, _stream(self.device))
+        return results, launch
+
+    def finish_dispatch(self, launch: LowLatencyLaunch) -> None:
+        """Launches the receive phase, waits for it and raises what the kernels recorded."""
+        self.cuda.low_latency_dispatch_recv(self._common(), launch.ranks, *launch.flags, _stream(self.device))
         self._check()
-        return [res for res, _, _ in results]
+
+    def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor], use_fp8: bool = False,
+                 round_scale: bool = False, use_ue8m0: bool = False) -> list[LowLatencyResult]:
+        """Send and receive phases for every local rank; ``xs[i]`` is ``[N_i, H]`` bf16."""
+        results, launch = self.start_dispatch(xs, topk_idx, use_fp8, round_scale, use_ue8m0)
+        self.finish_dispatch(launch)
+        return results
 
     def _rank(self, i: int, rank: int, x: torch.Tensor, topk: torch.Tensor,
               weights: torch.Tensor | None, res: LowLatencyResult, combined: torch.Tensor | None) -> dict:
@@ -584,21 +680,38 @@ class LowLatencyEngine:
                 "layout_range": _ptr(res.layout_range), "combined_x": _ptr(combined),
                 "record": self.records[i].ptr}
 
-    def combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
-                topk_weights: list[torch.Tensor], handles: list[LowLatencyResult]) -> list[torch.Tensor]:
-        """``xs[i]`` is rank i's ``[L_i, R*T, H]`` bf16 expert output; returns ``[N, H]`` bf16 each."""
-        ranks, keep, outs = [], [], []
+    def start_combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
+                      topk_weights: list[torch.Tensor], handles: list[LowLatencyResult],
+                      outs: list[torch.Tensor] | None = None
+                      ) -> tuple[list[torch.Tensor], LowLatencyLaunch]:
+        """Queues the send phase: ``xs[i]`` is rank i's ``[L_i, R*T, H]`` bf16 expert output,
+        ``handles[i]`` its dispatch's result. Returns the ``[N, H]`` bf16 outputs (``outs`` when
+        given), filled by ``finish_combine``."""
+        ranks, keep, results = [], [], []
         for i, rank in enumerate(self.local_ranks):
             x = xs[i].to(torch.bfloat16).contiguous()
             topk = topk_idx[i].to(torch.int64).contiguous()
             w = topk_weights[i].to(torch.float32).contiguous()
-            out = torch.empty(topk.shape[0], self.hidden, dtype=torch.bfloat16, device=self.device)
-            keep.append((x, topk, w))
-            outs.append(out)
+            out = outs[i] if outs is not None else torch.empty(topk.shape[0], self.hidden,
+                                                              dtype=torch.bfloat16, device=self.device)
+            if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape != (topk.shape[0], self.hidden):
+                raise ValueError(f"out must be a contiguous [{topk.shape[0]}, {self.hidden}] bfloat16 tensor")
+            keep += [x, topk, w]
+            results.append(out)
             ranks.append(self._rank(i, rank, x, topk, w, handles[i], out))
-        for rec in self.records:
-            rec.reset()
+        launch = LowLatencyLaunch(ranks, (False, False, False), keep)
+        self._before_send()
         self.cuda.low_latency_combine_send(self._common(), ranks, _stream(self.device))
-        self.cuda.low_latency_combine_recv(self._common(), ranks, _stream(self.device))
+        return results, launch
+
+    def finish_combine(self, launch: LowLatencyLaunch) -> None:
+        """Launches the receive (weighted sum), waits for it and raises what the kernels recorded."""
+        self.cuda.low_latency_combine_recv(self._common(), launch.ranks, _stream(self.device))
         self._check()
+
+    def combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
+                topk_weights: list[torch.Tensor], handles: list[LowLatencyResult]) -> list[torch.Tensor]:
+        """``xs[i]`` is rank i's ``[L_i, R*T, H]`` bf16 expert output; returns ``[N, H]`` bf16 each."""
+        outs, launch = self.start_combine(xs, topk_idx, topk_weights, handles)
+        self.finish_combine(launch)
         return outs

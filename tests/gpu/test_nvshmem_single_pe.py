@@ -94,7 +94,7 @@ def _engines_case(rank: int, world: int) -> str:
     return "; ".join(status)
 
 
-def _spawn(world: int, timeout_s: float = 90.0) -> list[str]:
+def _spawn(world: int, timeout_s: float = 60.0) -> list[str]:
     """Runs the case on ``world`` processes sharing GPU 0; a process that hangs (e.g. inside
     NVSHMEM's own initialisation) is killed after ``timeout_s`` and reported as such."""
     manager = mp.Manager()

@@ -1,0 +1,226 @@
+"""One process per rank on one GPU: the intranode engine over CUDA IPC peer buffers, and
+``Buffer(group, backend="nvshmem")`` (fused normal and low-latency kernels) against the torch
+backend on the same inputs, plus a missing peer turning into CommTimeoutError.
+
+Two processes share GPU 0 over a gloo group (NCCL refuses two ranks on one GPU). What NVSHMEM did
+with two PEs on one GPU is appended to ``$EP_COMM_GPU_REPORT`` (bench/gpu_check.sh prints it); if
+it cannot initialise them, the Buffer test skips with that reason after trying.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+WORLD = 2
+INIT_LIMIT_S = 45.0  # NVSHMEM initialisation of two PEs on one GPU: longer means it hung
+CASE_LIMIT_S = 100.0
+
+
+def _report(line: str) -> None:
+    path = os.environ.get("EP_COMM_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, case, port: int, results) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        results[rank] = case(rank, results)
+    except Exception as error:  # noqa: BLE001 - reported to the parent
+        results[rank] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(case) -> tuple[list[str], dict]:
+    """Runs ``case(rank, shared)`` on two processes; kills them at the limits. Returns the
+    results and the shared dict (``"{rank}/stage"`` entries say how far each got)."""
+    manager = mp.Manager()
+    results = manager.dict()
+    context = mp.start_processes(_entry, args=(case, _free_port(), results), nprocs=WORLD,
+                                 start_method="spawn", join=False)
+    started = time.monotonic()
+    try:
+        while not context.join(timeout=1.0):
+            waited = time.monotonic() - started
+            in_init = any(results.get(f"{r}/stage") == "nvshmem-init" for r in range(WORLD))
+            if waited > CASE_LIMIT_S or (in_init and waited > INIT_LIMIT_S):
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                stage = {r: results.get(f"{r}/stage", "start") for r in range(WORLD)}
+                return [results.get(r, f"killed after {waited:.0f} s at stage {stage[r]}")
+                        for r in range(WORLD)], dict(results)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+        return [results.get(r, f"process error: {str(error).splitlines()[-1]}") for r in range(WORLD)], \
+            dict(results)
+    return [results.get(r, "no result") for r in range(WORLD)], dict(results)
+
+
+# -- intranode engine over CUDA IPC (no NVSHMEM involved) -----------------------------------------
+def _ipc_engine_case(rank: int, shared) -> str:
+    from _reference import normal_combine, normal_dispatch, random_routing
+
+    from ep_comm.backends.nvshmem import IntranodeEngine
+    from ep_comm.placement_map import ExpertPlacement
+
+    gen = torch.Generator().manual_seed(7)
+    e, k, hidden = 8, 4, 512
+    placement = ExpertPlacement.from_expert_to_rank(torch.randint(0, WORLD, (e,), generator=gen), WORLD)
+    eng = IntranodeEngine(WORLD, placement, torch.device("cuda"), k, hidden * 2, num_channels=3,
+                          ring_slots=16, timeout_s=20.0, group=dist.group.WORLD)
+    assert eng.local_ranks == [rank] and all(eng.buffers.peers)
+    problems = []
+    # the second and third rounds reuse the rings and barrier words; in the third rank 1 has no
+    # tokens (its weights pointer must still say "with weights")
+    for round_, counts in enumerate(([57, 91], [57, 91], [40, 0])):
+        xs = [torch.randn(n, hidden, generator=gen).bfloat16() for n in counts]
+        topks = [random_routing(gen, n, k, e) for n in counts]
+        weights = [torch.rand(n, k, generator=gen) for n in counts]
+        w_mine = weights[rank].cuda() if counts[rank] else torch.zeros(1, k, device="cuda")
+        got = eng.dispatch([xs[rank].cuda()], [topks[rank].cuda()], [w_mine])[0]
+        want = normal_dispatch(xs, topks, weights, placement)[rank]
+        for key in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
+            if not torch.equal(got[key].cpu(), want[key]):
+                problems.append(f"round {round_}: {key} differs")
+        if not torch.equal(got["recv_src_idx"].cpu().long(), want["recv_src_idx"]):
+            problems.append(f"round {round_}: recv_src_idx differs")
+        if got["num_recv_tokens_per_expert"] != want["counts"]:
+            problems.append(f"round {round_}: counts {got['num_recv_tokens_per_expert']} != {want['counts']}")
+        y = (got["recv_x"].float() * (rank + 2)).bfloat16()
+        gathered: list[object] = [None] * WORLD
+        dist.all_gather_object(gathered, y.cpu())
+        y_w = got["recv_topk_weights"] if y.shape[0] else torch.zeros(1, k, device="cuda")
+        cx, _ = eng.combine([y], [got["handle"]], [y_w])[0]
+        ref = normal_combine(gathered, topks, placement)[rank]
+        if not torch.allclose(cx.cpu().float(), ref, atol=2e-2, rtol=2e-2):
+            problems.append(f"round {round_}: combine differs by {(cx.cpu().float() - ref).abs().max()}")
+    eng.close()
+    return "ok" if not problems else "; ".join(problems)
+
+
+def test_intranode_engine_over_cuda_ipc() -> None:
+    results, _ = _spawn(_ipc_engine_case)
+    _report(f"intranode engine, 2 processes over CUDA IPC: {results}")
+    assert results == ["ok"] * WORLD, results
+
+
+# -- Buffer(backend="nvshmem") against Buffer(backend="torch") --------------------------------------
+def _inputs(rank: int, e: int, k: int, hidden: int, n: int):
+    from _reference import random_routing
+
+    gen = torch.Generator().manual_seed(500 + rank)
+    return (torch.randn(n, hidden, generator=gen).bfloat16(), random_routing(gen, n, k, e),
+            torch.rand(n, k, generator=gen))
+
+
+def _compare(problems: list[str], what: str, got, want, exact: bool = True) -> None:
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        problems.append(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    elif exact and not torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                                   want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want):
+        problems.append(f"{what} differs")
+    elif not exact and not torch.allclose(got.float(), want.float(), atol=3e-2, rtol=2e-2):
+        problems.append(f"{what} differs by {(got.float() - want.float()).abs().max():.3g}")
+
+
+def _buffer_case(rank: int, shared) -> str:
+    import ep_comm
+
+    group = dist.group.WORLD
+    shared[f"{rank}/stage"] = "nvshmem-init"
+    try:
+        fast = ep_comm.Buffer(group, backend="nvshmem", timeout_s=8.0)
+    except Exception as error:  # noqa: BLE001 - NVSHMEM could not start two PEs on this GPU
+        return f"nvshmem-init-failed: {type(error).__name__}: {error}"
+    shared[f"{rank}/stage"] = "running"
+    ref = ep_comm.Buffer(group, backend="torch")
+    problems: list[str] = []
+    if not (fast.kernel_plan.intranode and fast.kernel_plan.low_latency):
+        problems.append(f"kernel plan {fast.kernel_plan}")
+    e, k, hidden = 8, 4, 1024
+    x, topk, w = _inputs(rank, e, k, hidden, 61 + 30 * rank)
+    xc, topkc, wc = x.cuda(), topk.cuda(), w.cuda()
+
+    # normal mode
+    for round_ in range(2):
+        a = fast.dispatch(xc, topk_idx=topkc, topk_weights=wc, num_tokens_per_expert=torch.zeros(e, dtype=torch.int32))
+        if fast.last_stats.extra.get("fused_kernels") != 1.0:
+            problems.append("dispatch did not run the fused kernels")
+        b = ref.dispatch(x, topk_idx=topk, topk_weights=w, num_tokens_per_expert=torch.zeros(e, dtype=torch.int32))
+        for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+            _compare(problems, f"round {round_} {name}", a[i], b[i])
+        if a[3] != b[3]:
+            problems.append(f"round {round_} counts {a[3]} != {b[3]}")
+        y = (a[0].float() * (rank + 1.5)).bfloat16()
+        ca, wa, _ = fast.combine(y, a[4], topk_weights=a[2])
+        if fast.last_stats.extra.get("fused_kernels") != 1.0:
+            problems.append("combine did not run the fused kernels")
+        cb, wb, _ = ref.combine(y.cpu(), b[4], topk_weights=b[2])
+        _compare(problems, f"round {round_} combined_x", ca, cb)
+        _compare(problems, f"round {round_} combined_topk_weights", wa, wb, exact=False)
+    # a cached dispatch and a codec take the transport path with the same handle
+    cached = fast.dispatch(xc, handle=a[4])[0]
+    _compare(problems, "cached dispatch", cached, b[0])
+
+    # low-latency mode, bf16 and fp8, with and without the receive hook
+    t = 96
+    for use_fp8, hook in ((False, False), (True, True)):
+        ra = fast.low_latency_dispatch(xc, topkc, t, e, use_fp8=use_fp8, return_recv_hook=hook)
+        if hook:
+            ra[4]()
+        rb = ref.low_latency_dispatch(x, topk, t, e, use_fp8=use_fp8)
+        _compare(problems, f"ll fp8={use_fp8} recv_count", ra[1], rb[1])
+        for j, n in enumerate(rb[1].tolist()):
+            if use_fp8:
+                _compare(problems, f"ll fp8 expert {j} values", ra[0][0][j, :n], rb[0][0][j, :n])
+                _compare(problems, f"ll fp8 expert {j} scales", ra[0][1][j, :n], rb[0][1][j, :n])
+            else:
+                _compare(problems, f"ll expert {j} rows", ra[0][j, :n], rb[0][j, :n])
+        if not use_fp8:
+            out_a = fast.low_latency_combine(ra[0], topkc, wc, ra[2], return_recv_hook=True)
+            out_a[2]()
+            out_b = ref.low_latency_combine(rb[0], topk, w, rb[2])
+            _compare(problems, "ll combine", out_a[0], out_b[0], exact=False)
+            if fast.last_stats.extra.get("fused_kernels") != 1.0:
+                problems.append("low-latency combine did not run the fused kernels")
+
+    # a peer that never calls: the kernels give up and name it
+    if rank == 0:
+        try:
+            fast.dispatch(xc, topk_idx=topkc, topk_weights=wc, num_tokens_per_expert=torch.zeros(e, dtype=torch.int32))
+            problems.append("no CommTimeoutError when rank 1 stayed away")
+        except ep_comm.CommTimeoutError as error:
+            if error.peers != [1] or "intranode" not in error.phase:
+                problems.append(f"timeout named peers {error.peers}, phase {error.phase!r}")
+    dist.barrier()
+    return "ok" if not problems else "; ".join(problems)
+
+
+def test_buffer_nvshmem_two_processes_match_torch_backend() -> None:
+    results, shared = _spawn(_buffer_case)
+    _report(f"Buffer(backend='nvshmem'), 2 processes on one GPU: {results}")
+    init_failed = [r for r in results if r.startswith("nvshmem-init-failed")]
+    hung = [r for r in results if r.startswith("killed") and "stage nvshmem-init" in r]
+    if init_failed or hung:
+        pytest.skip(f"NVSHMEM could not run 2 PEs on one GPU: {(init_failed or hung)[0][:300]}")
+    assert results == ["ok"] * WORLD, results
