@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from . import low_latency, normal
+from . import hierarchical, low_latency, normal
 from .backends.base import Transport
 from .codecs.auto import AutoCodecPolicy, choose_codec
 from .config import Config, default_combine_config, default_dispatch_config
@@ -17,7 +17,7 @@ from .errors import CommTimeoutError
 from .event import EventOverlap, finish_event, wait_previous
 from .fused import FusedKernels, KernelCapabilities, KernelPlan, gather_hostnames, plan_kernels
 from .handle import DispatchHandle, LowLatencyHandle
-from .layout import align_up, compute_dispatch_layout
+from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout
 from .placement_map import ExpertPlacement
 from .stats import CommStats
 from .validation import (
@@ -54,13 +54,25 @@ class Buffer:
         timeout_s: the longest any call waits for a peer before ``CommTimeoutError``.
         expert_placement: optional ``[E]`` int64 map from global expert to owning rank (default:
             contiguous ``E / R`` blocks).
+        ranks_per_node: ``None`` (default): the flat single-level exchange. ``P`` (a divisor of
+            ``R``): ranks form nodes of ``P`` consecutive ranks and normal-mode dispatch/combine
+            run node-aware in two hops (each token crosses to a node once, to the rank with the
+            sender's local index, which forwards it inside the node; see
+            ``ep_comm.hierarchical``). Results are identical to the flat dispatch; the combine
+            sums per node first (bit-identical to the flat combine with one node or one rank per
+            node, else within the payload dtype's rounding). ``get_dispatch_layout`` then counts
+            ``num_tokens_per_rdma_rank`` over ``R / P`` nodes. Runs on the torch backend
+            (``backend="auto"`` picks it; ``"nvshmem"`` is rejected); low-latency mode stays flat;
+            after ``mask_ranks`` the Buffer runs flat for the rest of its life. Construction
+            creates the rail and node subgroups with ``dist.new_group`` (collective).
     """
 
     num_sms: int = 20
 
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24, *, backend: str = "auto",
-                 timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None) -> None:
+                 timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None,
+                 ranks_per_node: int | None = None) -> None:
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
         check_nonneg_int("num_nvl_bytes", num_nvl_bytes)
@@ -71,6 +83,16 @@ class Buffer:
         if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not math.isfinite(timeout_s)
                 or timeout_s <= 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if ranks_per_node is not None:
+            check_nonneg_int("ranks_per_node", ranks_per_node, positive=True)
+            if dist.get_world_size(group) % ranks_per_node:
+                raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size "
+                                 f"({dist.get_world_size(group)})")
+            if backend == "nvshmem":
+                raise ValueError("ranks_per_node: the node-aware exchange runs on the torch backend; "
+                                 "use backend='auto' or 'torch'")
+            backend = "torch"
+        self.ranks_per_node = ranks_per_node
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
@@ -91,6 +113,13 @@ class Buffer:
         self.backend = self.transport.name
         self.kernel_plan = KernelPlan(False, False, f"the {self.backend} transport moves bytes only")
         self._fused = self._make_fused()
+        self._node_transports = None
+        if ranks_per_node is not None:
+            from .backends.node_groups import create_node_transports
+
+            self._node_transports = create_node_transports(
+                group, ranks_per_node, self.timeout_s, self.device,
+                str(getattr(self.transport, "instance_id", self.buffer_id)))
         self.last_stats: CommStats | None = None
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
@@ -266,6 +295,8 @@ class Buffer:
         self.transport = MaskedTransport(inner, live, self.group_size, self.rank)
         self.masked_ranks = masked
         self.mask_epoch += 1
+        # the node subgroups may hold a half-finished exchange with the failed peer: stay flat
+        self._node_transports = None
 
     def _drop_masked(self, topk_idx: torch.Tensor, placement: ExpertPlacement) -> tuple[torch.Tensor, int]:
         """Top-k entries whose expert lives on a masked rank become ``-1``; returns the count."""
@@ -293,15 +324,15 @@ class Buffer:
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
             num_experts: ``E``.
         Returns:
-            ``(num_tokens_per_rank [R]`` int32, ``num_tokens_per_rdma_rank [R / 8]`` int32 or
-            None, ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [N, R]`` bool,
-            ``event)``.
+            ``(num_tokens_per_rank [R]`` int32, ``num_tokens_per_rdma_rank [R / P]`` int32 or
+            None (one node), ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [N, R]``
+            bool, ``event)``; ``P`` is ``ranks_per_node`` (8 when not given).
         """
         placement = self.placement(num_experts)
         topk_idx = check_topk_idx(topk_idx, num_experts, self._input_device)
         topk_idx, _ = self._drop_masked(topk_idx, placement)
         wait_previous(previous_event)
-        layout = compute_dispatch_layout(topk_idx, placement)
+        layout = compute_dispatch_layout(topk_idx, placement, self.ranks_per_node or NUM_MAX_NVL_PEERS)
         event = finish_event(async_finish, self.device)
         return (layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank,
                 layout.num_tokens_per_expert, layout.is_token_in_rank, event)
@@ -369,7 +400,10 @@ class Buffer:
             if num_tokens != handle.num_tokens or hidden != handle.hidden:
                 raise ValueError(f"x has shape [{num_tokens}, {hidden}] but handle was made for "
                                  f"[{handle.num_tokens}, {handle.hidden}]")
-            recv_x, stats = normal.cached_dispatch(self.transport, handle, x, codec_name)
+            if handle.node_plan is not None:
+                recv_x, stats = hierarchical.cached_dispatch(self._node_transports, handle, x, codec_name)
+            else:
+                recv_x, stats = normal.cached_dispatch(self.transport, handle, x, codec_name)
             self._record(stats)
             recv_x = self._pad_rows(recv_x, handle.num_worst_tokens)
             return recv_x, None, None, None, None, finish_event(async_finish, self.device)
@@ -394,7 +428,10 @@ class Buffer:
             require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self._input_device)
             require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
 
-        if self._fused is not None and self._fused.dispatch_reason(
+        if self._node_transports is not None:
+            out = hierarchical.dispatch(self._node_transports, self.buffer_id, x, topk_idx, topk_weights,
+                                        is_token_in_rank, placement, codec_name)
+        elif self._fused is not None and self._fused.dispatch_reason(
                 x, topk_idx, topk_weights, codec_name, bool(self.masked_ranks)) is None:
             out = self._fused.dispatch(self.buffer_id, x, topk_idx, topk_weights, placement,
                                        max(1, self.num_sms // 2))
@@ -499,7 +536,10 @@ class Buffer:
                 require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
                 require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
         wait_previous(previous_event)
-        if self._fused is not None and self._fused.combine_reason(
+        if handle.node_plan is not None:
+            combined, combined_w, stats = hierarchical.combine(self._node_transports, handle, x,
+                                                               topk_weights, biases, codec_name)
+        elif self._fused is not None and self._fused.combine_reason(
                 handle, x, topk_weights, len(biases), codec_name, bool(self.masked_ranks)) is None:
             combined, combined_w, stats = self._fused.combine(handle, x, topk_weights)
         else:

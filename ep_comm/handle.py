@@ -9,6 +9,31 @@ from .plan import SendPlan
 
 
 @dataclass(frozen=True)
+class NodePlan:
+    """The two-hop routing of one dispatch, from this rank's three points of view.
+
+    Attributes:
+        ranks_per_node: ``P``; ``G = R / P`` nodes.
+        rail_plan: as a source: rows sent to each node's forwarding peer; ``token_index [S1]``
+            int64 grouped by destination node, ``send_counts [G]`` int64.
+        rail_recv_counts: as a forwarder: ``[G]`` int64 rows received from each source node (the
+            rank with this rank's local index there).
+        forward_plan: as a forwarder: ``token_index [S2]`` int64 indices of rail-received rows,
+            grouped by the local rank they are forwarded to, ``send_counts [P]`` int64.
+        node_recv_counts: as a receiver: ``[P, G]`` int64 rows forwarded by local rank ``l`` that
+            came from node ``g`` (i.e. from source rank ``g * P + l``).
+        recv_order: as a receiver: ``[M]`` int64 arrival index of every row in contract order.
+    """
+
+    ranks_per_node: int
+    rail_plan: SendPlan
+    rail_recv_counts: torch.Tensor
+    forward_plan: SendPlan
+    node_recv_counts: torch.Tensor
+    recv_order: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DispatchHandle:
     """What a normal-mode combine or cached dispatch needs from the dispatch.
 
@@ -28,6 +53,9 @@ class DispatchHandle:
             ``mask_ranks``/``unmask_ranks`` is rejected).
         kernel: engine state of a dispatch that ran on the fused NVIDIA kernels
             (``ep_comm.fused.FusedNormalHandle``), else None.
+        node_plan: the two-hop routing when the dispatch ran node-aware (``Buffer(...,
+            ranks_per_node=P)``); ``None`` for the flat single-level exchange. A combine or cached
+            dispatch follows the same path as its dispatch.
     """
 
     buffer_id: int
@@ -42,6 +70,7 @@ class DispatchHandle:
     recv_src_token_index: torch.Tensor
     mask_epoch: int = 0
     kernel: object | None = None
+    node_plan: NodePlan | None = None
 
     @property
     def num_recv_rows(self) -> int:

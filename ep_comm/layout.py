@@ -65,10 +65,43 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, placement: ExpertPlacement,
     num_ranks = placement.num_ranks
     num_tokens_per_rdma_rank = None
     if num_ranks > ranks_per_node and num_ranks % ranks_per_node == 0:
-        per_node = is_token_in_rank.view(-1, num_ranks // ranks_per_node, ranks_per_node).any(2)
-        num_tokens_per_rdma_rank = per_node.sum(0, dtype=torch.int32)
+        num_tokens_per_rdma_rank = token_node_mask(is_token_in_rank, ranks_per_node).sum(0, dtype=torch.int32)
     return DispatchLayout(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
                           is_token_in_rank)
+
+
+def token_node_mask(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """``[N, R / ranks_per_node]`` bool: token ``i`` goes to at least one rank of node ``g``.
+
+    Nodes are blocks of ``ranks_per_node`` consecutive ranks.
+
+    Args:
+        is_token_in_rank: ``[N, R]`` bool; ``R`` must be a multiple of ``ranks_per_node``.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    return is_token_in_rank.reshape(num_tokens, num_ranks // ranks_per_node, ranks_per_node).any(2)
+
+
+def localize_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, row_rank: torch.Tensor,
+                  placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`localize_topk` with a destination rank per row (rows bound for several ranks).
+
+    Args:
+        topk_idx: ``[S, K]`` int64 global ids. topk_weights: ``[S, K]`` float or None.
+        row_rank: ``[S]`` int64, the rank each row goes to.
+    Returns:
+        ``([S, K]`` int64 local ids on the row's rank, ``-1`` elsewhere; ``[S, K]`` weights with
+        ``0`` elsewhere, or None).
+    """
+    safe = topk_idx.clamp(min=0)
+    owner = placement.expert_to_rank.to(safe.device)[safe]
+    here = (topk_idx >= 0) & (owner == row_rank.unsqueeze(1))
+    local = placement.expert_to_local.to(safe.device)[safe]
+    local_idx = torch.where(here, local, torch.full_like(local, -1))
+    local_w = None
+    if topk_weights is not None:
+        local_w = torch.where(here, topk_weights, torch.zeros_like(topk_weights))
+    return local_idx, local_w
 
 
 def localize_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, rank: int,

@@ -13,7 +13,7 @@ import torch
 
 from .backends.base import Transport
 from .handle import DispatchHandle
-from .layout import count_per_local_expert
+from .layout import count_per_local_expert, localize_rows
 from .payload import RowSource, chunk_bytes, pack, unpack
 from .placement_map import ExpertPlacement
 from .plan import SendPlan, build_send_plan
@@ -102,15 +102,11 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
     values["src"] = RowSource(plan.token_index.to(torch.int32).unsqueeze(1))
     if topk_idx is not None:
         row_rank = _row_rank(plan.send_counts, plan.num_rows)
-        sent_topk = topk_idx[plan.token_index]
-        safe = sent_topk.clamp(min=0)
-        owner = placement.expert_to_rank.to(safe.device)[safe]
-        here = (sent_topk >= 0) & (owner == row_rank.unsqueeze(1))
-        local = placement.expert_to_local.to(safe.device)[safe]
-        values["topk"] = RowSource(torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
-        if topk_weights is not None:
-            sent_w = topk_weights[plan.token_index]
-            values["weights"] = RowSource(torch.where(here, sent_w, torch.zeros_like(sent_w)))
+        sent_w = topk_weights[plan.token_index] if topk_weights is not None else None
+        local, local_w = localize_rows(topk_idx[plan.token_index], sent_w, row_rank, placement)
+        values["topk"] = RowSource(local.to(torch.int32))
+        if local_w is not None:
+            values["weights"] = RowSource(local_w)
     outbox = pack(fmt, values, row_splits, codec)
     if pending_counts is None:
         pending_counts = _start_count_exchange(transport, row_splits, outbox.byte_splits)
@@ -174,11 +170,12 @@ def cached_dispatch(transport: Transport, handle: DispatchHandle,
     return recv_x, stats
 
 
-def _start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int]):
+def _start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int],
+                          phase: str = "dispatch/counts"):
     """Starts sending every rank its ``(rows, bytes)`` pair; ``wait()`` gives ``[R * 16]`` uint8."""
     table = torch.tensor([[n, b] for n, b in zip(rows, nbytes)], dtype=torch.int64)
     splits = [16] * transport.num_ranks
-    return transport.exchange_bytes(table.view(torch.uint8).reshape(-1), splits, splits, "dispatch/counts")
+    return transport.exchange_bytes(table.view(torch.uint8).reshape(-1), splits, splits, phase)
 
 
 def _bytes_from(transport: Transport, outbox, rows_from: list[int], fmt: RowFormat, codec: str,

@@ -122,3 +122,92 @@ def combine_pair_order(topk_idx: torch.Tensor, token_index: torch.Tensor, send_c
     pair_row, pair_k = torch.nonzero(hit, as_tuple=True)
     pairs_per_rank = torch.bincount(row_rank[pair_row], minlength=num_ranks)
     return token_index[pair_row], pair_k, pairs_per_rank
+
+
+# -- two-hop (node-aware) plans ------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeTopology:
+    """Ranks grouped into nodes of ``ranks_per_node`` consecutive ranks.
+
+    Rank ``r`` is local rank ``r % ranks_per_node`` of node ``r // ranks_per_node``. The "rail" of
+    local index ``l`` is the ranks with that local index on every node; two-hop traffic crosses
+    nodes only along rails.
+    """
+
+    num_ranks: int
+    ranks_per_node: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def forwarding_peer(self, src_rank: int, dst_node: int) -> int:
+        """The rank on ``dst_node`` that receives ``src_rank``'s tokens and forwards them inside
+        the node: the one with the same local index as the source."""
+        return dst_node * self.ranks_per_node + self.local_of(src_rank)
+
+    def rail_ranks(self, local: int) -> list[int]:
+        """Ranks with local index ``local``, by node: rail rank ``g`` is on node ``g``."""
+        return [g * self.ranks_per_node + local for g in range(self.num_nodes)]
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Ranks of ``node``, by local index."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+
+def forward_counts(target_mask: torch.Tensor, rail_recv_counts: torch.Tensor) -> torch.Tensor:
+    """Forwarder side: rows it forwards to each local rank of its node, per source node.
+
+    Args:
+        target_mask: ``[S, P]`` bool, whether rail-received row ``s`` goes to local rank ``j``.
+            Rows are grouped by source node (``rail_recv_counts`` rows from node 0 first).
+        rail_recv_counts: ``[G]`` int64, rows received from each source node.
+    Returns:
+        ``[P, G]`` int64: ``out[j, g]`` rows of source node ``g`` forwarded to local rank ``j``.
+    """
+    num_nodes = rail_recv_counts.numel()
+    row_node = torch.repeat_interleave(torch.arange(num_nodes, device=target_mask.device),
+                                       rail_recv_counts.to(target_mask.device),
+                                       output_size=target_mask.shape[0])
+    out = torch.zeros(target_mask.shape[1], num_nodes, dtype=torch.int64, device=target_mask.device)
+    out.index_add_(1, row_node, target_mask.t().to(torch.int64))
+    return out
+
+
+@dataclass(frozen=True)
+class NodeReceiveOrder:
+    """Receiver side of a two-hop dispatch.
+
+    Rows arrive from the ``P`` forwarders of the node in ``(forwarder l, source node g, token)``
+    order; the source rank of a row is ``g * P + l``. The contract orders received rows by source
+    rank, then token.
+
+    Attributes:
+        recv_counts: ``[R]`` int64, rows from each source rank (as a flat dispatch counts them).
+        order: ``[M]`` int64, arrival index of every row in contract order
+            (``final[i] = arrived[order[i]]``).
+    """
+
+    recv_counts: torch.Tensor
+    order: torch.Tensor
+
+
+def node_receive_order(node_recv_counts: torch.Tensor) -> NodeReceiveOrder:
+    """Builds the receive order from ``node_recv_counts`` (``[P, G]`` int64: rows from forwarder
+    ``l`` that came from source node ``g``)."""
+    counts = node_recv_counts.to(torch.int64)
+    arrival_start = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view_as(counts)
+    by_source = counts.t().reshape(-1)            # source rank g * P + l
+    start_by_source = arrival_start.t().reshape(-1)
+    total = int(by_source.sum())
+    block = torch.repeat_interleave(torch.arange(by_source.numel(), device=counts.device), by_source,
+                                    output_size=total)
+    block_first = torch.cumsum(by_source, 0) - by_source
+    within = torch.arange(total, device=counts.device) - block_first[block]
+    return NodeReceiveOrder(by_source, start_by_source[block] + within)

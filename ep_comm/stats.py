@@ -48,6 +48,15 @@ class CommStats:
     def self_bytes_sent_wire(self) -> int:
         return self.bytes_sent_wire[self.rank] if self.bytes_sent_wire else 0
 
+    def bytes_sent_off_node(self, ranks_per_node: int, wire: bool = True) -> int:
+        """Bytes sent to ranks on other nodes (nodes of ``ranks_per_node`` consecutive ranks):
+        the traffic that crosses the network. ``wire=False`` counts raw bytes."""
+        if not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        per_peer = self.bytes_sent_wire if wire else self.bytes_sent_raw
+        node = self.rank // ranks_per_node
+        return sum(n for peer, n in enumerate(per_peer) if peer // ranks_per_node != node)
+
     @property
     def compression_ratio(self) -> float:
         """wire / raw over all bytes sent (1.0 when nothing was sent)."""

@@ -30,7 +30,9 @@ enum Phase : int {
   kLowLatencyDispatchRecv = 6,
   kLowLatencyCombineRecv = 7,
   kInternodeExchange = 8,
-  kNumPhases = 9,
+  kInternodeRailRecv = 9,  // two-hop dispatch: forwarder waits for a rail peer's rows
+  kInternodeNodeRecv = 10, // two-hop dispatch: receiver waits for a forwarder of its node
+  kNumPhases = 11,
 };
 
 // Human-readable phase names; Python's CommTimeoutError.phase carries these strings.
@@ -44,6 +46,8 @@ inline const char* phase_name(int phase) {
     case kLowLatencyDispatchRecv: return "low_latency/dispatch-recv";
     case kLowLatencyCombineRecv: return "low_latency/combine-recv";
     case kInternodeExchange: return "internode/exchange";
+    case kInternodeRailRecv: return "internode/rail-recv";
+    case kInternodeNodeRecv: return "internode/node-recv";
     default: return "none";
   }
 }

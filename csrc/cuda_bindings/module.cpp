@@ -14,6 +14,10 @@
 namespace py = pybind11;
 using namespace ep_comm::cuda;
 
+namespace ep_comm::cuda {
+void register_two_hop(py::module_& m);  // two_hop.cpp
+}
+
 namespace {
 
 template <class T>
@@ -112,6 +116,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.doc() = "ep_comm CUDA kernels: layout, intranode (NVLink / virtual ranks), low-latency, internode";
   m.attr("max_ranks_per_launch") = kMaxRanks;
   m.attr("timeout_record_words") = static_cast<int>(ep_comm::kRecordWords);
+  register_two_hop(m);
 #if defined(EP_COMM_CUDA_ARCHS)
   m.attr("archs") = std::string(EP_COMM_CUDA_ARCHS);
   m.attr("nvshmem") = static_cast<bool>(EP_COMM_NVSHMEM);

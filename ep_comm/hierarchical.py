@@ -1,0 +1,289 @@
+"""Node-aware (two-hop) normal-mode dispatch and combine, on any pair of transports.
+
+Ranks form nodes of ``P`` consecutive ranks (``G = R / P`` nodes). Dispatch sends every token
+once to each node that holds at least one of its target ranks, to that node's *forwarding peer*
+(the rank with the sender's local index), over the sender's rail; the forwarder then sends it over
+the node group to each target rank of its node. So a token crosses the network once per
+destination node, not once per destination rank. The receiver reorders what its ``P`` forwarders
+sent into the contract order (source rank, then source token): recv_x, recv_topk_idx, weights,
+counts and the handle's flat fields are bit-identical to ``normal.dispatch``.
+
+Combine runs the reverse: every rank returns its rows to their forwarders, each forwarder sums the
+rows of each token over the ranks of its node (float32, local rank ascending) and sends one row per
+token back over the rail in the payload dtype, and the source sums those per node (float32, node
+ascending). With one node, or one rank per node, this is the same sum in the same order as the
+flat combine (bit-identical); otherwise the per-node partial sums are rounded to the payload dtype
+once more than the flat sum is, a difference of the order of that dtype's rounding step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends.base import Transport
+from .backends.node_groups import NodeTransports
+from .errors import CommTimeoutError
+from .handle import DispatchHandle, NodePlan
+from .layout import count_per_local_expert, localize_rows, token_node_mask
+from .normal import (
+    DispatchOutput,
+    _bytes_from,
+    _payload_fields,
+    _payload_values,
+    _row_rank,
+    _start_count_exchange,
+    reduce_by_source,
+)
+from .payload import RowSource, pack, unpack
+from .placement_map import ExpertPlacement
+from .plan import build_send_plan, forward_counts, node_receive_order
+from .stats import CommStats
+from .wire import FieldSpec, RowFormat
+
+Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class _Hop:
+    """One all-to-all over a sub-transport: received fields and per-peer byte counts."""
+
+    fields: dict[str, torch.Tensor]
+    rows_from: list[int]
+    sent_raw: list[int]
+    sent_wire: list[int]
+    recv_raw: list[int]
+    recv_wire: list[int]
+
+
+class _Ledger:
+    """Per-peer bytes of a call, in Buffer ranks, summed over its hops."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.sent_raw = [0] * num_ranks
+        self.sent_wire = [0] * num_ranks
+        self.recv_raw = [0] * num_ranks
+        self.recv_wire = [0] * num_ranks
+
+    def add(self, hop: _Hop, members: list[int]) -> None:
+        for i, peer in enumerate(members):
+            self.sent_raw[peer] += hop.sent_raw[i]
+            self.sent_wire[peer] += hop.sent_wire[i]
+            self.recv_raw[peer] += hop.recv_raw[i]
+            self.recv_wire[peer] += hop.recv_wire[i]
+
+    def stats(self, op: str, codec: str, rank: int, collectives: int) -> CommStats:
+        return CommStats(op, codec, self.sent_raw, self.sent_wire, self.recv_raw, self.recv_wire,
+                         rank=rank, num_collectives=collectives)
+
+
+def _hop(groups: NodeTransports, on_rail: bool, fmt: RowFormat, values: dict[str, RowSource],
+         row_splits: list[int], codec: str, phase: str, rows_from: list[int] | None) -> _Hop:
+    """Packs, sends and unpacks one hop; ``rows_from`` None: learn the row counts first."""
+    transport: Transport = groups.rail if on_rail else groups.node
+    try:
+        outbox = pack(fmt, values, row_splits, codec)
+        if rows_from is None:
+            table = _start_count_exchange(transport, row_splits, outbox.byte_splits, f"{phase}/counts").wait()
+            table = table.view(torch.int64).view(transport.num_ranks, 2).cpu()
+            rows_from, bytes_from = table[:, 0].tolist(), table[:, 1].tolist()
+        else:
+            bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, f"{phase}/counts")
+        received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
+                                            f"{phase}/payload").wait()
+    except CommTimeoutError as error:
+        raise groups.map_timeout(error, on_rail) from error
+    fields = unpack(fmt, received, rows_from, bytes_from, codec)
+    return _Hop(fields, rows_from, outbox.raw_byte_splits, outbox.byte_splits,
+                [n * fmt.row_bytes for n in rows_from], bytes_from)
+
+
+def _payload(fields: dict[str, torch.Tensor], like: Payload) -> Payload:
+    if isinstance(like, tuple):
+        return fields["x"].view(torch.float8_e4m3fn), fields["scales"]
+    return fields["x"]
+
+
+def _take(fields: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {name: t[index] for name, t in fields.items()}
+
+
+def _forward_mask(target_ranks: torch.Tensor) -> torch.Tensor:
+    """``[S, P]`` uint8 of 0/1 as carried on the rail -> bool."""
+    return target_ranks != 0
+
+
+def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch.Tensor | None,
+             topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+             placement: ExpertPlacement, codec: str) -> DispatchOutput:
+    """Two-hop normal dispatch of this rank's tokens (same arguments and results as
+    ``normal.dispatch``; the handle also carries the ``NodePlan``).
+
+    Args:
+        x: ``[N, H]`` payload, or DeepEP's FP8 tuple ``(e4m3 [N, H], scales [N, G])``.
+        topk_idx: ``[N, K]`` int64 global ids or None. topk_weights: ``[N, K]`` float or None.
+        is_token_in_rank: ``[N, R]`` bool.
+        codec: ``"none"``, ``"fp8"`` (quantized once, on the source) or ``"lossless"`` (coded
+            per hop).
+    """
+    topo = groups.topology
+    before = groups.num_collectives
+    if codec == "fp8":
+        from .codecs import fp8
+
+        x = fp8.quantize(x)
+    me = groups.rank
+    nodes, per_node = topo.num_nodes, topo.ranks_per_node
+    ledger = _Ledger(topo.num_ranks)
+
+    # hop 1 (rail): each token once to the forwarding peer of every node it goes to
+    rail_plan = build_send_plan(token_node_mask(is_token_in_rank, per_node))
+    row_node = _row_rank(rail_plan.send_counts, rail_plan.num_rows)
+    fields = list(_payload_fields(x)) + [FieldSpec("src", torch.int32, 1),
+                                         FieldSpec("targets", torch.uint8, per_node)]
+    values = _payload_values(x, rail_plan.token_index)
+    values["src"] = RowSource(rail_plan.token_index.to(torch.int32).unsqueeze(1))
+    sent_in_rank = is_token_in_rank[rail_plan.token_index].view(-1, nodes, per_node)
+    targets = sent_in_rank[torch.arange(rail_plan.num_rows), row_node]
+    values["targets"] = RowSource(targets.to(torch.uint8))
+    if topk_idx is not None:
+        fields.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))  # global expert ids
+        values["topk"] = RowSource(topk_idx.to(torch.int32), rail_plan.token_index)
+        if topk_weights is not None:
+            fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
+            values["weights"] = RowSource(topk_weights, rail_plan.token_index)
+    rail_fmt = RowFormat(tuple(fields))
+    hop1 = _hop(groups, True, rail_fmt, values, rail_plan.splits(), codec, "dispatch/rail", None)
+    ledger.add(hop1, groups.rail_members)
+    got = hop1.fields
+    rail_recv_counts = torch.tensor(hop1.rows_from, dtype=torch.int64)
+
+    # hop 2 (node): forward every received row to its target ranks on this node
+    target_mask = _forward_mask(got["targets"])
+    forward_plan = build_send_plan(target_mask)
+    table = forward_counts(target_mask, rail_recv_counts)
+    fwd = forward_plan.token_index
+    fields2 = list(_payload_fields(x)) + [FieldSpec("src", torch.int32, 1)]
+    values2 = {"x": RowSource(got["x"], fwd), "src": RowSource(got["src"], fwd)}
+    if isinstance(x, tuple):
+        values2["scales"] = RowSource(got["scales"], fwd)
+    if topk_idx is not None:
+        node = topo.node_of(me)
+        dest = node * per_node + _row_rank(forward_plan.send_counts, forward_plan.num_rows)
+        sent_w = got["weights"][fwd] if topk_weights is not None else None
+        local, local_w = localize_rows(got["topk"][fwd].to(torch.int64), sent_w, dest, placement)
+        fields2.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))
+        values2["topk"] = RowSource(local.to(torch.int32))
+        if local_w is not None:
+            fields2.append(FieldSpec("weights", local_w.dtype, local_w.shape[1]))
+            values2["weights"] = RowSource(local_w)
+    node_fmt = RowFormat(tuple(fields2))
+    try:
+        # counts per (target, source node), so the receiver can restore the contract order
+        node_table = groups.node.exchange_counts(table, "dispatch/node/counts")
+    except CommTimeoutError as error:
+        raise groups.map_timeout(error, False) from error
+    hop2 = _hop(groups, False, node_fmt, values2, forward_plan.splits(), codec, "dispatch/node",
+                node_table.sum(1).tolist())
+    ledger.add(hop2, groups.node_members)
+
+    order = node_receive_order(node_table)
+    final = _take(hop2.fields, order.order)
+    recv_x = _payload(final, x)
+    hidden = x[0].shape[1] if isinstance(x, tuple) else x.shape[1]
+    recv_topk = recv_w = counts = None
+    if topk_idx is not None:
+        recv_topk = final["topk"].to(torch.int64)
+        recv_w = final.get("weights")
+        counts = count_per_local_expert(recv_topk, int(placement.num_local_experts[me]))
+    node_plan = NodePlan(per_node, rail_plan, rail_recv_counts, forward_plan, node_table, order.order)
+    handle = DispatchHandle(
+        buffer_id=buffer_id, send_plan=build_send_plan(is_token_in_rank), recv_counts=order.recv_counts,
+        is_token_in_rank=is_token_in_rank, num_tokens=int(is_token_in_rank.shape[0]),
+        num_recv_tokens=int(order.recv_counts.sum()), num_worst_tokens=0, hidden=hidden,
+        num_experts=placement.num_experts, recv_src_token_index=final["src"].reshape(-1).to(torch.int64),
+        node_plan=node_plan)
+    stats = ledger.stats("dispatch", codec, me, groups.num_collectives - before)
+    return DispatchOutput(recv_x, recv_topk, recv_w, counts, handle, stats)
+
+
+def _forwarded(groups: NodeTransports, plan: NodePlan, fmt: RowFormat, rail_values: dict[str, RowSource],
+               codec: str, phase: str, ledger: _Ledger) -> dict[str, torch.Tensor]:
+    """Cached two-hop send of fields that need no per-destination rewrite; returns them in
+    contract order on the receiver."""
+    hop1 = _hop(groups, True, fmt, rail_values, plan.rail_plan.splits(), codec, f"{phase}/rail",
+                plan.rail_recv_counts.tolist())
+    ledger.add(hop1, groups.rail_members)
+    fwd = plan.forward_plan.token_index
+    values = {name: RowSource(t, fwd) for name, t in hop1.fields.items()}
+    hop2 = _hop(groups, False, fmt, values, plan.forward_plan.splits(), codec, f"{phase}/node",
+                plan.node_recv_counts.sum(1).tolist())
+    ledger.add(hop2, groups.node_members)
+    return _take(hop2.fields, plan.recv_order)
+
+
+def cached_dispatch(groups: NodeTransports, handle: DispatchHandle, x: Payload,
+                    codec: str) -> tuple[Payload, CommStats]:
+    """Re-sends ``x [N, H]`` (or an FP8 tuple) along the two-hop plan of ``handle``; no layout
+    exchange. Returns ``([M, H]`` rows in contract order, stats)."""
+    plan = handle.node_plan
+    if plan is None:
+        raise ValueError("handle was made by a flat dispatch: it has no node plan")
+    before = groups.num_collectives
+    if codec == "fp8":
+        from .codecs import fp8
+
+        x = fp8.quantize(x)
+    ledger = _Ledger(groups.topology.num_ranks)
+    fmt = RowFormat(_payload_fields(x))
+    final = _forwarded(groups, plan, fmt, _payload_values(x, plan.rail_plan.token_index), codec,
+                       "cached_dispatch", ledger)
+    stats = ledger.stats("cached_dispatch", codec, groups.rank, groups.num_collectives - before)
+    return _payload(final, x), stats
+
+
+def combine(groups: NodeTransports, handle: DispatchHandle, x: torch.Tensor,
+            topk_weights: torch.Tensor | None, bias: tuple[torch.Tensor, ...],
+            codec: str) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
+    """Two-hop combine: the reverse of :func:`dispatch`, reducing at the forwarder first.
+
+    Args:
+        x: ``[M', H]`` rows in the received order (``M' >= M``; padding rows are ignored).
+        topk_weights: ``[M', K]`` float or None, summed the same way.
+        bias: up to two ``[N, H]`` tensors added to the sum on the source.
+    Returns:
+        ``(combined [N, H]`` x's dtype, ``combined_weights [N, K]`` or None, stats).
+    """
+    plan = handle.node_plan
+    if plan is None:
+        raise ValueError("handle was made by a flat dispatch: it has no node plan")
+    before = groups.num_collectives
+    ledger = _Ledger(groups.topology.num_ranks)
+    num_rows = handle.num_recv_tokens
+    fields = [FieldSpec("x", x.dtype, x.shape[1])]
+    rows = {"x": x[:num_rows]}
+    if topk_weights is not None:
+        fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
+        rows["weights"] = topk_weights[:num_rows]
+    fmt = RowFormat(tuple(fields))
+    # back to the forwarders: contract order -> arrival order (grouped by forwarder)
+    arrival = torch.empty_like(plan.recv_order)
+    arrival[plan.recv_order] = torch.arange(num_rows, dtype=torch.int64)
+    values = {name: RowSource(t, arrival) for name, t in rows.items()}
+    hop1 = _hop(groups, False, fmt, values, plan.node_recv_counts.sum(1).tolist(), codec,
+                "combine/node", plan.forward_plan.splits())
+    ledger.add(hop1, groups.node_members)
+    # forwarder: one partial sum per rail-received row, local ranks ascending, float32
+    num_rail_rows = int(plan.rail_recv_counts.sum())
+    partial = {name: reduce_by_source(t, plan.forward_plan, num_rail_rows, ())
+               for name, t in hop1.fields.items()}
+    hop2 = _hop(groups, True, fmt, {name: RowSource(t) for name, t in partial.items()},
+                plan.rail_recv_counts.tolist(), codec, "combine/rail", plan.rail_plan.splits())
+    ledger.add(hop2, groups.rail_members)
+    # source: sum the partial sums per token, nodes ascending
+    combined = reduce_by_source(hop2.fields["x"], plan.rail_plan, handle.num_tokens, bias)
+    combined_w = None
+    if topk_weights is not None:
+        combined_w = reduce_by_source(hop2.fields["weights"], plan.rail_plan, handle.num_tokens, ())
+    stats = ledger.stats("combine", codec, groups.rank, groups.num_collectives - before)
+    return combined, combined_w, stats

@@ -1,0 +1,113 @@
+"""The two-hop routing helpers of csrc/common/hierarchy.h (host build, ep_comm._host) against the
+Python two-hop plan (ep_comm/plan.py, ep_comm/layout.py) on random routings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_comm.layout import token_node_mask
+from ep_comm.plan import NodeTopology, build_send_plan, forward_counts, node_receive_order
+
+host = pytest.importorskip("ep_comm._host", reason="ep_comm._host is not built")
+if not hasattr(host, "hier_receive_order"):
+    pytest.skip("ep_comm._host predates the two-hop helpers: rebuild it", allow_module_level=True)
+
+SHAPES = [(4, 2), (4, 1), (4, 4), (8, 2), (16, 4), (6, 3), (32, 8)]
+
+
+def _in_rank(gen: torch.Generator, n: int, r: int, density: float) -> torch.Tensor:
+    return torch.rand(n, r, generator=gen) < density
+
+
+@pytest.mark.parametrize("r,p", SHAPES)
+def test_forwarding_peer_and_node_mask(r: int, p: int) -> None:
+    topo = NodeTopology(r, p)
+    for src in range(r):
+        for node in range(topo.num_nodes):
+            peer = host.hier_forwarding_peer(r, p, src, node)
+            assert peer == topo.forwarding_peer(src, node)
+            assert topo.node_of(peer) == node and topo.local_of(peer) == topo.local_of(src)
+    gen = torch.Generator().manual_seed(r * 10 + p)
+    for n, density in ((0, 0.3), (1, 0.9), (37, 0.2), (200, 0.05)):
+        in_rank = _in_rank(gen, n, r, density)
+        got = torch.from_numpy(host.hier_token_node_mask(in_rank.numpy(), p))
+        assert torch.equal(got, token_node_mask(in_rank, p))
+
+
+@pytest.mark.parametrize("r,p", SHAPES)
+def test_forward_counts_match_plan(r: int, p: int) -> None:
+    """A forwarder's [P, G] table from the target bits its rail peers put on each row."""
+    topo = NodeTopology(r, p)
+    gen = torch.Generator().manual_seed(100 + r * 10 + p)
+    for forwarder in range(r):
+        node = topo.node_of(forwarder)
+        bits, masks, counts = [], [], []
+        for _source in topo.rail_ranks(topo.local_of(forwarder)):  # rail rank g is on node g
+            in_rank = _in_rank(gen, int(torch.randint(0, 40, (1,), generator=gen)), r, 0.3)
+            sent = token_node_mask(in_rank, p)[:, node]
+            rows = in_rank[sent][:, node * p:(node + 1) * p]
+            masks.append(rows)
+            counts.append(int(sent.sum()))
+            src_bits = host.hier_target_bits(in_rank.numpy(), p, node)
+            bits += [b for b, keep in zip(src_bits, sent.tolist()) if keep]
+        target_mask = torch.cat(masks)
+        want = forward_counts(target_mask, torch.tensor(counts))
+        got = torch.from_numpy(host.hier_forward_counts(bits, counts, p))
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError):
+        host.hier_forward_counts([1, 2], [3], 2)
+
+
+@pytest.mark.parametrize("r,p", SHAPES)
+def test_receive_order_matches_plan_and_contract(r: int, p: int) -> None:
+    """Simulates every receiver: rows arrive by (forwarder, source node, token); the order from
+    the helper must restore (source rank, token), like plan.node_receive_order."""
+    topo = NodeTopology(r, p)
+    gen = torch.Generator().manual_seed(200 + r * 10 + p)
+    in_ranks = [_in_rank(gen, int(torch.randint(0, 30, (1,), generator=gen)), r, 0.35) for _ in range(r)]
+    for receiver in range(r):
+        arrived, table = [], torch.zeros(p, topo.num_nodes, dtype=torch.int64)
+        for local in range(p):
+            for g in range(topo.num_nodes):
+                src = g * p + local
+                tokens = build_send_plan(in_ranks[src][:, receiver:receiver + 1]).token_index.tolist()
+                arrived += [(src, t) for t in tokens]
+                table[local, g] = len(tokens)
+        recv_counts, order = host.hier_receive_order(table.numpy())
+        want = node_receive_order(table)
+        assert recv_counts == want.recv_counts.tolist()
+        assert order == want.order.tolist()
+        final = [arrived[i] for i in order]
+        assert final == sorted(arrived)
+        assert recv_counts == [int(m[:, receiver].sum()) for m in in_ranks]
+
+
+def test_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError):
+        host.hier_forwarding_peer(4, 3, 0, 0)
+    with pytest.raises(ValueError):
+        host.hier_token_node_mask(torch.zeros(3, 4, dtype=torch.bool).numpy(), 0)
+    with pytest.raises(ValueError):
+        host.hier_receive_order(torch.zeros(4, dtype=torch.int64).numpy())
+
+
+def test_two_hop_launcher_validates_before_launching() -> None:
+    """The bound kernel launcher (ep_comm._cuda.two_hop_dispatch) rejects bad geometry on the
+    CPU, before touching the GPU; it runs without a GPU whenever ep_comm._cuda is built."""
+    try:
+        import ep_comm._cuda as cuda
+    except ImportError:
+        pytest.skip("ep_comm._cuda is not built")
+    if not hasattr(cuda, "two_hop_dispatch"):
+        pytest.fail("ep_comm._cuda is built but lacks two_hop_dispatch: rebuild it")
+    if not cuda.nvshmem_built():
+        pytest.skip("ep_comm._cuda was built without NVSHMEM")
+    good = dict(symmetric=1, node_peers=[1, 2], num_ranks=4, ranks_per_node=2, my_rank=0, rail_rows=8,
+                node_rows=8, row_bytes=32, send_rows=1, rail_send_offsets=1, fwd_offsets=1, fwd_row=1,
+                fwd_target=1, fwd_slot=1, recv_rows=1, recv_stage_row=1, num_recv_rows=0, round_value=1,
+                timeout_ns=1, record=1)
+    for bad in (dict(ranks_per_node=3), dict(node_peers=[1]), dict(node_peers=[1, 0]), dict(row_bytes=24)):
+        with pytest.raises(ValueError):
+            cuda.two_hop_dispatch({**good, **bad}, 0)
+    with pytest.raises(ValueError, match="missing field"):
+        cuda.two_hop_dispatch({k: v for k, v in good.items() if k != "record"}, 0)
