@@ -190,28 +190,30 @@ def _entropy_bits(counts: torch.Tensor) -> float:
 
 
 def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
-    """Sizes (as compressed/raw ratios, payload only) that other exponent codings of the same
-    split would reach on these tensors, each tensor with its own statistics: the order-0 entropy
-    of our symbols (exponent, or +0.0) with raw mantissa bytes (what rANS approaches); a fixed
-    k-bit code for the 2^k - 1 most frequent symbols plus an escape followed by the 8-bit
-    exponent; and the entropy with the sign+mantissa byte entropy-coded too (conditioned on the
-    exponent), the headroom of a richer model."""
+    """Sizes (compressed/raw ratios, payload only, each tensor with its own statistics) of other
+    ways to split and code the same values, next to ours (symbol = sign, exponent and first
+    mantissa bit, or +0.0; 6 raw bits per non-zero value):
+    - ``entropy``: the order-0 entropy of our symbols plus the raw bits (what rANS approaches);
+    - ``exponent_only``: the order-0 entropy of the exponent alone (or +0.0) plus a raw
+      sign+mantissa byte (format version 1, and the issue's first design);
+    - ``fixed3`` / ``fixed4``: a fixed k-bit code for the 2^k - 1 most frequent of our symbols, an
+      escape followed by the 10-bit symbol for the rest, plus the raw bits;
+    - ``joint16``: the order-0 entropy of whole 16-bit values, the headroom of a richer model."""
     raw = sum(t.numel() * 2 for t in tensors)
-    out = {"entropy": 0.0, "fixed3": 0.0, "fixed4": 0.0, "entropy_mantissa_given_exp": 0.0}
+    out = {"entropy": 0.0, "exponent_only": 0.0, "fixed3": 0.0, "fixed4": 0.0, "joint16": 0.0}
     for t in tensors:
         v = t.reshape(-1).view(torch.int16).int() & 0xFFFF
-        sym = torch.where(v == 0, torch.full_like(v, 256), (v >> 7) & 0xFF)
-        counts = torch.bincount(sym, minlength=257)
         nonzero = int((v != 0).sum())
-        h = _entropy_bits(counts)
-        out["entropy"] += h + 8 * nonzero
+        sym = torch.where(v == 0, torch.full_like(v, 1024), v >> 6)
+        counts = torch.bincount(sym, minlength=1025)
+        out["entropy"] += _entropy_bits(counts) + 6 * nonzero
+        exp_sym = torch.where(v == 0, torch.full_like(v, 256), (v >> 7) & 0xFF)
+        out["exponent_only"] += _entropy_bits(torch.bincount(exp_sym, minlength=257)) + 8 * nonzero
         top = counts.sort(descending=True).values
         for k in (3, 4):
             escapes = int(top[2**k - 1:].sum())
-            out[f"fixed{k}"] += k * v.numel() + 8 * escapes + 8 * nonzero
-        mbyte = ((v >> 8) & 0x80) | (v & 0x7F)
-        joint = torch.bincount((sym * 256 + mbyte)[v != 0], minlength=257 * 256)
-        out["entropy_mantissa_given_exp"] += h + _entropy_bits(joint) - _entropy_bits(counts[:256])
+            out[f"fixed{k}"] += k * v.numel() + 10 * escapes + 6 * nonzero
+        out["joint16"] += _entropy_bits(torch.bincount(v, minlength=65536))
     return {k: bits / 8 / raw for k, bits in out.items()}
 
 
@@ -362,15 +364,16 @@ def print_report(report: dict) -> None:
                       f"{o['dec_all'] / z['dec_all']:.2f}x", end_section=True)
     console.print(table)
     console.print(report["note"])
-    design = Table(title="exponent coding choices, whole tensors (payload ratio, no headers)")
-    for col in ("kind", "order-0 entropy", "ours (rANS)", "fixed 3-bit+esc", "fixed 4-bit+esc",
-                "+mantissa|exp entropy"):
+    design = Table(title="symbol coding choices, whole tensors (payload ratio, no headers)")
+    for col in ("kind", "order-0 entropy", "ours (rANS)", "exponent-only split", "fixed 3-bit+esc",
+                "fixed 4-bit+esc", "16-bit entropy"):
         design.add_column(col)
     for row in report["results"]:
         if "design" in row:
             d = row["design"]
-            design.add_row(row["kind"], f"{d['entropy']:.4f}", f"{row['ours']['ratio']:.4f}", f"{d['fixed3']:.4f}",
-                           f"{d['fixed4']:.4f}", f"{d['entropy_mantissa_given_exp']:.4f}")
+            design.add_row(row["kind"], f"{d['entropy']:.4f}", f"{row['ours']['ratio']:.4f}",
+                           f"{d['exponent_only']:.4f}", f"{d['fixed3']:.4f}", f"{d['fixed4']:.4f}",
+                           f"{d['joint16']:.4f}")
     console.print(design)
     diffs = ", ".join(f"{k} {v:.2e}" for k, v in report["fp8_calc_diff"].items())
     console.print(f"fp8 calc_diff on the real FFN activations (rows of 1536): {diffs}")

@@ -111,6 +111,32 @@ def test_random_bits_expand_little():
     x = torch.randint(-32768, 32768, (100_000,), dtype=torch.int16).view(torch.bfloat16)
     blob = assert_round_trip(x)
     assert blob.numel() <= 2 * x.numel() * 1.01 + 256
+    # every chunk is stored raw, so the blob carries no frequency table
+    assert int(blob[6]) | int(blob[7]) << 8 == 0
+
+
+def test_sign_and_first_mantissa_bit_are_modelled():
+    """Values whose sign and first mantissa bit are fixed per exponent (as in activations) must
+    cost less than the exponent-only split's 8 raw bits per value: here only the 6 raw bits
+    and a near-zero symbol cost remain."""
+    g = torch.Generator().manual_seed(3)
+    low = torch.randint(0, 64, (65536,), generator=g, dtype=torch.int32)
+    values = (0x3F00 | 0x40 | low).to(torch.int16)          # +, exponent 126, mantissa bit 6 set
+    blob = assert_round_trip(values.view(torch.bfloat16))
+    assert blob.numel() < 2 * 65536 * (6.1 / 16)
+
+
+def test_old_format_version_is_rejected():
+    with pytest.raises(ValueError, match="version"):
+        lossless.decode(_forge([64], 32, version=1))
+
+
+def test_rans_chunk_without_table_is_rejected():
+    blob = _forge([64], 32, entries=[])
+    with pytest.raises(ValueError, match="directory"):
+        lossless.decode(blob)
+    with pytest.raises(ValueError, match="add up"):  # with a table, the same blob fails later
+        lossless.decode(_forge([64], 32))
 
 
 def test_noncontiguous_and_threads_deterministic():
@@ -197,9 +223,10 @@ def test_blob_type_checked():
         lossless.decode(torch.zeros(2, 10, dtype=torch.uint8))
 
 
-def _forge(shape, chunk_values, num_values=None):
-    """A blob with a valid header, table and meta checksum whose chunk directory is all zeros:
-    it declares ``shape`` but carries no payload."""
+def _forge(shape, chunk_values, num_values=None, entries=None, version=2):
+    """A blob with a valid header, table (default: +0.0 only) and meta checksum whose chunk
+    directory is all zeros (every chunk 'rANS' with no words): it declares ``shape`` but carries
+    no payload."""
     import struct
 
     count = num_values
@@ -209,9 +236,10 @@ def _forge(shape, chunk_values, num_values=None):
             count *= d
     count &= (1 << 64) - 1
     chunks = (count + chunk_values - 1) // chunk_values
-    entries = [(256, 2048)] if count else []
-    header = bytearray(struct.pack("<IBBHIIQII", 0x424C5045, 1, len(shape), len(entries), chunk_values, chunks,
-                                   count, 0, 0))
+    if entries is None:
+        entries = [(1024, 2048)] if count else []
+    header = bytearray(struct.pack("<IBBHIIQII", 0x424C5045, version, len(shape), len(entries), chunk_values,
+                                   chunks, count, 0, 0))
     for d in shape:
         header += struct.pack("<Q", d)
     for symbol, freq in entries:

@@ -1,5 +1,6 @@
-// AVX2 encoder and decoder of the lossless codec's rANS chunks (host only; x86-64): the same steps
-// as encode_chunk / decode_chunk in lossless_core.h, 8 lanes per instruction, byte-identical output.
+// AVX2 encoder and decoder of the lossless codec's chunks (host only; x86-64): the same steps as
+// split_chunk / rans_encode_chunk / decode_chunk in lossless_core.h, 8 lanes per instruction,
+// byte-identical output.
 // The decoder runs SIMD steps while a step provably stays inside the word and mantissa streams;
 // the remaining steps and all checks run in the portable core.
 #pragma once
@@ -35,45 +36,63 @@ inline bool have_avx2() {
   return ok;
 }
 
-__attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e,
-                                                                   uint32_t n, const uint32_t* table,
-                                                                   uint16_t* out) {
+// Same result as decode_chunk. A SIMD step of 8 lanes reads 8 words at wpos and 8 bytes of raw
+// fields at the byte holding field rpos; it runs only while all 4 steps of a 32-lane step stay
+// inside both streams.
+// kHasZero = false (the blob holds no +0.0, as most activation and weight blobs) drops the zero
+// tests: every lane then takes the next raw field, 8 fields = 6 bytes per 8 lanes.
+template <bool kHasZero>
+__attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const uint8_t* payload, const ChunkEntry& e,
+                                                                        uint32_t n, const DecodeTable& table,
+                                                                        uint16_t* out) {
   alignas(32) uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;
   const uint8_t* words = payload + kStateBytes;
-  const uint8_t* mant = words + 2ull * e.num_words;
+  const uint8_t* raw = words + 2ull * e.num_words;
+  const uint64_t nraw_bytes = raw_bytes(e.num_raw);
   const ExpandTable& ex = expand_table();
   const __m256i low11 = _mm256_set1_epi32(int(kProbScale - 1));
-  const __m256i low12 = _mm256_set1_epi32(0xFFF);
-  const __m256i zero_sym = _mm256_set1_epi32(kZeroSymbol);
-  const __m256i m80 = _mm256_set1_epi32(0x80), m7f = _mm256_set1_epi32(0x7F);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i hi_mask = _mm256_set1_epi32(0xFFC0);
+  const __m256i zero_start = _mm256_set1_epi32(int(table.zero_start));
+  const __m256i zero_freq = _mm256_set1_epi32(int(table.zero_freq));
   const __m256i zero = _mm256_setzero_si256();
-  uint32_t wpos = 0, mpos = 0, t = 0;
+  uint32_t wpos = 0, rpos = 0, t = 0;
   const uint32_t full_steps = n / kLanes;
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(states + 8 * j));
-  for (; t < full_steps && wpos + kLanes <= e.num_words && mpos + kLanes <= e.num_mantissa; ++t) {
+  for (; t < full_steps && wpos + kLanes <= e.num_words && (uint64_t(rpos) + 24) * kRawBits / 8 + 8 <= nraw_bytes;
+       ++t) {
     __m256i value[4];
     for (int j = 0; j < 4; ++j) {
-      __m256i ent = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), _mm256_and_si256(x[j], low11), 4);
-      __m256i sym = _mm256_srli_epi32(ent, 23);
-      __m256i freq = _mm256_and_si256(_mm256_srli_epi32(ent, kProbBits), low12);
-      __m256i bias = _mm256_and_si256(ent, low11);
-      __m256i y = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)), bias);
-      __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(y, 16), zero);
-      int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+      const __m256i slot = _mm256_and_si256(x[j], low11);
+      const __m256i ent = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table.entry), slot, 4);
+      const __m256i freq = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(ent, kProbBits), low11), one);
+      const __m256i bias = _mm256_and_si256(ent, low11);
+      const __m256i y = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)), bias);
+      const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(y, 16), zero);
+      const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
       __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 2ull * wpos)));
       w = _mm256_permutevar8x32_epi32(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[mask])));
       x[j] = _mm256_blendv_epi8(y, _mm256_or_si256(_mm256_slli_epi32(y, 16), w), need);
       wpos += uint32_t(_mm_popcnt_u32(uint32_t(mask)));
-      __m256i is_zero = _mm256_cmpeq_epi32(sym, zero_sym);
-      int nz = ~_mm256_movemask_ps(_mm256_castsi256_ps(is_zero)) & 0xFF;
-      __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mant + mpos)));
-      m = _mm256_permutevar8x32_epi32(m, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[nz])));
-      mpos += uint32_t(_mm_popcnt_u32(uint32_t(nz)));
-      __m256i v = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(m, m80), 8),
-                                  _mm256_or_si256(_mm256_slli_epi32(sym, 7), _mm256_and_si256(m, m7f)));
-      value[j] = _mm256_andnot_si256(is_zero, v);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(ent, 16), hi_mask);
+      if constexpr (kHasZero) {
+        // +0.0 lanes: slot - zero_start in [0, zero_freq)
+        const __m256i d = _mm256_sub_epi32(slot, zero_start);
+        const __m256i is_zero = _mm256_andnot_si256(_mm256_cmpgt_epi32(zero, d), _mm256_cmpgt_epi32(zero_freq, d));
+        const int nz = ~_mm256_movemask_ps(_mm256_castsi256_ps(is_zero)) & 0xFF;
+        const uint64_t bit = uint64_t(rpos) * kRawBits;
+        const uint64_t fields = unpack6x8(load_le<uint64_t>(raw + (bit >> 3)) >> (bit & 7));
+        __m256i r = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(fields)));
+        r = _mm256_permutevar8x32_epi32(r, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[nz])));
+        rpos += uint32_t(_mm_popcnt_u32(uint32_t(nz)));
+        value[j] = _mm256_andnot_si256(is_zero, _mm256_or_si256(hi, r));
+      } else {
+        const uint64_t fields = unpack6x8(load_le<uint64_t>(raw + uint64_t(rpos) / 8 * 6));  // rpos % 8 == 0
+        rpos += 8;
+        value[j] = _mm256_or_si256(hi, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(fields))));
+      }
     }
     for (int j = 0; j < 4; j += 2) {
       __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(value[j], value[j + 1]), 0xD8);
@@ -81,7 +100,14 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2(const uint8_
     }
   }
   for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(states + 8 * j), x[j]);
-  return decode_chunk_from(payload, e, n, table, out, states, t, wpos, mpos);
+  return decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos);
+}
+
+// Same result as decode_chunk (AVX2 steps, then the portable core for the rest and the checks).
+inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                             uint16_t* out) {
+  return table.zero_freq == 0 ? decode_chunk_avx2_impl<false>(payload, e, n, table, out)
+                              : decode_chunk_avx2_impl<true>(payload, e, n, table, out);
 }
 
 // compress[mask][p]: source lane of output slot p when the lanes in mask are packed at the top
@@ -106,76 +132,147 @@ inline const CompressTable& compress_table() {
 // Encoder tables in the layout the AVX2 encoder gathers from.
 struct SimdEncTables {
   int32_t freq_start[kNumSymbols];  // start << 12 | freq
+  double rcp[kNumSymbols];          // 1 / freq (0 for absent symbols)
 };
 
 inline void make_simd_enc_tables(const EncSym* syms, SimdEncTables& t) {
-  for (int s = 0; s < kNumSymbols; ++s) t.freq_start[s] = int32_t((syms[s].start << 12) | syms[s].freq);
+  for (int s = 0; s < kNumSymbols; ++s) {
+    t.freq_start[s] = int32_t((syms[s].start << 12) | syms[s].freq);
+    t.rcp[s] = syms[s].freq == 0 ? 0.0 : 1.0 / double(syms[s].freq);
+  }
 }
 
-// Same output as encode_chunk. words_end needs 8 words of slack below words_end - n (the 8-word
-// stores may touch them). q = x / freq is floor((x + 0.5) / freq) in double precision: (x + 0.5)
-// / freq is at least 0.5 / freq >= 2^-12 away from an integer, and the division is correctly
-// rounded (error < 2^21 * 2^-53), so the floor is exact.
-__attribute__((target("avx2,popcnt"))) inline void encode_chunk_avx2(const uint16_t* v, uint32_t n,
-                                                                    const EncSym* syms, const SimdEncTables& tab,
-                                                                    uint32_t* states, uint16_t* words_end,
-                                                                    uint8_t* mant, ChunkEntry& e) {
-  uint32_t checksum = 0, nm = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    uint16_t x = v[i];
-    checksum += checksum_term(x, i);
-    mant[nm] = mantissa_of(x);
-    nm += x != 0 ? 1u : 0u;
+// byte_compact[mask]: pshufb control moving the bytes of the lanes in mask (8 lanes) to the
+// front, in lane order; the other output bytes become zero.
+struct ByteCompactTable {
+  alignas(16) uint8_t ctrl[256][16];
+  ByteCompactTable() {
+    for (int m = 0; m < 256; ++m) {
+      int p = 0;
+      for (int i = 0; i < 16; ++i) ctrl[m][i] = 0x80;
+      for (int i = 0; i < 8; ++i)
+        if ((m >> i) & 1) ctrl[m][p++] = static_cast<uint8_t>(i);
+    }
   }
+};
+
+inline const ByteCompactTable& byte_compact_table() {
+  static const ByteCompactTable table;
+  return table;
+}
+
+// Packs `count` raw fields held one per byte at `bytes` into the 6-bit stream, in place (group g
+// of 8 bytes is read before its 6 bytes are written at 6g <= 8g). The bytes from `count` up to
+// the next multiple of 8 must be zero; the buffer needs 8 bytes past them.
+inline void pack_fields_in_place(uint8_t* bytes, uint32_t count) {
+  const uint32_t groups = (count + 7) / 8;
+  for (uint32_t g = 0; g < groups; ++g) store_le<uint64_t>(bytes + 6 * g, pack6x8(load_le<uint64_t>(bytes + 8 * g)));
+}
+
+// The split pass of a chunk (same results as split_chunk) fused with its symbol histogram:
+// adds the chunk's symbol counts to hist[1025]. `raw` needs n + 16 bytes. Raw fields are first
+// compacted one per byte (8-byte stores, the cursor advancing by the count of non-zero values),
+// then packed to 6 bits in a second, dependency-free loop.
+__attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const uint16_t* v, uint32_t n, uint8_t* raw,
+                                                                       uint32_t& num_raw, uint32_t* hist) {
+  const ByteCompactTable& bc = byte_compact_table();
+  uint32_t local[4][1024] = {};  // symbol v >> 6 of every value; +0.0 moved to 1024 at the end
+  const __m128i zero = _mm_setzero_si128(), m3f = _mm_set1_epi16(0x3F);
+  __m256i sum = _mm256_setzero_si256();
+  __m256i idx = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i step = _mm256_set1_epi32(16);
+  uint32_t nr = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i));
+    sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(_mm256_cvtepu16_epi32(v8), idx));
+    idx = _mm256_add_epi32(idx, step);
+    const __m128i is_zero = _mm_cmpeq_epi16(v8, zero);
+    const int nz = ~_mm_movemask_epi8(_mm_packs_epi16(is_zero, is_zero)) & 0xFF;
+    __m128i r = _mm_packus_epi16(_mm_and_si128(v8, m3f), zero);
+    r = _mm_shuffle_epi8(r, _mm_load_si128(reinterpret_cast<const __m128i*>(bc.ctrl[nz])));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(raw + nr), r);
+    nr += uint32_t(_mm_popcnt_u32(uint32_t(nz)));
+    for (int j = 0; j < 8; j += 4) {
+      ++local[0][v[i + j] >> kRawBits];
+      ++local[1][v[i + j + 1] >> kRawBits];
+      ++local[2][v[i + j + 2] >> kRawBits];
+      ++local[3][v[i + j + 3] >> kRawBits];
+    }
+  }
+  const uint32_t zeros = i - nr;
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+  uint32_t checksum = 0;
+  for (int j = 0; j < 8; ++j) checksum += lanes[j];
+  for (int j = 0; j < 1024; ++j) hist[j] += local[0][j] + local[1][j] + local[2][j] + local[3][j];
+  hist[0] -= zeros;
+  hist[kZeroSymbol] += zeros;
+  for (; i < n; ++i) {
+    const uint16_t x = v[i];
+    checksum += checksum_term(x, i);
+    ++hist[symbol_of(x)];
+    if (x != 0) raw[nr++] = static_cast<uint8_t>(raw_of(x));
+  }
+  store_le<uint64_t>(raw + nr, 0);
+  pack_fields_in_place(raw, nr);
+  num_raw = nr;
+  return checksum;
+}
+
+// The rANS pass (same output as rans_encode_chunk). words_end needs 8 words of slack below
+// words_end - n (the 8-word stores may touch them). q = x / freq is computed as
+// trunc((x + 0.5) * rcp) in double precision, rcp = 1 / freq rounded: the relative error is below
+// 2^-52, so the absolute error is below 2^21 * 2^-52, while (x + 0.5) / freq is at least
+// 0.5 / freq >= 2^-12 away from an integer; the truncation is exact.
+__attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(const uint16_t* v, uint32_t n,
+                                                                             const EncSym* syms,
+                                                                             const SimdEncTables& tab,
+                                                                             uint32_t* states, uint16_t* words_end) {
   alignas(32) uint32_t st[kLanes];
   for (int l = 0; l < kLanes; ++l) st[l] = kStateLow;
   uint16_t* cursor = words_end;
   const uint32_t full_steps = n / kLanes;
   // the partial top step first (coding runs backwards), scalar
-  for (int l = int(n - full_steps * kLanes) - 1; l >= 0; --l) {
-    const EncSym& s = syms[symbol_of(v[full_steps * kLanes + l])];
-    st[l] = enc_step(st[l], s, cursor);
-  }
+  for (int l = int(n - full_steps * kLanes) - 1; l >= 0; --l)
+    st[l] = enc_step(st[l], syms[symbol_of(v[full_steps * kLanes + l])], cursor);
   const CompressTable& ct = compress_table();
-  const __m256i ff = _mm256_set1_epi32(0xFF), zero = _mm256_setzero_si256(), lo16 = _mm256_set1_epi32(0xFFFF);
-  const __m256i sign = _mm256_set1_epi32(int(0x80000000u));
-  const __m256d two31 = _mm256_set1_pd(2147483648.0), half = _mm256_set1_pd(0.5);
+  const __m256i zero = _mm256_setzero_si256(), lo16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i zero_sym = _mm256_set1_epi32(kZeroSymbol), low12 = _mm256_set1_epi32(0xFFF);
+  const __m256i sign = _mm256_set1_epi32(int(0x80000000u)), all_ones = _mm256_set1_epi32(-1);
+  const __m256d bias = _mm256_set1_pd(2147483648.5);  // undoes the sign flip, adds 0.5
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(st + 8 * j));
   for (uint32_t t = full_steps; t-- > 0;) {
     for (int j = 3; j >= 0; --j) {
-      __m256i val = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * kLanes + 8 * j)));
-      __m256i sym = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(val, 7), ff),
-                                    _mm256_and_si256(_mm256_cmpeq_epi32(val, zero), _mm256_set1_epi32(256)));
-      __m256i fs = _mm256_i32gather_epi32(tab.freq_start, sym, 4);
-      __m256i freq = _mm256_and_si256(fs, _mm256_set1_epi32(0xFFF));
-      __m256i start = _mm256_srli_epi32(fs, 12);
+      const __m256i val =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * kLanes + 8 * j)));
+      const __m256i sym = _mm256_or_si256(_mm256_srli_epi32(val, kRawBits),
+                                          _mm256_and_si256(_mm256_cmpeq_epi32(val, zero), zero_sym));
+      const __m256i fs = _mm256_i32gather_epi32(tab.freq_start, sym, 4);
+      const __m256i freq = _mm256_and_si256(fs, low12);
+      const __m256i start = _mm256_srli_epi32(fs, 12);
       // need: x >= freq << 21, i.e. (x >> 21) >= freq
-      __m256i need = _mm256_xor_si256(_mm256_cmpgt_epi32(freq, _mm256_srli_epi32(x[j], 21)), _mm256_set1_epi32(-1));
-      int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-      __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x[j], lo16),
-                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.idx[mask])));
-      __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
+      const __m256i need = _mm256_xor_si256(_mm256_cmpgt_epi32(freq, _mm256_srli_epi32(x[j], 21)), all_ones);
+      const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+      const __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x[j], lo16),
+                                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.idx[mask])));
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(cursor - 8), _mm256_castsi256_si128(packed));
       cursor -= _mm_popcnt_u32(uint32_t(mask));
-      __m256i y = _mm256_blendv_epi8(x[j], _mm256_srli_epi32(x[j], 16), need);
-      __m256i ys = _mm256_xor_si256(y, sign);
-      __m256d xd0 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(ys)), two31);
-      __m256d xd1 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(ys, 1)), two31);
-      __m256d f0 = _mm256_cvtepi32_pd(_mm256_castsi256_si128(freq));
-      __m256d f1 = _mm256_cvtepi32_pd(_mm256_extracti128_si256(freq, 1));
-      __m256d q0 = _mm256_floor_pd(_mm256_div_pd(_mm256_add_pd(xd0, half), f0));
-      __m256d q1 = _mm256_floor_pd(_mm256_div_pd(_mm256_add_pd(xd1, half), f1));
-      __m256i q = _mm256_set_m128i(_mm256_cvttpd_epi32(q1), _mm256_cvttpd_epi32(q0));
-      __m256i r = _mm256_sub_epi32(y, _mm256_mullo_epi32(q, freq));
+      const __m256i y = _mm256_blendv_epi8(x[j], _mm256_srli_epi32(x[j], 16), need);
+      const __m256i ys = _mm256_xor_si256(y, sign);
+      const __m256d r0 = _mm256_i32gather_pd(tab.rcp, _mm256_castsi256_si128(sym), 8);
+      const __m256d r1 = _mm256_i32gather_pd(tab.rcp, _mm256_extracti128_si256(sym, 1), 8);
+      const __m256d xd0 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(ys)), bias);
+      const __m256d xd1 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(ys, 1)), bias);
+      const __m256i q = _mm256_set_m128i(_mm256_cvttpd_epi32(_mm256_mul_pd(xd1, r1)),
+                                         _mm256_cvttpd_epi32(_mm256_mul_pd(xd0, r0)));
+      const __m256i r = _mm256_sub_epi32(y, _mm256_mullo_epi32(q, freq));
       x[j] = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, kProbBits), r), start);
     }
   }
   for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(states + 8 * j), x[j]);
-  e.mode = kModeRans;
-  e.num_words = static_cast<uint32_t>(words_end - cursor);
-  e.num_mantissa = nm;
-  e.checksum = checksum;
+  return static_cast<uint32_t>(words_end - cursor);
 }
 
 }  // namespace ep_comm::lossless

@@ -1,24 +1,30 @@
 // Lossless BF16 codec core, shared by the host build (csrc/host/lossless.cpp) and the CUDA
 // kernels (csrc/cuda/lossless_kernels.cu).
 //
-// Each BF16 value v is split into a symbol and a sign+mantissa byte:
-//   symbol = 256 when v == 0x0000 (+0.0), else the 8-bit exponent field (v >> 7) & 0xFF;
-//   mantissa byte = (v >> 8 & 0x80) | (v & 0x7F), stored raw, and only for symbols != 256.
+// Each BF16 value v (sign 1 | exponent 8 | mantissa 7 bits) is split into a symbol and raw bits:
+//   symbol = 1024 when v == 0x0000 (+0.0), else the top 10 bits v >> 6 (sign, exponent and the
+//            first mantissa bit: on activations the sign and the first mantissa bit depend on the
+//            exponent, so coding them with it saves about 6% over coding the exponent alone);
+//   raw    = the low 6 mantissa bits v & 0x3F, stored as packed 6-bit fields, only for symbols
+//            != 1024.
 // Symbols are coded with rANS (32-bit state, 16-bit renormalisation, 11-bit probabilities) from
 // one frequency table per blob. Values are cut into chunks of `chunk_values`; inside a chunk
 // value i belongs to lane i % 32 (32 interleaved rANS states, one per warp lane on the GPU).
 //
 // Blob layout (little-endian, every field naturally aligned):
-//   Header (32 bytes): u32 magic 'EPLB', u8 version, u8 ndim, u16 num_table_entries,
+//   Header (32 bytes): u32 magic 'EPLB', u8 version (2), u8 ndim, u16 num_table_entries,
 //                      u32 chunk_values, u32 num_chunks, u64 num_values,
 //                      u32 meta_checksum (of every byte before the directory but these 4),
 //                      u32 reserved (0)
 //   u64 shape[ndim]
-//   table: num_table_entries x {u16 symbol, u16 freq} (symbols ascending, freqs sum to 2048)
+//   table: num_table_entries x {u16 symbol, u16 freq} (symbols ascending, freqs sum to 2048;
+//          no entries when every chunk is stored raw)
 //   zero padding to a multiple of 4 bytes
-//   directory: num_chunks x ChunkEntry {u32 mode, u32 num_words, u32 num_mantissa, u32 checksum}
+//   directory: num_chunks x ChunkEntry {u32 mode, u32 num_words, u32 num_raw, u32 checksum}
 //   chunk payloads in order, each zero-padded to a multiple of 4 bytes:
-//     mode 0 (rANS): u32 final_state[32], u16 words[num_words], u8 mantissa[num_mantissa]
+//     mode 0 (rANS): u32 final_state[32], u16 words[num_words], raw fields: num_raw 6-bit fields,
+//                    field k in bits [6k, 6k + 6) of the byte stream (bit j of byte b is stream
+//                    bit 8b + j), ceil(6 num_raw / 8) bytes, unused high bits zero
 //     mode 1 (raw):  u16 values[n] (a chunk that rANS would not shrink)
 // The checksum of a chunk is sum_i v_i * (2 i + 1) mod 2^32 over its values (i within the chunk),
 // so any single corrupted value changes it.
@@ -32,14 +38,16 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr int kMaxDims = 8;
 constexpr int kLanes = 32;
 constexpr int kProbBits = 11;
 constexpr uint32_t kProbScale = 1u << kProbBits;
 constexpr uint32_t kStateLow = 1u << 16;  // rANS states live in [kStateLow, 2^32)
-constexpr int kNumSymbols = 257;
-constexpr int kZeroSymbol = 256;
+constexpr int kNumSymbols = 1025;
+constexpr int kZeroSymbol = 1024;
+constexpr int kRawBits = 6;
+constexpr uint32_t kRawMask = (1u << kRawBits) - 1;
 constexpr uint32_t kModeRans = 0;
 constexpr uint32_t kModeRaw = 1;
 constexpr uint32_t kDefaultChunkValues = 65536;
@@ -87,27 +95,73 @@ inline const char* error_message(int status) {
 struct ChunkEntry {
   uint32_t mode;
   uint32_t num_words;
-  uint32_t num_mantissa;
+  uint32_t num_raw;  // 6-bit raw fields (= the chunk's values other than +0.0)
   uint32_t checksum;
 };
 
-// ---- the value <-> (symbol, mantissa byte) split ----
-EP_HD uint32_t symbol_of(uint16_t v) { return ((v >> 7) & 0xFFu) | (uint32_t(v == 0) << 8); }
-EP_HD uint8_t mantissa_of(uint16_t v) {
-  return static_cast<uint8_t>(((v >> 8) & 0x80u) | (v & 0x7Fu));
-}
-EP_HD uint16_t join_value(uint32_t symbol, uint8_t mantissa) {
-  if (symbol == kZeroSymbol) return 0;
-  return static_cast<uint16_t>(((mantissa & 0x80u) << 8) | (symbol << 7) | (mantissa & 0x7Fu));
+// ---- the value <-> (symbol, raw bits) split ----
+EP_HD uint32_t symbol_of(uint16_t v) { return v == 0 ? uint32_t(kZeroSymbol) : uint32_t(v) >> kRawBits; }
+EP_HD uint32_t raw_of(uint16_t v) { return uint32_t(v) & kRawMask; }
+EP_HD uint16_t join_value(uint32_t symbol, uint32_t raw) {
+  if (symbol == uint32_t(kZeroSymbol)) return 0;
+  return static_cast<uint16_t>((symbol << kRawBits) | raw);
 }
 EP_HD uint32_t checksum_term(uint16_t v, uint32_t index) { return uint32_t(v) * (2u * index + 1u); }
 
 EP_HD uint64_t align4(uint64_t n) { return (n + 3) & ~uint64_t(3); }
 
+// Bytes of `num_raw` packed 6-bit fields.
+EP_HD uint64_t raw_bytes(uint64_t num_raw) { return (uint64_t(kRawBits) * num_raw + 7) / 8; }
+
 // Bytes of a chunk's payload before padding.
 EP_HD uint64_t payload_bytes(const ChunkEntry& e, uint32_t n) {
   if (e.mode == kModeRaw) return 2ull * n;
-  return kStateBytes + 2ull * e.num_words + e.num_mantissa;
+  return kStateBytes + 2ull * e.num_words + raw_bytes(e.num_raw);
+}
+
+// ---- packed 6-bit fields ----
+// Eight 6-bit fields held one per byte (bits 0-5 of bytes 0-7) -> the 48-bit packed form (field k
+// at bits 6k..6k+5), and back. Shift-and-mask steps: the same code on host and device.
+EP_HD uint64_t pack6x8(uint64_t bytes) {
+  uint64_t t = (bytes & 0x003F003F003F003Full) | ((bytes & 0x3F003F003F003F00ull) >> 2);
+  t = (t & 0x00000FFF00000FFFull) | ((t & 0x0FFF00000FFF0000ull) >> 4);
+  return (t & 0xFFFFFFull) | ((t >> 8) & 0xFFFFFF000000ull);
+}
+EP_HD uint64_t unpack6x8(uint64_t packed) {
+  uint64_t t = (packed & 0xFFFFFFull) | ((packed & 0xFFFFFF000000ull) << 8);
+  t = (t & 0x00000FFF00000FFFull) | ((t & 0x00FFF00000FFF000ull) << 4);
+  return (t & 0x003F003F003F003Full) | ((t & 0x0FC00FC00FC00FC0ull) << 2);
+}
+
+// Appends bit fields to a byte stream, low bits first.
+struct BitWriter {
+  uint8_t* out;
+  uint64_t acc = 0;
+  uint32_t nbits = 0;
+  EP_HD explicit BitWriter(uint8_t* o) : out(o) {}
+  // Appends the low `n` bits of `bits` (n <= 56, higher bits of `bits` zero).
+  EP_HD void put(uint64_t bits, uint32_t n) {
+    acc |= bits << nbits;
+    nbits += n;
+    while (nbits >= 8) {
+      *out++ = static_cast<uint8_t>(acc);
+      acc >>= 8;
+      nbits -= 8;
+    }
+  }
+  EP_HD void finish() {
+    if (nbits > 0) *out++ = static_cast<uint8_t>(acc);
+    acc = 0;
+    nbits = 0;
+  }
+};
+
+// Field k of a packed stream of `bytes` bytes (the caller checked 6k + 6 <= 8 bytes).
+EP_HD uint32_t read_raw_field(const uint8_t* raw, uint64_t bytes, uint64_t k) {
+  const uint64_t bit = uint64_t(kRawBits) * k, b = bit >> 3;
+  uint32_t w = raw[b];
+  if (b + 1 < bytes) w |= uint32_t(raw[b + 1]) << 8;
+  return (w >> (bit & 7)) & kRawMask;
 }
 
 // ---- frequency table ----
@@ -188,27 +242,39 @@ EP_HD uint32_t enc_put(uint32_t x, const EncSym& s) {
   return (q << kProbBits) + (x - q * s.freq) + s.start;
 }
 
+// Whether encoding a symbol from state x first emits a 16-bit word (enc_step's renormalisation).
+EP_HD bool enc_needs_word(uint32_t x, const EncSym& s) { return uint64_t(x) >= s.x_max; }
+
 // One rANS encode step: renormalise (write at most one 16-bit word just below `cursor`, moving it
 // down only when the word is kept) and code `s`. Branch-free; the host, AVX2 and GPU coders share it.
 EP_HD uint32_t enc_step(uint32_t x, const EncSym& s, uint16_t*& cursor) {
-  const uint32_t need = uint64_t(x) >= s.x_max ? 1u : 0u;
+  const uint32_t need = enc_needs_word(x, s) ? 1u : 0u;
   cursor[-1] = static_cast<uint16_t>(x & 0xFFFFu);
   cursor -= need;
   x >>= need << 4;
   return enc_put(x, s);
 }
-// Decoder table entry of a slot: symbol (9 bits) << 23 | freq (12 bits) << 11 | slot - start.
-EP_HD uint32_t dec_entry(uint32_t symbol, uint32_t freq, uint32_t bias) {
-  return (symbol << 23) | (freq << kProbBits) | bias;
+// Decoder table: one packed entry per slot, hi10 (10 bits) << 22 | (freq - 1) (11 bits) << 11 |
+// slot - start (11 bits), where hi10 is the symbol's top 10 value bits (0 for the +0.0 symbol,
+// whose slots are told apart by their range [zero_start, zero_start + zero_freq) instead).
+struct DecodeTable {
+  uint32_t entry[kProbScale];
+  uint32_t zero_start;
+  uint32_t zero_freq;  // 0 when +0.0 does not occur
+};
+EP_HD uint32_t dec_entry(uint32_t hi10, uint32_t freq, uint32_t bias) {
+  return (hi10 << 22) | ((freq - 1) << kProbBits) | bias;
 }
-EP_HD uint32_t entry_symbol(uint32_t e) { return e >> 23; }
-EP_HD uint32_t entry_freq(uint32_t e) { return (e >> kProbBits) & 0xFFFu; }
+EP_HD uint32_t entry_hi10(uint32_t e) { return e >> 22; }
+EP_HD uint32_t entry_freq(uint32_t e) { return ((e >> kProbBits) & (kProbScale - 1)) + 1; }
 EP_HD uint32_t entry_bias(uint32_t e) { return e & (kProbScale - 1); }
+EP_HD bool slot_is_zero(const DecodeTable& t, uint32_t slot) { return slot - t.zero_start < t.zero_freq; }
 // One decode step of state x: returns the symbol, advances x (before renormalisation).
-EP_HD uint32_t dec_step(uint32_t& x, const uint32_t* table) {
-  uint32_t e = table[x & (kProbScale - 1)];
+EP_HD uint32_t dec_step(uint32_t& x, const DecodeTable& t) {
+  const uint32_t slot = x & (kProbScale - 1);
+  const uint32_t e = t.entry[slot];
   x = entry_freq(e) * (x >> kProbBits) + entry_bias(e);
-  return entry_symbol(e);
+  return slot_is_zero(t, slot) ? uint32_t(kZeroSymbol) : entry_hi10(e);
 }
 
 // ---- header ----
@@ -271,7 +337,8 @@ EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
   if (h.num_values > kMaxValues) return kErrHeader;
   if (num_chunks_for(h.num_values, h.chunk_values) != h.num_chunks) return kErrHeader;
   if (h.num_table_entries > kNumSymbols) return kErrTable;
-  if ((h.num_values == 0) != (h.num_table_entries == 0)) return kErrTable;
+  // no table: an empty tensor, or every chunk stored raw
+  if (h.num_values == 0 && h.num_table_entries != 0) return kErrTable;
   h.table_offset = table_offset_for(h.ndim);
   if (size < h.table_offset) return kErrTruncated;
   uint64_t product = 1;
@@ -294,7 +361,7 @@ EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
 
 // Reads the table into freq[257] / start[257]; validates order and sum.
 EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint32_t* start) {
-  for (int s = 0; s < kNumSymbols; ++s) freq[s] = 0;
+  for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
   int previous = -1;
   for (uint32_t i = 0; i < h.num_table_entries; ++i) {
     const uint8_t* p = blob + h.table_offset + 4ull * i;
@@ -309,11 +376,11 @@ EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint3
   return cumulative(freq, start) ? int(kOk) : int(kErrTable);
 }
 
-// Validates chunk `c`'s directory entry (n = its value count).
-EP_HD int check_entry(const ChunkEntry& e, uint32_t n) {
-  if (e.mode == kModeRaw) return (e.num_words == 0 && e.num_mantissa == 0) ? int(kOk) : int(kErrDirectory);
-  if (e.mode != kModeRans) return kErrDirectory;
-  if (e.num_words > n || e.num_mantissa > n) return kErrDirectory;
+// Validates a chunk's directory entry (n = its value count) against the blob's header.
+EP_HD int check_entry(const Header& h, const ChunkEntry& e, uint32_t n) {
+  if (e.mode == kModeRaw) return (e.num_words == 0 && e.num_raw == 0) ? int(kOk) : int(kErrDirectory);
+  if (e.mode != kModeRans || h.num_table_entries == 0) return kErrDirectory;
+  if (e.num_words > n || e.num_raw > n) return kErrDirectory;
   return kOk;
 }
 
@@ -328,7 +395,7 @@ EP_HD ChunkEntry read_entry(const uint8_t* blob, const Header& h, uint64_t c) {
   ChunkEntry e;
   e.mode = load_le<uint32_t>(p);
   e.num_words = load_le<uint32_t>(p + 4);
-  e.num_mantissa = load_le<uint32_t>(p + 8);
+  e.num_raw = load_le<uint32_t>(p + 8);
   e.checksum = load_le<uint32_t>(p + 12);
   return e;
 }
@@ -342,47 +409,61 @@ EP_HD uint64_t max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk
 
 // ---- single-chunk coding, sequential form (host; also a reference for the warp kernels) ----
 
-// Encodes chunk values v[0, n) with the blob's table. Writes words backwards ending at
-// words_end (returns the count), mantissa bytes forward to mant. Fills `e`.
-// words_end must have room for n words before it; mant for n bytes; states for 32 u32.
-EP_HD void encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t* states,
-                        uint16_t* words_end, uint8_t* mant, ChunkEntry& e) {
-  uint32_t checksum = 0;
-  uint32_t nm = 0;
+// The split pass of a chunk: returns its checksum and writes the raw fields of values v[0, n)
+// (packed, raw_bytes(count) bytes) to `raw`, their count to num_raw. `raw` needs n bytes.
+EP_HD uint32_t split_chunk(const uint16_t* v, uint32_t n, uint8_t* raw, uint32_t& num_raw) {
+  uint32_t checksum = 0, nr = 0;
+  BitWriter bits(raw);
   for (uint32_t i = 0; i < n; ++i) {
-    uint16_t x = v[i];
+    const uint16_t x = v[i];
     checksum += checksum_term(x, i);
-    mant[nm] = mantissa_of(x);
-    nm += x != 0 ? 1u : 0u;
-  }
-  for (int l = 0; l < kLanes; ++l) states[l] = kStateLow;
-  uint16_t* cursor = words_end;
-  if (n > 0) {
-    uint32_t steps = (n + kLanes - 1) / kLanes;
-    for (uint32_t t = steps; t-- > 0;) {
-      int top = n - t * kLanes < uint32_t(kLanes) ? int(n - t * kLanes) : kLanes;
-      for (int l = top - 1; l >= 0; --l) {
-        uint32_t i = t * kLanes + uint32_t(l);
-        const EncSym& s = syms[symbol_of(v[i])];
-        // cursor[-1] is always inside the n-word area: at most one word per value coded so far
-        states[l] = enc_step(states[l], s, cursor);
-      }
+    if (x != 0) {
+      bits.put(raw_of(x), kRawBits);
+      ++nr;
     }
   }
+  bits.finish();
+  num_raw = nr;
+  return checksum;
+}
+
+// The rANS pass of a chunk: codes the symbols of v[0, n) with the blob's table, writing words
+// backwards below words_end (room for n words); returns the number of words; `states` gets the
+// 32 final states.
+EP_HD uint32_t rans_encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t* states,
+                                 uint16_t* words_end) {
+  for (int l = 0; l < kLanes; ++l) states[l] = kStateLow;
+  uint16_t* cursor = words_end;
+  const uint32_t steps = (n + kLanes - 1) / kLanes;
+  for (uint32_t t = steps; t-- > 0;) {
+    const int top = n - t * kLanes < uint32_t(kLanes) ? int(n - t * kLanes) : kLanes;
+    for (int l = top - 1; l >= 0; --l) {
+      // cursor[-1] is always inside the n-word area: at most one word per value coded so far
+      states[l] = enc_step(states[l], syms[symbol_of(v[t * kLanes + uint32_t(l)])], cursor);
+    }
+  }
+  return static_cast<uint32_t>(words_end - cursor);
+}
+
+// Encodes chunk values v[0, n): words backwards ending at words_end (room for n words), raw
+// fields forward to `raw` (room for n bytes), final states to `states`. Fills `e`.
+EP_HD void encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t* states,
+                        uint16_t* words_end, uint8_t* raw, ChunkEntry& e) {
   e.mode = kModeRans;
-  e.num_words = static_cast<uint32_t>(words_end - cursor);
-  e.num_mantissa = nm;
-  e.checksum = checksum;
+  e.checksum = split_chunk(v, n, raw, e.num_raw);
+  e.num_words = rans_encode_chunk(v, n, syms, states, words_end);
 }
 
-// Builds the decoder's table: kProbScale packed entries (see dec_entry).
-EP_HD void build_decode_table(const uint32_t* freq, const uint32_t* start, uint32_t* table) {
-  for (int s = 0; s < kNumSymbols; ++s)
-    for (uint32_t k = 0; k < freq[s]; ++k) table[start[s] + k] = dec_entry(uint32_t(s), freq[s], k);
+// Builds the decoder's table from freq[1025] / start[1025].
+EP_HD void build_decode_table(const uint32_t* freq, const uint32_t* start, DecodeTable& t) {
+  for (int s = 0; s < kNumSymbols; ++s) {
+    const uint32_t hi10 = s == kZeroSymbol ? 0u : uint32_t(s);
+    for (uint32_t k = 0; k < freq[s]; ++k) t.entry[start[s] + k] = dec_entry(hi10, freq[s], k);
+  }
+  t.zero_start = start[kZeroSymbol];
+  t.zero_freq = freq[kZeroSymbol];
 }
 
-// Decodes one rANS chunk from `payload` (payload_bytes(e, n) bytes, already bounds-checked)
-// into out[0, n) with the table of build_decode_table. Returns a Status.
 // Loads a chunk's initial states; false if one is out of range.
 EP_HD bool load_states(const uint8_t* payload, uint32_t* states) {
   bool ok = true;
@@ -393,57 +474,59 @@ EP_HD bool load_states(const uint8_t* payload, uint32_t* states) {
   return ok;
 }
 
-// Decodes steps [t0, end) of a chunk whose first t0 steps are done (states, wpos, mpos describe
-// that point), then runs every end-of-chunk check. Host SIMD decoders hand over here.
-EP_HD int decode_chunk_from(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const uint32_t* table,
-                            uint16_t* out, uint32_t* states, uint32_t t0, uint32_t wpos, uint32_t mpos) {
-  const uint8_t* words = payload + kStateBytes;
-  const uint8_t* mant = words + 2ull * e.num_words;
+// The unused high bits of a rANS chunk's last raw byte are zero.
+EP_HD bool raw_tail_zero(const uint8_t* payload, const ChunkEntry& e) {
+  const uint64_t bits = uint64_t(kRawBits) * e.num_raw;
+  return bits % 8 == 0 || (payload[kStateBytes + 2ull * e.num_words + bits / 8] >> (bits % 8)) == 0;
+}
+
+// Checks run after a chunk's values are decoded: every word and raw field consumed, states back
+// at their initial value, the unused bits of the last raw byte zero, and the checksum.
+EP_HD int finish_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const uint16_t* out,
+                       const uint32_t* states, uint32_t wpos, uint32_t rpos) {
+  if (wpos != e.num_words || rpos != e.num_raw) return kErrStream;
+  for (int l = 0; l < kLanes; ++l)
+    if (states[l] != kStateLow) return kErrStream;
+  if (!raw_tail_zero(payload, e)) return kErrPadding;
   uint32_t checksum = 0;
-  uint32_t steps = (n + kLanes - 1) / kLanes;
+  for (uint32_t i = 0; i < n; ++i) checksum += checksum_term(out[i], i);
+  return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+
+// Decodes steps [t0, end) of a chunk whose first t0 steps are done (states, wpos, rpos describe
+// that point), then runs every end-of-chunk check. `payload` holds payload_bytes(e, n) bytes
+// (bounds-checked by the caller); every read below is checked against the chunk's counts.
+// Host SIMD decoders hand over here.
+EP_HD int decode_chunk_from(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                            uint16_t* out, uint32_t* states, uint32_t t0, uint32_t wpos, uint32_t rpos) {
+  const uint8_t* words = payload + kStateBytes;
+  const uint8_t* raw = words + 2ull * e.num_words;
+  const uint64_t nraw_bytes = raw_bytes(e.num_raw);
+  const uint32_t steps = (n + kLanes - 1) / kLanes;
   for (uint32_t t = t0; t < steps; ++t) {
-    uint32_t base = t * kLanes;
-    int lanes = n - base < uint32_t(kLanes) ? int(n - base) : kLanes;
-    if (lanes == kLanes && wpos + kLanes <= e.num_words && mpos + kLanes <= e.num_mantissa) {
-      // fast path: a step reads at most 32 words and 32 mantissa bytes, all in bounds here
-      for (int l = 0; l < kLanes; ++l) {
-        uint32_t x = states[l];
-        uint32_t s = dec_step(x, table);
-        uint32_t w = load_le<uint16_t>(words + 2ull * wpos);
-        uint32_t need = x < kStateLow ? 1u : 0u;
-        states[l] = (x << (need << 4)) | (w & (0u - need));
-        wpos += need;
-        uint16_t value = join_value(s, mant[mpos]);
-        mpos += s != uint32_t(kZeroSymbol) ? 1u : 0u;
-        out[base + l] = value;
-      }
-      continue;
-    }
+    const uint32_t base = t * kLanes;
+    const int lanes = n - base < uint32_t(kLanes) ? int(n - base) : kLanes;
     for (int l = 0; l < lanes; ++l) {
       uint32_t x = states[l];
-      uint32_t s = dec_step(x, table);
+      const uint32_t s = dec_step(x, table);
       if (x < kStateLow) {
         if (wpos >= e.num_words) return kErrStream;
         x = (x << 16) | load_le<uint16_t>(words + 2ull * wpos);
         ++wpos;
       }
       states[l] = x;
-      uint16_t value = 0;
+      uint32_t r = 0;
       if (s != uint32_t(kZeroSymbol)) {
-        if (mpos >= e.num_mantissa) return kErrStream;
-        value = join_value(s, mant[mpos++]);
+        if (rpos >= e.num_raw) return kErrStream;
+        r = read_raw_field(raw, nraw_bytes, rpos++);
       }
-      out[base + l] = value;
+      out[base + l] = join_value(s, r);
     }
   }
-  if (wpos != e.num_words || mpos != e.num_mantissa) return kErrStream;
-  for (int l = 0; l < kLanes; ++l)
-    if (states[l] != kStateLow) return kErrStream;
-  for (uint32_t i = 0; i < n; ++i) checksum += checksum_term(out[i], i);
-  return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
+  return finish_chunk(payload, e, n, out, states, wpos, rpos);
 }
 
-EP_HD int decode_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const uint32_t* table,
+EP_HD int decode_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
                        uint16_t* out) {
   uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;

@@ -25,9 +25,10 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
 size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
 
 // blob [blob_bytes] -> out [num_values] bf16 bits. *status (device int) is set to 0 on success or
-// a lossless::Status code (the blob is corrupted, or does not hold num_values values); out is
-// undefined then. Reads stay inside the blob. min_chunk_values bounds the blob's chunk size from
-// below, which sizes the workspace (use the encoder's chunk_values).
+// a lossless::Status code (the blob is corrupted, or does not hold num_values values): the one the
+// host decoder reports for the same blob (that of the first failing chunk); out is undefined
+// then. Reads stay inside the blob. min_chunk_values bounds the blob's chunk size from below,
+// which sizes the workspace (use the encoder's chunk_values).
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
                             uint32_t min_chunk_values, int* status, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);

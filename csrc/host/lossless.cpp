@@ -42,7 +42,7 @@ struct ChunkScratch {
   uint32_t states[kLanes];
   ChunkEntry entry{};
   uint16_t* words_end = nullptr;  // words are [words_end - num_words, words_end)
-  uint8_t* mant = nullptr;
+  uint8_t* raw = nullptr;         // packed raw fields, raw_bytes(entry.num_raw) bytes
   const uint16_t* values = nullptr;
 };
 
@@ -68,29 +68,39 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   const int nt = resolve_threads(threads, num_chunks, num_values);
 
   uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
-  EncSym syms[kNumSymbols] = {};
+  std::vector<EncSym> syms(kNumSymbols);
   uint32_t entries = 0;
   std::unique_ptr<uint8_t[]> scratch;
   std::vector<ChunkScratch> chunks(num_chunks);
   {
     py::gil_scoped_release release;
+    const bool use_simd = simd && have_avx2();
+    // scratch per chunk: kSlack + n words (the AVX2 encoder's 8-word stores may reach below the
+    // n words), then n + kSlack bytes of raw fields (8-byte stores past the end)
+    constexpr uint64_t kSlack = 16;
+    const uint64_t stride = 3ull * cv + 3 * kSlack;
+    scratch.reset(new uint8_t[stride * num_chunks + 8]);
+    // pass 1, per chunk: checksum, raw fields and symbol histogram (chunks hold at most 2^24
+    // values: u32 counts suffice)
+    std::vector<uint32_t> hist(num_chunks * kNumSymbols, 0);
+    parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
+      ChunkScratch& cs = chunks[c];
+      const uint64_t b = uint64_t(c) * cv;
+      cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
+      cs.values = v + b;
+      uint8_t* base = scratch.get() + stride * uint64_t(c);  // even: cv is a multiple of 32
+      cs.words_end = reinterpret_cast<uint16_t*>(base) + kSlack + cs.n;
+      cs.raw = base + 2 * (kSlack + cs.n);
+      cs.entry.mode = kModeRans;
+      uint32_t* h = hist.data() + uint64_t(c) * kNumSymbols;
+      if (use_simd) {
+        cs.entry.checksum = split_chunk_avx2(cs.values, cs.n, cs.raw, cs.entry.num_raw, h);
+      } else {
+        cs.entry.checksum = split_chunk(cs.values, cs.n, cs.raw, cs.entry.num_raw);
+        for (uint32_t i = 0; i < cs.n; ++i) ++h[symbol_of(cs.values[i])];
+      }
+    });
     if (num_values > 0) {
-      // per-chunk histograms (chunks hold at most 2^24 values: u32 counts suffice)
-      std::vector<uint32_t> hist(num_chunks * kNumSymbols, 0);
-      parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
-        uint32_t local[4][kNumSymbols] = {};
-        uint64_t b = uint64_t(c) * cv, e = b + cv < num_values ? b + cv : num_values;
-        uint64_t i = b;
-        for (; i + 4 <= e; i += 4) {
-          ++local[0][symbol_of(v[i])];
-          ++local[1][symbol_of(v[i + 1])];
-          ++local[2][symbol_of(v[i + 2])];
-          ++local[3][symbol_of(v[i + 3])];
-        }
-        for (; i < e; ++i) ++local[0][symbol_of(v[i])];
-        uint32_t* h = hist.data() + uint64_t(c) * kNumSymbols;
-        for (int s = 0; s < kNumSymbols; ++s) h[s] = local[0][s] + local[1][s] + local[2][s] + local[3][s];
-      });
       uint64_t counts[kNumSymbols] = {};
       for (uint64_t c = 0; c < num_chunks; ++c)
         for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[c * kNumSymbols + s];
@@ -101,32 +111,25 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         syms[s] = make_enc_sym(start[s], freq[s]);
       }
     }
-    // scratch per chunk (stride 3 cv + 2 kSlack): kSlack + n words, then n mantissa bytes; the
-    // AVX2 encoder's 8-word stores may reach below the n words
-    constexpr uint64_t kSlack = 16;
-    const uint64_t stride = 3ull * cv + 2 * kSlack;
-    const bool use_simd = simd && have_avx2();
     SimdEncTables simd_tables;
-    make_simd_enc_tables(syms, simd_tables);
-    scratch.reset(new uint8_t[stride * num_chunks + 8]);
+    make_simd_enc_tables(syms.data(), simd_tables);
+    // pass 2, per chunk: rANS
     parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
       ChunkScratch& cs = chunks[c];
-      uint64_t b = uint64_t(c) * cv;
-      cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
-      cs.values = v + b;
-      uint8_t* base = scratch.get() + stride * uint64_t(c);  // even: cv is a multiple of 32
-      cs.words_end = reinterpret_cast<uint16_t*>(base) + kSlack + cs.n;
-      cs.mant = base + 2 * (kSlack + cs.n);
       if (use_simd)
-        encode_chunk_avx2(cs.values, cs.n, syms, simd_tables, cs.states, cs.words_end, cs.mant, cs.entry);
+        cs.entry.num_words = rans_encode_chunk_avx2(cs.values, cs.n, syms.data(), simd_tables, cs.states, cs.words_end);
       else
-        encode_chunk(cs.values, cs.n, syms, cs.states, cs.words_end, cs.mant, cs.entry);
+        cs.entry.num_words = rans_encode_chunk(cs.values, cs.n, syms.data(), cs.states, cs.words_end);
       if (payload_bytes(cs.entry, cs.n) >= 2ull * cs.n) {
-        uint32_t checksum = cs.entry.checksum;
+        const uint32_t checksum = cs.entry.checksum;
         cs.entry = ChunkEntry{kModeRaw, 0, 0, checksum};
       }
     });
   }
+  // a blob whose chunks are all raw needs no table
+  bool all_raw = true;
+  for (const ChunkScratch& cs : chunks) all_raw = all_raw && cs.entry.mode == kModeRaw;
+  if (all_raw) entries = 0;
   // layout
   const uint32_t ndim = static_cast<uint32_t>(shape.size());
   const uint64_t dir_off = directory_offset_for(ndim, entries);
@@ -149,7 +152,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     store_le<uint64_t>(o + 16, num_values);
     for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(o + kHeaderBytes + 8ull * d, uint64_t(shape[d]));
     uint64_t p = table_offset_for(ndim);
-    for (int s = 0; s < kNumSymbols; ++s) {
+    for (int s = 0; s < kNumSymbols && entries > 0; ++s) {
       if (freq[s] == 0) continue;
       store_le<uint16_t>(o + p, static_cast<uint16_t>(s));
       store_le<uint16_t>(o + p + 2, static_cast<uint16_t>(freq[s]));
@@ -161,7 +164,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       uint8_t* d = o + dir_off + sizeof(ChunkEntry) * uint64_t(c);
       store_le<uint32_t>(d, cs.entry.mode);
       store_le<uint32_t>(d + 4, cs.entry.num_words);
-      store_le<uint32_t>(d + 8, cs.entry.num_mantissa);
+      store_le<uint32_t>(d + 8, cs.entry.num_raw);
       store_le<uint32_t>(d + 12, cs.entry.checksum);
       uint8_t* q = o + offsets[c];
       uint64_t used = payload_bytes(cs.entry, cs.n);
@@ -170,7 +173,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       } else {
         std::memcpy(q, cs.states, kStateBytes);
         std::memcpy(q + kStateBytes, cs.words_end - cs.entry.num_words, 2ull * cs.entry.num_words);
-        std::memcpy(q + kStateBytes + 2ull * cs.entry.num_words, cs.mant, cs.entry.num_mantissa);
+        std::memcpy(q + kStateBytes + 2ull * cs.entry.num_words, cs.raw, raw_bytes(cs.entry.num_raw));
       }
       std::memset(q + used, 0, offsets[c + 1] - offsets[c] - used);
     });
@@ -197,7 +200,7 @@ void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
   for (uint64_t c = 0; c < p.h.num_chunks; ++c) {
     const uint32_t n = chunk_count(p.h, c);
     const ChunkEntry e = read_entry(blob, p.h, c);
-    st = check_entry(e, n);
+    st = check_entry(p.h, e, n);
     if (st != kOk) fail(st);
     offset += align4(payload_bytes(e, n));
     if (offset > size) fail(kErrSize);
@@ -244,12 +247,12 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
     offsets[0] = h.data_offset;
     for (uint64_t c = 0; c < h.num_chunks && status == kOk; ++c) {
       entries[c] = read_entry(b, h, c);
-      status = check_entry(entries[c], chunk_count(h, c));
+      status = check_entry(h, entries[c], chunk_count(h, c));
       offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
     }
     if (status == kOk && offsets[h.num_chunks] != size) status = kErrSize;
-    std::vector<uint32_t> table(kProbScale);
-    if (status == kOk && h.num_values > 0) build_decode_table(p.freq, p.start, table.data());
+    std::unique_ptr<DecodeTable> table(new DecodeTable());
+    if (status == kOk && h.num_values > 0) build_decode_table(p.freq, p.start, *table);
     if (status == kOk) {
       std::vector<int> chunk_status(h.num_chunks, kOk);
       parallel_for(int64_t(h.num_chunks), nt, [&](int64_t c) {
@@ -263,8 +266,8 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
         uint16_t* dst = o + uint64_t(c) * h.chunk_values;
         if (st == kOk) {
           if (e.mode == kModeRaw) st = decode_raw_chunk(payload, e, n, dst);
-          else if (use_simd) st = decode_chunk_avx2(payload, e, n, table.data(), dst);
-          else st = decode_chunk(payload, e, n, table.data(), dst);
+          else if (use_simd) st = decode_chunk_avx2(payload, e, n, *table, dst);
+          else st = decode_chunk(payload, e, n, *table, dst);
         }
         chunk_status[c] = st;
       });
