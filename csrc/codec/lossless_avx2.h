@@ -240,6 +240,7 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
   const __m256i zero_sym = _mm256_set1_epi32(kZeroSymbol), low12 = _mm256_set1_epi32(0xFFF);
   const __m256i sign = _mm256_set1_epi32(int(0x80000000u)), all_ones = _mm256_set1_epi32(-1);
   const __m256d bias = _mm256_set1_pd(2147483648.5);  // undoes the sign flip, adds 0.5
+  const __m256d zero_pd = _mm256_setzero_pd(), all_pd = _mm256_castsi256_pd(_mm256_set1_epi32(-1));
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(st + 8 * j));
   for (uint32_t t = full_steps; t-- > 0;) {
@@ -261,8 +262,9 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
       cursor -= _mm_popcnt_u32(uint32_t(mask));
       const __m256i y = _mm256_blendv_epi8(x[j], _mm256_srli_epi32(x[j], 16), need);
       const __m256i ys = _mm256_xor_si256(y, sign);
-      const __m256d r0 = _mm256_i32gather_pd(tab.rcp, _mm256_castsi256_si128(sym), 8);
-      const __m256d r1 = _mm256_i32gather_pd(tab.rcp, _mm256_extracti128_si256(sym, 1), 8);
+      // masked form with a zero source: the unmasked intrinsic leaves its source undefined
+      const __m256d r0 = _mm256_mask_i32gather_pd(zero_pd, tab.rcp, _mm256_castsi256_si128(sym), all_pd, 8);
+      const __m256d r1 = _mm256_mask_i32gather_pd(zero_pd, tab.rcp, _mm256_extracti128_si256(sym, 1), all_pd, 8);
       const __m256d xd0 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(ys)), bias);
       const __m256d xd1 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(ys, 1)), bias);
       const __m256i q = _mm256_set_m128i(_mm256_cvttpd_epi32(_mm256_mul_pd(xd1, r1)),
