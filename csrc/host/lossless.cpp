@@ -5,6 +5,9 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -39,14 +42,43 @@ const uint16_t* u16_data(const py::buffer_info& info, const char* name) {
 
 struct ChunkScratch {
   uint32_t n = 0;
-  uint32_t states[kLanes];
   ChunkEntry entry{};
-  uint16_t* words_end = nullptr;  // words are [words_end - num_words, words_end)
-  uint8_t* raw = nullptr;         // packed raw fields, raw_bytes(entry.num_raw) bytes
+  uint8_t* region = nullptr;      // this chunk's work area inside the output allocation
+  uint16_t* words_end = nullptr;  // words are [words_end - num_words, words_end); raw fields follow
+  uint8_t* raw = nullptr;         // packed raw fields, raw_bytes(entry.num_raw) bytes (= words_end)
   const uint16_t* values = nullptr;
+  // the finished payload (payload_bytes(entry, n) bytes), before it is moved to its place
+  const uint8_t* payload() const {
+    return entry.mode == kModeRaw ? region
+                                  : reinterpret_cast<const uint8_t*>(words_end - entry.num_words) - kStateBytes;
+  }
 };
 
+// Work area of one chunk of n <= cv values, inside the output allocation: states (written just
+// below the words once their count is known), kSlack words of room for the AVX2 encoder's 8-word
+// stores below the words, n words (written backwards), then the raw fields: first one byte per
+// field, packed to 6 bits in place, plus 8-byte store slack. Rounded up to 64 bytes.
+constexpr uint64_t kSlackWords = 16;
+uint64_t region_bytes(uint32_t cv) {
+  return (kStateBytes + 2 * kSlackWords + 2ull * cv + cv + 16 + 63) & ~uint64_t(63);
+}
+
+// Returns the pages of [begin, end) to the system (the untouched tail of an over-allocated blob).
+void release_pages(uint8_t* begin, uint8_t* end) {
+#ifdef __linux__
+  const uintptr_t page = 4096;
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
+  const uintptr_t e = reinterpret_cast<uintptr_t>(end) & ~(page - 1);
+  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+#else
+  (void)begin;
+  (void)end;
+#endif
+}
+
 // bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
+// Chunks are coded in work areas inside one over-sized output allocation (no separate scratch to
+// page in), then moved down into place; the returned array views the first blob-size bytes.
 py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, bool simd) {
   py::buffer_info info = values.request();
@@ -66,20 +98,21 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   const uint64_t num_chunks = num_chunks_for(num_values, cv);
   if (num_chunks > 0xFFFFFFFFull) throw std::invalid_argument("too many chunks");
   const int nt = resolve_threads(threads, num_chunks, num_values);
+  const uint32_t ndim = static_cast<uint32_t>(shape.size());
+  // work areas start after the largest possible header, table and directory
+  const uint64_t areas = (data_offset_for(ndim, kNumSymbols, static_cast<uint32_t>(num_chunks)) + 63) & ~uint64_t(63);
+  const uint64_t region = region_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
+  py::array_t<uint8_t> out(static_cast<py::ssize_t>(areas + region * num_chunks));
+  uint8_t* o = out.mutable_data();
 
   uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
   std::vector<EncSym> syms(kNumSymbols);
   uint32_t entries = 0;
-  std::unique_ptr<uint8_t[]> scratch;
   std::vector<ChunkScratch> chunks(num_chunks);
+  std::vector<uint64_t> offsets(num_chunks + 1);
   {
     py::gil_scoped_release release;
     const bool use_simd = simd && have_avx2();
-    // scratch per chunk: kSlack + n words (the AVX2 encoder's 8-word stores may reach below the
-    // n words), then n + kSlack bytes of raw fields (8-byte stores past the end)
-    constexpr uint64_t kSlack = 16;
-    const uint64_t stride = 3ull * cv + 3 * kSlack;
-    scratch.reset(new uint8_t[stride * num_chunks + 8]);
     // pass 1, per chunk: checksum, raw fields and symbol histogram (chunks hold at most 2^24
     // values: u32 counts suffice)
     std::vector<uint32_t> hist(num_chunks * kNumSymbols, 0);
@@ -88,9 +121,9 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       const uint64_t b = uint64_t(c) * cv;
       cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
       cs.values = v + b;
-      uint8_t* base = scratch.get() + stride * uint64_t(c);  // even: cv is a multiple of 32
-      cs.words_end = reinterpret_cast<uint16_t*>(base) + kSlack + cs.n;
-      cs.raw = base + 2 * (kSlack + cs.n);
+      cs.region = o + areas + region * uint64_t(c);
+      cs.words_end = reinterpret_cast<uint16_t*>(cs.region + kStateBytes) + kSlackWords + cs.n;
+      cs.raw = reinterpret_cast<uint8_t*>(cs.words_end);
       cs.entry.mode = kModeRans;
       uint32_t* h = hist.data() + uint64_t(c) * kNumSymbols;
       if (use_simd) {
@@ -113,35 +146,31 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     }
     SimdEncTables simd_tables;
     make_simd_enc_tables(syms.data(), simd_tables);
-    // pass 2, per chunk: rANS
+    // pass 2, per chunk: rANS; the final states go just below the words
     parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
       ChunkScratch& cs = chunks[c];
+      uint32_t states[kLanes];
       if (use_simd)
-        cs.entry.num_words = rans_encode_chunk_avx2(cs.values, cs.n, syms.data(), simd_tables, cs.states, cs.words_end);
+        cs.entry.num_words = rans_encode_chunk_avx2(cs.values, cs.n, syms.data(), simd_tables, states, cs.words_end);
       else
-        cs.entry.num_words = rans_encode_chunk(cs.values, cs.n, syms.data(), cs.states, cs.words_end);
+        cs.entry.num_words = rans_encode_chunk(cs.values, cs.n, syms.data(), states, cs.words_end);
       if (payload_bytes(cs.entry, cs.n) >= 2ull * cs.n) {
-        const uint32_t checksum = cs.entry.checksum;
-        cs.entry = ChunkEntry{kModeRaw, 0, 0, checksum};
+        cs.entry = ChunkEntry{kModeRaw, 0, 0, cs.entry.checksum};
+        std::memcpy(cs.region, cs.values, 2ull * cs.n);
+      } else {
+        std::memcpy(const_cast<uint8_t*>(cs.payload()), states, kStateBytes);
       }
     });
-  }
-  // a blob whose chunks are all raw needs no table
-  bool all_raw = true;
-  for (const ChunkScratch& cs : chunks) all_raw = all_raw && cs.entry.mode == kModeRaw;
-  if (all_raw) entries = 0;
-  // layout
-  const uint32_t ndim = static_cast<uint32_t>(shape.size());
-  const uint64_t dir_off = directory_offset_for(ndim, entries);
-  const uint64_t data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
-  std::vector<uint64_t> offsets(num_chunks + 1);
-  offsets[0] = data_off;
-  for (uint64_t c = 0; c < num_chunks; ++c)
-    offsets[c + 1] = offsets[c] + align4(payload_bytes(chunks[c].entry, chunks[c].n));
-  py::array_t<uint8_t> out(static_cast<py::ssize_t>(offsets[num_chunks]));
-  uint8_t* o = out.mutable_data();
-  {
-    py::gil_scoped_release release;
+    // a blob whose chunks are all raw needs no table
+    bool all_raw = true;
+    for (const ChunkScratch& cs : chunks) all_raw = all_raw && cs.entry.mode == kModeRaw;
+    if (all_raw) entries = 0;
+    // header, table, directory
+    const uint64_t dir_off = directory_offset_for(ndim, entries);
+    const uint64_t data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
+    offsets[0] = data_off;
+    for (uint64_t c = 0; c < num_chunks; ++c)
+      offsets[c + 1] = offsets[c] + align4(payload_bytes(chunks[c].entry, chunks[c].n));
     std::memset(o, 0, data_off);
     store_le<uint32_t>(o, kMagic);
     o[4] = static_cast<uint8_t>(kVersion);
@@ -159,26 +188,25 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       p += 4;
     }
     store_le<uint32_t>(o + kMetaChecksumOffset, meta_checksum(o, dir_off));
-    parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
+    for (uint64_t c = 0; c < num_chunks; ++c) {
       const ChunkScratch& cs = chunks[c];
-      uint8_t* d = o + dir_off + sizeof(ChunkEntry) * uint64_t(c);
+      uint8_t* d = o + dir_off + sizeof(ChunkEntry) * c;
       store_le<uint32_t>(d, cs.entry.mode);
       store_le<uint32_t>(d + 4, cs.entry.num_words);
       store_le<uint32_t>(d + 8, cs.entry.num_raw);
       store_le<uint32_t>(d + 12, cs.entry.checksum);
-      uint8_t* q = o + offsets[c];
-      uint64_t used = payload_bytes(cs.entry, cs.n);
-      if (cs.entry.mode == kModeRaw) {
-        std::memcpy(q, cs.values, 2ull * cs.n);
-      } else {
-        std::memcpy(q, cs.states, kStateBytes);
-        std::memcpy(q + kStateBytes, cs.words_end - cs.entry.num_words, 2ull * cs.entry.num_words);
-        std::memcpy(q + kStateBytes + 2ull * cs.entry.num_words, cs.raw, raw_bytes(cs.entry.num_raw));
-      }
-      std::memset(q + used, 0, offsets[c + 1] - offsets[c] - used);
-    });
+    }
+    // move the payloads down into place, in order: chunk c's destination ends at or below its
+    // own work area's end (offsets[c] <= areas + c * region), so no unmoved payload is overwritten
+    for (uint64_t c = 0; c < num_chunks; ++c) {
+      const uint64_t used = payload_bytes(chunks[c].entry, chunks[c].n);
+      std::memmove(o + offsets[c], chunks[c].payload(), used);
+      std::memset(o + offsets[c] + used, 0, offsets[c + 1] - offsets[c] - used);
+    }
+    release_pages(o + offsets[num_chunks], o + areas + region * num_chunks);
   }
-  return out;
+  // the blob: a view of the first offsets[num_chunks] bytes (keeps `out` alive as its base)
+  return py::array_t<uint8_t>({static_cast<py::ssize_t>(offsets[num_chunks])}, {py::ssize_t(1)}, o, out);
 }
 
 struct Parsed {
