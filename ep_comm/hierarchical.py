@@ -287,3 +287,44 @@ def combine(groups: NodeTransports, handle: DispatchHandle, x: torch.Tensor,
         combined_w = reduce_by_source(hop2.fields["weights"], plan.rail_plan, handle.num_tokens, ())
     stats = ledger.stats("combine", codec, groups.rank, groups.num_collectives - before)
     return combined, combined_w, stats
+
+
+def virtual_node_plans(is_token_in_rank: list[torch.Tensor], ranks_per_node: int) -> list[NodePlan]:
+    """Every rank's ``NodePlan`` when one process knows every rank's layout (virtual ranks on one
+    GPU, ``backends.nvshmem.TwoHopEngine``): the plans :func:`dispatch` builds through its count
+    exchanges, from the same routing maths (``plan.build_send_plan``, ``forward_counts``,
+    ``node_receive_order``).
+
+    Args:
+        is_token_in_rank: ``R`` tensors, rank ``r``'s ``[N_r, R]`` bool layout.
+        ranks_per_node: ``P``; ``R`` must be a multiple of it.
+    Returns:
+        ``R`` plans, rank order.
+    """
+    num_ranks = len(is_token_in_rank)
+    if ranks_per_node <= 0 or num_ranks % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {num_ranks} ranks")
+    per_node, nodes = ranks_per_node, num_ranks // ranks_per_node
+    rail_plans = [build_send_plan(token_node_mask(m, per_node)) for m in is_token_in_rank]
+    forward_plans, rail_recv, tables = [], [], []
+    for rank in range(num_ranks):
+        node, local = divmod(rank, per_node)
+        counts, masks = [], []
+        for g in range(nodes):  # rail peer on node g, in node order (the arrival order)
+            src_plan = rail_plans[g * per_node + local]
+            start = int(src_plan.send_counts[:node].sum())
+            tokens = src_plan.token_index[start:start + int(src_plan.send_counts[node])]
+            masks.append(is_token_in_rank[g * per_node + local][tokens][:, node * per_node:(node + 1) * per_node])
+            counts.append(int(tokens.numel()))
+        target_mask = torch.cat(masks) if masks else torch.zeros(0, per_node, dtype=torch.bool)
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        forward_plans.append(build_send_plan(target_mask))
+        rail_recv.append(counts_t)
+        tables.append(forward_counts(target_mask, counts_t))
+    plans = []
+    for rank in range(num_ranks):
+        node, local = divmod(rank, per_node)
+        node_table = torch.stack([tables[node * per_node + j][local] for j in range(per_node)])
+        plans.append(NodePlan(per_node, rail_plans[rank], rail_recv[rank], forward_plans[rank], node_table,
+                              node_receive_order(node_table).order))
+    return plans

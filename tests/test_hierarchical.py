@@ -16,6 +16,8 @@ from rank_cases import make_routing, make_x
 
 import ep_comm
 from ep_comm import reference
+from ep_comm.hierarchical import virtual_node_plans
+from ep_comm.layout import compute_dispatch_layout
 from ep_comm.placement_map import ExpertPlacement
 
 
@@ -118,6 +120,17 @@ def test_two_hop_matches_reference_and_flat(ranks, case: Case):
                              [r["w"] for r in results], placement)
     exact_combine = case.nodes == 1 or case.per_node == 1
     combined_ref = reference.combine([r["y"] for r in results], ref, list(case.tokens))
+    # the plans a process knowing every layout builds (virtual ranks) are the exchanged ones
+    masks = [compute_dispatch_layout(r["idx"], placement).is_token_in_rank for r in results]
+    for got, plan in zip(results, virtual_node_plans(masks, case.per_node)):
+        mine = got["handle"].node_plan
+        for a, b in ((mine.rail_plan.token_index, plan.rail_plan.token_index),
+                     (mine.rail_plan.send_counts, plan.rail_plan.send_counts),
+                     (mine.rail_recv_counts, plan.rail_recv_counts),
+                     (mine.forward_plan.token_index, plan.forward_plan.token_index),
+                     (mine.forward_plan.send_counts, plan.forward_plan.send_counts),
+                     (mine.node_recv_counts, plan.node_recv_counts), (mine.recv_order, plan.recv_order)):
+            assert torch.equal(a, b)
     for rank, (got, want) in enumerate(zip(results, ref)):
         handle, f_handle = got["handle"], got["f_handle"]
         assert handle.node_plan is not None and handle.node_plan.ranks_per_node == case.per_node

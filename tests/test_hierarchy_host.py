@@ -91,23 +91,71 @@ def test_rejects_bad_shapes() -> None:
         host.hier_receive_order(torch.zeros(4, dtype=torch.int64).numpy())
 
 
-def test_two_hop_launcher_validates_before_launching() -> None:
-    """The bound kernel launcher (ep_comm._cuda.two_hop_dispatch) rejects bad geometry on the
-    CPU, before touching the GPU; it runs without a GPU whenever ep_comm._cuda is built."""
+def _two_hop_layout_py(r: int, p: int, rail_rows: int, node_rows: int, row_bytes: int) -> dict:
+    """The offsets of csrc/common/hierarchy.h's TwoHopLayout, computed independently."""
+    def up(n: int) -> int:
+        return (n + 127) // 128 * 128
+    g = r // p
+    out = {"rail_signal": 0, "node_flag": up(8 * g)}
+    out["rail_stage"] = up(out["node_flag"] + 4 * p * g)
+    out["node_stage"] = up(out["rail_stage"] + g * rail_rows * row_bytes)
+    out["total_bytes"] = up(out["node_stage"] + p * node_rows * row_bytes)
+    return out
+
+
+@pytest.mark.parametrize("r,p", SHAPES)
+@pytest.mark.parametrize("rail_rows,node_rows,row_bytes", [(0, 0, 16), (1, 3, 48), (37, 74, 528), (4096, 8192, 7168)])
+def test_two_hop_layout_matches_python(r: int, p: int, rail_rows: int, node_rows: int, row_bytes: int) -> None:
+    got = host.hier_two_hop_layout(r, p, rail_rows, node_rows, row_bytes)
+    want = _two_hop_layout_py(r, p, rail_rows, node_rows, row_bytes)
+    assert {k: got[k] for k in want} == want
+    assert (got["rail_rows"], got["node_rows"], got["row_bytes"]) == (rail_rows, node_rows, row_bytes)
+    assert all(got[k] % 128 == 0 for k in want)
+    # regions do not overlap: signals, flags, rail stage, node stage in that order
+    g = r // p
+    assert got["node_flag"] >= 8 * g and got["rail_stage"] >= got["node_flag"] + 4 * p * g
+    assert got["node_stage"] >= got["rail_stage"] + g * rail_rows * row_bytes
+    for bad in (dict(row_bytes=24), dict(row_bytes=0), dict(rail_rows=-1)):
+        args = dict(num_ranks=r, ranks_per_node=p, rail_rows=rail_rows, node_rows=node_rows, row_bytes=row_bytes)
+        with pytest.raises(ValueError):
+            host.hier_two_hop_layout(**{**args, **bad})
+
+
+def test_two_hop_launchers_validate_before_launching() -> None:
+    """The bound kernel launchers (ep_comm._cuda.two_hop_dispatch / two_hop_combine) reject bad
+    geometry on the CPU, before touching the GPU; this runs without a GPU whenever ep_comm._cuda
+    is built."""
     try:
         import ep_comm._cuda as cuda
     except ImportError:
         pytest.skip("ep_comm._cuda is not built")
-    if not hasattr(cuda, "two_hop_dispatch"):
-        pytest.fail("ep_comm._cuda is built but lacks two_hop_dispatch: rebuild it")
+    if not hasattr(cuda, "two_hop_combine"):
+        pytest.fail("ep_comm._cuda is built but lacks two_hop_combine: rebuild it")
     if not cuda.nvshmem_built():
         pytest.skip("ep_comm._cuda was built without NVSHMEM")
-    good = dict(symmetric=1, node_peers=[1, 2], num_ranks=4, ranks_per_node=2, my_rank=0, rail_rows=8,
-                node_rows=8, row_bytes=32, send_rows=1, rail_send_offsets=1, fwd_offsets=1, fwd_row=1,
-                fwd_target=1, fwd_slot=1, recv_rows=1, recv_stage_row=1, num_recv_rows=0, round_value=1,
-                timeout_ns=1, record=1)
-    for bad in (dict(ranks_per_node=3), dict(node_peers=[1]), dict(node_peers=[1, 0]), dict(row_bytes=24)):
+    common = dict(symmetric_base=1, rank_stride=0, my_pe=0, num_ranks=4, ranks_per_node=2, rail_rows=8,
+                  node_rows=16, row_bytes=64, payload_bytes=32, round_value=1, timeout_ns=1)
+    rank = dict(rank=0, node_peers=[1, 2], send_rows=1, rail_send_offsets=1, fwd_offsets=1, fwd_row=1,
+                fwd_target=1, fwd_slot=1, recv_rows=1, recv_stage_row=1, num_recv_rows=0, record=1)
+    bad_common = (dict(ranks_per_node=3), dict(row_bytes=24), dict(payload_bytes=80), dict(payload_bytes=0),
+                  dict(rank_stride=100), dict(symmetric_base=0))
+    for bad in bad_common:
         with pytest.raises(ValueError):
-            cuda.two_hop_dispatch({**good, **bad}, 0)
+            cuda.two_hop_dispatch({**common, **bad}, [rank], 0)
+    for bad in (dict(node_peers=[1]), dict(node_peers=[1, 0]), dict(rank=4), dict(record=None)):
+        with pytest.raises(ValueError):
+            cuda.two_hop_dispatch(common, [{**rank, **bad}], 0)
+    with pytest.raises(ValueError, match="exactly one rank"):
+        cuda.two_hop_dispatch(common, [rank, {**rank, "rank": 1}], 0)
     with pytest.raises(ValueError, match="missing field"):
-        cuda.two_hop_dispatch({k: v for k, v in good.items() if k != "record"}, 0)
+        cuda.two_hop_dispatch(common, [{k: v for k, v in rank.items() if k != "record"}], 0)
+    crank = dict(rank=0, node_peers=[1, 2], x=1, ret_row=1, ret_offsets=1, rail_offsets=1, red_offsets=1,
+                 red_stage_row=1, partial=1, src_offsets=1, src_stage_row=1, num_tokens=0, combined_x=1,
+                 combined_weights=None, record=1)
+    fmt = dict(hidden=8, dtype=0, num_weights=2, weights_offset=16)
+    for bad in (dict(dtype=2), dict(weights_offset=8), dict(weights_offset=18), dict(num_weights=5),
+                dict(hidden=0)):
+        with pytest.raises(ValueError):
+            cuda.two_hop_combine(common, {**fmt, **bad}, [crank], 0)
+    with pytest.raises(ValueError):
+        cuda.two_hop_combine(common, fmt, [{**crank, "src_offsets": None}], 0)

@@ -67,7 +67,11 @@ EP_HD int64_t contract_offset(const int64_t* node_counts, NodeShape s, int l, in
 //   rows   rail_stage[G][rail_rows]          rows from the rail peer on node g (hop 1)
 //   rows   node_stage[P][node_rows]          rows forwarded by local rank l (hop 2), grouped by
 //                                            source node then token
-// Every region starts 128-byte aligned.
+// Every region starts 128-byte aligned. row_bytes is the capacity: a call may pack smaller rows
+// (its payload_bytes) at that smaller stride inside each region. The combine
+// (csrc/cuda/internode_two_hop_combine.cu) runs the regions the other way: node_stage[j] and
+// node_flag[j][g] on a forwarder hold what local rank j returns, rail_stage[g] and
+// rail_signal[g] on a source what node g's forwarder sends back.
 struct TwoHopLayout {
   int64_t rail_signal, node_flag, rail_stage, node_stage, total_bytes;
   int64_t rail_rows, node_rows, row_bytes;

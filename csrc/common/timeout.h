@@ -32,7 +32,9 @@ enum Phase : int {
   kInternodeExchange = 8,
   kInternodeRailRecv = 9,  // two-hop dispatch: forwarder waits for a rail peer's rows
   kInternodeNodeRecv = 10, // two-hop dispatch: receiver waits for a forwarder of its node
-  kNumPhases = 11,
+  kInternodeCombineNodeRecv = 11,  // two-hop combine: forwarder waits for a rank of its node
+  kInternodeCombineRailRecv = 12,  // two-hop combine: source waits for a node's forwarder
+  kNumPhases = 13,
 };
 
 // Human-readable phase names; Python's CommTimeoutError.phase carries these strings.
@@ -48,6 +50,8 @@ inline const char* phase_name(int phase) {
     case kInternodeExchange: return "internode/exchange";
     case kInternodeRailRecv: return "internode/rail-recv";
     case kInternodeNodeRecv: return "internode/node-recv";
+    case kInternodeCombineNodeRecv: return "internode/combine-node-recv";
+    case kInternodeCombineRailRecv: return "internode/combine-rail-recv";
     default: return "none";
   }
 }

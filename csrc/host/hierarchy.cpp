@@ -96,6 +96,24 @@ void register_hierarchy(py::module_& m) {
   m.def("hier_forward_counts", &forward_counts, py::arg("target_bits"), py::arg("rail_recv_counts"),
         py::arg("ranks_per_node"));
   m.def("hier_receive_order", &receive_order, py::arg("node_counts"));
+  m.def("hier_two_hop_layout", [](int num_ranks, int ranks_per_node, int64_t rail_rows,
+                                  int64_t node_rows, int64_t row_bytes) {
+    if (rail_rows < 0 || node_rows < 0) throw std::invalid_argument("rail_rows and node_rows must be >= 0");
+    if (row_bytes <= 0 || row_bytes % 16) throw std::invalid_argument("row_bytes must be a positive multiple of 16");
+    const TwoHopLayout l = make_two_hop_layout(shape_of(num_ranks, ranks_per_node), rail_rows, node_rows,
+                                               row_bytes);
+    py::dict d;
+    d["rail_signal"] = l.rail_signal;
+    d["node_flag"] = l.node_flag;
+    d["rail_stage"] = l.rail_stage;
+    d["node_stage"] = l.node_stage;
+    d["total_bytes"] = l.total_bytes;
+    d["rail_rows"] = l.rail_rows;
+    d["node_rows"] = l.node_rows;
+    d["row_bytes"] = l.row_bytes;
+    return d;
+  }, py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("rail_rows"), py::arg("node_rows"),
+     py::arg("row_bytes"), "Byte offsets of the two-hop buffer (csrc/common/hierarchy.h TwoHopLayout)");
 }
 
 }  // namespace ep_comm::host

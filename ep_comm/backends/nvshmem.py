@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError
+from ..handle import NodePlan
 from ..placement_map import ExpertPlacement
 from .base import PendingExchange, Transport
 from .cuda_ipc import IpcPeerBuffers
@@ -714,4 +715,341 @@ class LowLatencyEngine:
         """``xs[i]`` is rank i's ``[L_i, R*T, H]`` bf16 expert output; returns ``[N, H]`` bf16 each."""
         outs, launch = self.start_combine(xs, topk_idx, topk_weights, handles)
         self.finish_combine(launch)
+        return outs
+
+
+# ---- two-hop (node-aware) normal mode over NVSHMEM ----------------------------------------------
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64 counts -> ``[n + 1]`` int64 exclusive prefix sums."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts.to(torch.int64), 0)])
+
+
+def _segment_of(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` int64: the segment of each element when ``counts [n]`` split them in order."""
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64), output_size=total)
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class TwoHopRows:
+    """Byte format of the rows a two-hop dispatch moves for ``[N, H]`` payloads and ``K`` top-k
+    entries: x bytes at 0, int64 global top-k ids at ``topk_offset``, float32 weights after them,
+    the int32 source token index after those; padded to ``payload_bytes`` (a multiple of 16)."""
+
+    x_bytes: int
+    num_topk: int
+
+    @property
+    def topk_offset(self) -> int:
+        return _align16(self.x_bytes)
+
+    @property
+    def weights_offset(self) -> int:
+        return self.topk_offset + 8 * self.num_topk
+
+    @property
+    def src_offset(self) -> int:
+        return self.weights_offset + 4 * self.num_topk
+
+    @property
+    def payload_bytes(self) -> int:
+        return _align16(self.src_offset + 4)
+
+
+@dataclass(frozen=True)
+class TwoHopHandle:
+    """What the two-hop combine needs from one virtual rank's dispatch: the plan and its arrays.
+
+    Attributes:
+        plan: the rank's ``NodePlan`` (``ep_comm.plan`` routing maths).
+        num_tokens: ``N``, tokens this rank dispatched. num_recv: ``M``, rows it received.
+        ret_row: ``[M]`` int64 (device), contract row of each arrival row (forwarder, node, token).
+        ret_offsets: ``[P * G + 1]`` int64 (device), arrival offsets per (forwarder, source node).
+        rail_offsets: ``[G + 1]`` int64 (device), rail-received rows per source node.
+        red_offsets: ``[S1' + 1]`` int64 (device), per rail-received row, its forward entries.
+        red_stage_row: ``[S2]`` int64 (device), node_stage row of each entry, by (rail row, local
+            rank ascending).
+        src_offsets: ``[N + 1]`` int64 (device), per token, its rail-sent rows.
+        src_stage_row: ``[S1]`` int64 (device), rail_stage row of each, by (token, node ascending).
+    """
+
+    plan: NodePlan
+    num_tokens: int
+    num_recv: int
+    ret_row: torch.Tensor
+    ret_offsets: torch.Tensor
+    rail_offsets: torch.Tensor
+    red_offsets: torch.Tensor
+    red_stage_row: torch.Tensor
+    src_offsets: torch.Tensor
+    src_stage_row: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TwoHopDispatchResult:
+    """One virtual rank's two-hop dispatch output (contract order: source rank, then token).
+
+    Attributes:
+        recv_x: ``[M, H]``, x's dtype. recv_topk_idx: ``[M, K]`` int64 local expert ids, -1
+        elsewhere. recv_topk_weights: ``[M, K]`` float32 (0 elsewhere) or None.
+        recv_src_idx: ``[M]`` int64 source token index. num_recv_tokens_per_expert: ``L`` ints.
+        handle: for :meth:`TwoHopEngine.combine`.
+    """
+
+    recv_x: torch.Tensor
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: torch.Tensor | None
+    recv_src_idx: torch.Tensor
+    num_recv_tokens_per_expert: list[int]
+    handle: TwoHopHandle
+
+
+
+
+
+def two_hop_arrays(plan: NodePlan, num_tokens: int, rail_rows: int, node_rows: int,
+                   device: torch.device) -> tuple[TwoHopHandle, dict[str, torch.Tensor]]:
+    """The kernel arrays of one rank's two-hop ``plan``, for stages of ``rail_rows`` and
+    ``node_rows`` rows: the combine's (a :class:`TwoHopHandle`) and the dispatch's
+    (``rail_send_offsets [G + 1]``, ``fwd_offsets [G + 1]``, ``fwd_row [S2]``, ``fwd_target
+    [S2]`` int32, ``fwd_slot [S2]``, ``recv_stage_row [M]``; int64 unless noted, on ``device``),
+    with the meanings of ``csrc/cuda_bindings/two_hop_launch.h``. Pure index arithmetic on the
+    plan, so the CPU tests can replay the kernels with it.
+    """
+    nodes, per_node = plan.rail_recv_counts.numel(), plan.ranks_per_node
+    # forwarder: entry e forwards rail row s (grouped by source node g) to local rank j
+    rail_off = _offsets(plan.rail_recv_counts)
+    s1_in = int(plan.rail_recv_counts.sum())
+    rail_row = plan.forward_plan.token_index
+    entries = rail_row.numel()
+    target = _segment_of(plan.forward_plan.send_counts, entries)
+    slot = torch.arange(entries) - _offsets(plan.forward_plan.send_counts)[target]
+    src_node = _segment_of(plan.rail_recv_counts, s1_in)[rail_row]
+    by_node = torch.argsort(src_node, stable=True)
+    # receiver: arrival row a came from forwarder l at slot a - start(l)
+    m = int(plan.recv_order.numel())
+    per_fwd = plan.node_recv_counts.sum(1)
+    fwd_of = _segment_of(per_fwd, m)
+    arrival_slot = torch.arange(m) - _offsets(per_fwd)[fwd_of]
+    recv_stage_row = (fwd_of * node_rows + arrival_slot)[plan.recv_order]
+    ret_row = torch.empty(m, dtype=torch.int64)
+    ret_row[plan.recv_order] = torch.arange(m)
+    # forwarder reduce: per rail row, local ranks ascending
+    red = torch.argsort(rail_row * per_node + target, stable=True)
+    # source reduce: per token, nodes ascending
+    s1_out = plan.rail_plan.num_rows
+    dst_node = _segment_of(plan.rail_plan.send_counts, s1_out)
+    position = torch.arange(s1_out) - _offsets(plan.rail_plan.send_counts)[dst_node]
+    src = torch.argsort(plan.rail_plan.token_index * nodes + dst_node, stable=True)
+    dev = device
+    handle = TwoHopHandle(
+        plan, num_tokens, m, ret_row.to(dev), _offsets(plan.node_recv_counts.reshape(-1)).to(dev),
+        rail_off.to(dev), _offsets(torch.bincount(rail_row, minlength=s1_in)[:s1_in]).to(dev),
+        (target * node_rows + slot)[red].to(dev),
+        _offsets(torch.bincount(plan.rail_plan.token_index, minlength=num_tokens)[:num_tokens]).to(dev),
+        (dst_node * rail_rows + position)[src].to(dev))
+    dispatch = {"rail_send_offsets": _offsets(plan.rail_plan.send_counts),
+                "fwd_offsets": _offsets(torch.bincount(src_node, minlength=nodes)[:nodes]),
+                "fwd_row": (rail_row - rail_off[src_node])[by_node], "fwd_target": target[by_node].to(torch.int32),
+                "fwd_slot": slot[by_node], "recv_stage_row": recv_stage_row}
+    return handle, {k: v.to(dev).contiguous() for k, v in dispatch.items()}
+
+
+class TwoHopEngine:
+    """Two-hop (node-aware) normal dispatch and combine through the kernels of
+    ``csrc/cuda/internode_two_hop.cu`` and ``internode_two_hop_combine.cu``, for ``num_ranks``
+    virtual ranks (``G = R / P`` nodes of ``ranks_per_node``) run by this one process on one GPU.
+
+    NVSHMEM runs with one PE, bootstrapped over ``group`` (a ``torch.distributed`` group of this
+    one process). The ``R`` rank buffers (``TwoHopLayout``) are carved from one ``nvshmem_malloc``
+    at a fixed stride: the network hop is a real NVSHMEM put-with-signal to this PE at the target
+    rank's offset, the node hop stores through the other buffers' addresses. The plans come from
+    :func:`ep_comm.hierarchical.virtual_node_plans`; top-k ids are renumbered with
+    ``layout.localize_rows``. One PE per process (``rank_stride == 0`` in the kernels) is not
+    driven by this class.
+
+    Capacity: every rank dispatches at most ``max_tokens`` tokens of at most ``max_x_bytes`` bytes
+    with ``num_topk`` ids, so a rail stage holds ``max_tokens`` rows and a node stage
+    ``G * max_tokens``.
+    """
+
+    def __init__(self, num_ranks: int, ranks_per_node: int, placement: ExpertPlacement,
+                 device: torch.device, group: dist.ProcessGroup, max_tokens: int, max_x_bytes: int,
+                 num_topk: int, timeout_s: float = 60.0, settings: NvshmemSettings | None = None) -> None:
+        if not 1 <= num_ranks <= 8 or ranks_per_node <= 0 or num_ranks % ranks_per_node:
+            raise ValueError(f"num_ranks={num_ranks} must be in [1, 8] and a multiple of "
+                             f"ranks_per_node={ranks_per_node}")
+        if dist.get_world_size(group) != 1:
+            raise ValueError("TwoHopEngine runs virtual ranks: group must hold this one process")
+        if placement.num_ranks != num_ranks:
+            raise ValueError(f"placement is for {placement.num_ranks} ranks, not {num_ranks}")
+        self.cuda, host = _cuda(), _host()
+        self.num_ranks, self.ranks_per_node = num_ranks, ranks_per_node
+        self.num_nodes = num_ranks // ranks_per_node
+        self.placement, self.device = placement, torch.device(device)
+        self.max_tokens, self.num_topk = max_tokens, num_topk
+        self.row_bytes = TwoHopRows(max_x_bytes, num_topk).payload_bytes
+        self.layout = host.hier_two_hop_layout(num_ranks, ranks_per_node, max_tokens,
+                                               self.num_nodes * max_tokens, self.row_bytes)
+        self.pe, _ = init_nvshmem(group, settings)
+        self.stride = int(self.layout["total_bytes"])
+        self.symmetric = self.cuda.nvshmem_malloc(self.stride * num_ranks)
+        self.buffers = [self.symmetric + r * self.stride for r in range(num_ranks)]
+        self.records = [TimeoutRecord() for _ in range(num_ranks)]
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.round_value = 0
+
+    def close(self) -> None:
+        """Frees the symmetric buffer."""
+        if self.symmetric:
+            torch.cuda.synchronize(self.device)
+            self.cuda.nvshmem_free(self.symmetric)
+            self.symmetric = 0
+
+    def _node_peers(self, rank: int) -> list[int]:
+        first = rank // self.ranks_per_node * self.ranks_per_node
+        return self.buffers[first:first + self.ranks_per_node]
+
+    def _common(self, payload_bytes: int) -> dict:
+        self.round_value += 1
+        return {"symmetric_base": self.symmetric, "rank_stride": self.stride, "my_pe": self.pe,
+                "num_ranks": self.num_ranks, "ranks_per_node": self.ranks_per_node,
+                "rail_rows": self.layout["rail_rows"], "node_rows": self.layout["node_rows"],
+                "row_bytes": self.row_bytes, "payload_bytes": payload_bytes,
+                "round_value": self.round_value, "timeout_ns": self.timeout_ns}
+
+    def _finish(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        for record in self.records:
+            record.check()
+
+    def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
+                 topk_weights: list[torch.Tensor | None]) -> list[TwoHopDispatchResult]:
+        """Dispatches every virtual rank's tokens along the two-hop plan.
+
+        Args:
+            xs: per rank ``[N_r, H]`` (any dtype; rows move as bytes), ``N_r <= max_tokens``.
+            topk_idx: per rank ``[N_r, K]`` int64 global expert ids, -1 for none.
+            topk_weights: per rank ``[N_r, K]`` float32 or None.
+        Returns:
+            per rank a :class:`TwoHopDispatchResult`, bit-identical to a flat dispatch.
+        """
+        from ..hierarchical import virtual_node_plans
+        from ..layout import compute_dispatch_layout, count_per_local_expert, localize_rows
+
+        if len(xs) != self.num_ranks or len(topk_idx) != self.num_ranks or len(topk_weights) != self.num_ranks:
+            raise ValueError(f"xs, topk_idx and topk_weights need one entry per rank ({self.num_ranks})")
+        hidden, dtype = xs[0].shape[1], xs[0].dtype
+        fmt = TwoHopRows(hidden * xs[0].element_size(), self.num_topk)
+        if fmt.payload_bytes > self.row_bytes:
+            raise ValueError(f"rows of {fmt.x_bytes} bytes exceed the engine's max_x_bytes")
+        for x, t in zip(xs, topk_idx):
+            if x.dim() != 2 or x.shape[1] != hidden or x.dtype != dtype:
+                raise ValueError(f"every x must be [N, {hidden}] {dtype}")
+            if t.shape != (x.shape[0], self.num_topk):
+                raise ValueError(f"topk_idx must be [N, {self.num_topk}] for x of {x.shape[0]} rows")
+            if x.shape[0] > self.max_tokens:
+                raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens={self.max_tokens}")
+        masks = [compute_dispatch_layout(t.cpu().to(torch.int64), self.placement).is_token_in_rank
+                 for t in topk_idx]
+        plans = virtual_node_plans(masks, self.ranks_per_node)
+        ranks, keep, handles = [], [], []
+        for r in range(self.num_ranks):
+            handle, arrays = two_hop_arrays(plans[r], xs[r].shape[0], int(self.layout["rail_rows"]),
+                                           int(self.layout["node_rows"]), self.device)
+            handles.append(handle)
+            tokens = plans[r].rail_plan.token_index.to(self.device)
+            send = torch.zeros(tokens.numel(), fmt.payload_bytes, dtype=torch.uint8, device=self.device)
+            send[:, :fmt.x_bytes] = xs[r].to(self.device)[tokens].contiguous().view(torch.uint8)
+            topk = topk_idx[r].to(self.device, torch.int64)[tokens].contiguous()
+            send[:, fmt.topk_offset:fmt.weights_offset] = topk.view(torch.uint8)
+            w = topk_weights[r]
+            if w is not None:
+                w = w.to(self.device, torch.float32)[tokens].contiguous()
+                send[:, fmt.weights_offset:fmt.src_offset] = w.view(torch.uint8)
+            send[:, fmt.src_offset:fmt.src_offset + 4] = tokens.to(torch.int32).unsqueeze(1).view(torch.uint8)
+            recv = torch.empty(handle.num_recv, fmt.payload_bytes, dtype=torch.uint8, device=self.device)
+            keep.append((send, recv, arrays))
+            ranks.append({"rank": r, "node_peers": self._node_peers(r), "send_rows": _ptr(send),
+                          **{k: _ptr(v) for k, v in arrays.items()}, "recv_rows": _ptr(recv),
+                          "num_recv_rows": handle.num_recv, "record": self.records[r].ptr})
+        for record in self.records:
+            record.reset()
+        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), ranks, _stream(self.device))
+        self._finish()
+        out = []
+        for r, (_, recv, _) in enumerate(keep):
+            m = handles[r].num_recv
+            recv_x = recv[:, :fmt.x_bytes].contiguous().view(dtype).view(m, hidden)
+            glob = recv[:, fmt.topk_offset:fmt.weights_offset].contiguous().view(torch.int64)
+            weights = None
+            if topk_weights[r] is not None:
+                weights = recv[:, fmt.weights_offset:fmt.src_offset].contiguous().view(torch.float32)
+            src = recv[:, fmt.src_offset:fmt.src_offset + 4].contiguous().view(torch.int32).reshape(m)
+            local, local_w = localize_rows(glob, weights, torch.full((m,), r, dtype=torch.int64,
+                                                                      device=self.device), self.placement)
+            counts = count_per_local_expert(local, int(self.placement.num_local_experts[r]))
+            out.append(TwoHopDispatchResult(recv_x, local, local_w, src.to(torch.int64),
+                                            [int(c) for c in counts.tolist()], handles[r]))
+        return out
+
+    def combine(self, xs: list[torch.Tensor], handles: list[TwoHopHandle],
+                topk_weights: list[torch.Tensor | None] | None = None
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Sums every token's returned rows on its source: per node on the forwarder (local rank
+        ascending), then over nodes (ascending), float32, as ``hierarchical.combine`` does.
+
+        Args:
+            xs: per rank ``[M_r, H]`` bfloat16 or float32 rows in the dispatch's received order.
+            handles: per rank, the dispatch result's ``handle``.
+            topk_weights: per rank ``[M_r, K]`` float32 rows summed the same way, or None.
+        Returns:
+            per rank ``(combined_x [N_r, H]`` xs' dtype, ``combined_weights [N_r, K]`` float32
+            or None).
+        """
+        dtype, hidden = xs[0].dtype, xs[0].shape[1]
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"combine supports bfloat16 and float32, got {dtype}")
+        weights = topk_weights or [None] * self.num_ranks
+        with_w = weights[0] is not None
+        if any((w is not None) != with_w for w in weights):
+            raise ValueError("topk_weights must be given for every rank or for none")
+        num_w = weights[0].shape[1] if with_w else 0
+        x_bytes = hidden * xs[0].element_size()
+        w_off = _align16(x_bytes)
+        payload = _align16(w_off + 4 * num_w)
+        if payload > self.row_bytes:
+            raise ValueError("combine rows exceed the engine's row capacity")
+        ranks, keep, outs = [], [], []
+        for r, h in enumerate(handles):
+            x = xs[r]
+            if x.dtype != dtype or x.dim() != 2 or x.shape[1] != hidden or x.shape[0] < h.num_recv:
+                raise ValueError(f"xs[{r}] must be [>= {h.num_recv}, {hidden}] {dtype}")
+            rows = torch.zeros(h.num_recv, payload, dtype=torch.uint8, device=self.device)
+            rows[:, :x_bytes] = x[:h.num_recv].to(self.device).contiguous().view(torch.uint8)
+            if with_w:
+                w = weights[r][:h.num_recv].to(self.device, torch.float32).contiguous()
+                rows[:, w_off:w_off + 4 * num_w] = w.view(torch.uint8)
+            partial = torch.empty(int(h.plan.rail_recv_counts.sum()), payload, dtype=torch.uint8,
+                                  device=self.device)
+            cx = torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device)
+            cw = torch.empty(h.num_tokens, num_w, dtype=torch.float32, device=self.device) if with_w else None
+            keep.append((rows, partial))
+            outs.append((cx, cw))
+            ranks.append({"rank": r, "node_peers": self._node_peers(r), "x": _ptr(rows),
+                          "ret_row": _ptr(h.ret_row), "ret_offsets": _ptr(h.ret_offsets),
+                          "rail_offsets": _ptr(h.rail_offsets), "red_offsets": _ptr(h.red_offsets),
+                          "red_stage_row": _ptr(h.red_stage_row), "partial": _ptr(partial),
+                          "src_offsets": _ptr(h.src_offsets), "src_stage_row": _ptr(h.src_stage_row),
+                          "num_tokens": h.num_tokens, "combined_x": _ptr(cx), "combined_weights": _ptr(cw),
+                          "record": self.records[r].ptr})
+        for record in self.records:
+            record.reset()
+        fmt = {"hidden": hidden, "dtype": 0 if dtype == torch.bfloat16 else 1, "num_weights": num_w,
+               "weights_offset": w_off}
+        self.cuda.two_hop_combine(self._common(payload), fmt, ranks, _stream(self.device))
+        self._finish()
         return outs
