@@ -36,6 +36,28 @@ inline bool have_avx2() {
   return ok;
 }
 
+// sum_i v[i] * (2 i + 1) mod 2^32 (checksum_term over a chunk), 16 values per step.
+__attribute__((target("avx2"))) inline uint32_t chunk_checksum_avx2(const uint16_t* v, uint32_t n) {
+  __m256i sum0 = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256();
+  __m256i idx0 = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
+  __m256i idx1 = _mm256_setr_epi32(17, 19, 21, 23, 25, 27, 29, 31);
+  const __m256i step = _mm256_set1_epi32(32);
+  uint32_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    sum0 = _mm256_add_epi32(sum0, _mm256_mullo_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), idx0));
+    sum1 = _mm256_add_epi32(sum1, _mm256_mullo_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), idx1));
+    idx0 = _mm256_add_epi32(idx0, step);
+    idx1 = _mm256_add_epi32(idx1, step);
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(sum0, sum1));
+  uint32_t sum = 0;
+  for (int j = 0; j < 8; ++j) sum += lanes[j];
+  for (; i < n; ++i) sum += checksum_term(v[i], i);
+  return sum;
+}
+
 // Same result as decode_chunk. A SIMD step of 8 lanes reads 8 words at wpos and 8 bytes of raw
 // fields at the byte holding field rpos; it runs only while all 4 steps of a 32-lane step stay
 // inside both streams.
@@ -100,7 +122,8 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
     }
   }
   for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(states + 8 * j), x[j]);
-  return decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos);
+  const int status = decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos, false);
+  return status == kOk && chunk_checksum_avx2(out, n) != e.checksum ? int(kErrChecksum) : status;
 }
 
 // Same result as decode_chunk (AVX2 steps, then the portable core for the rest and the checks).
