@@ -20,6 +20,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout
 from .placement_map import ExpertPlacement
 from .stats import CommStats
+from .two_hop import TwoHopKernels, TwoHopPlan
 from .validation import (
     PAYLOAD_DTYPES,
     check_codec,
@@ -61,10 +62,14 @@ class Buffer:
             ``ep_comm.hierarchical``). Results are identical to the flat dispatch; the combine
             sums per node first (bit-identical to the flat combine with one node or one rank per
             node, else within the payload dtype's rounding). ``get_dispatch_layout`` then counts
-            ``num_tokens_per_rdma_rank`` over ``R / P`` nodes. Runs on the torch backend
-            (``backend="auto"`` picks it; ``"nvshmem"`` is rejected); low-latency mode stays flat;
-            after ``mask_ranks`` the Buffer runs flat for the rest of its life. Construction
-            creates the rail and node subgroups with ``dist.new_group`` (collective).
+            ``num_tokens_per_rdma_rank`` over ``R / P`` nodes. With the NVSHMEM transport
+            (``backend="nvshmem"``, or ``"auto"`` on NVIDIA when built) and ``P <= 8`` ranks per
+            node whose GPUs reach each other through NVSHMEM, supported calls run the two-hop
+            kernels, one NVSHMEM PE per process (``ep_comm.two_hop``; ``two_hop_plan`` says
+            whether and why not); other calls run ``ep_comm.hierarchical`` over ``torch``
+            subgroups. Low-latency mode stays flat; after ``mask_ranks`` the Buffer runs flat for
+            the rest of its life. Construction creates the rail and node subgroups with
+            ``dist.new_group`` (collective).
     """
 
     num_sms: int = 20
@@ -88,10 +93,6 @@ class Buffer:
             if dist.get_world_size(group) % ranks_per_node:
                 raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size "
                                  f"({dist.get_world_size(group)})")
-            if backend == "nvshmem":
-                raise ValueError("ranks_per_node: the node-aware exchange runs on the torch backend; "
-                                 "use backend='auto' or 'torch'")
-            backend = "torch"
         self.ranks_per_node = ranks_per_node
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
@@ -114,12 +115,18 @@ class Buffer:
         self.kernel_plan = KernelPlan(False, False, f"the {self.backend} transport moves bytes only")
         self._fused = self._make_fused()
         self._node_transports = None
+        self._two_hop: TwoHopKernels | None = None
+        self.two_hop_plan = TwoHopPlan(False, "ranks_per_node is not set" if ranks_per_node is None
+                                       else f"the {self.backend} transport moves bytes only")
         if ranks_per_node is not None:
             from .backends.node_groups import create_node_transports
 
             self._node_transports = create_node_transports(
                 group, ranks_per_node, self.timeout_s, self.device,
                 str(getattr(self.transport, "instance_id", self.buffer_id)))
+            if self.transport.name == "nvshmem":
+                self._two_hop = TwoHopKernels(group, self.device, self.transport, ranks_per_node, self.timeout_s)
+                self.two_hop_plan = self._two_hop.plan
         self.last_stats: CommStats | None = None
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
@@ -178,6 +185,8 @@ class Buffer:
         every rank calls it together; later calls make them again."""
         if self._fused is not None:
             self._fused.close()
+        if self._two_hop is not None:
+            self._two_hop.close()
 
     def placement(self, num_experts: int) -> ExpertPlacement:
         """The expert -> rank map for ``num_experts`` experts."""
@@ -428,7 +437,11 @@ class Buffer:
             require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self._input_device)
             require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
 
-        if self._node_transports is not None:
+        if self._node_transports is not None and self._two_hop is not None and self._two_hop.dispatch_reason(
+                x, topk_idx, topk_weights, codec_name, bool(self.masked_ranks)) is None:
+            out = self._two_hop.dispatch(self.buffer_id, self._node_transports, x, topk_idx, topk_weights,
+                                         is_token_in_rank, placement)
+        elif self._node_transports is not None:
             out = hierarchical.dispatch(self._node_transports, self.buffer_id, x, topk_idx, topk_weights,
                                         is_token_in_rank, placement, codec_name)
         elif self._fused is not None and self._fused.dispatch_reason(
@@ -536,7 +549,10 @@ class Buffer:
                 require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
                 require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
         wait_previous(previous_event)
-        if handle.node_plan is not None:
+        if handle.node_plan is not None and self._two_hop is not None and self._two_hop.combine_reason(
+                handle, x, topk_weights, len(biases), codec_name, bool(self.masked_ranks)) is None:
+            combined, combined_w, stats = self._two_hop.combine(handle, x, topk_weights)
+        elif handle.node_plan is not None:
             combined, combined_w, stats = hierarchical.combine(self._node_transports, handle, x,
                                                                topk_weights, biases, codec_name)
         elif self._fused is not None and self._fused.combine_reason(

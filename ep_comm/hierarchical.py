@@ -328,3 +328,71 @@ def virtual_node_plans(is_token_in_rank: list[torch.Tensor], ranks_per_node: int
         plans.append(NodePlan(per_node, rail_plans[rank], rail_recv[rank], forward_plans[rank], node_table,
                               node_receive_order(node_table).order))
     return plans
+
+
+@dataclass(frozen=True)
+class ExchangedNodePlan:
+    """This rank's two-hop plan, learnt through the count exchanges, for a kernel engine that
+    runs one rank per process (``backends.nvshmem.TwoHopEngine`` with one PE per process).
+
+    Attributes:
+        plan: the rank's ``NodePlan``, identical to what :func:`dispatch` builds (and to
+            :func:`virtual_node_plans` for this rank).
+        recv_counts: ``[R]`` int64 rows received from each source rank (contract order).
+        tokens_per_rank: ``[R]`` int64, every rank's ``N`` (the engines size their stages by
+            the largest, so every rank makes the same engine).
+    """
+
+    plan: NodePlan
+    recv_counts: torch.Tensor
+    tokens_per_rank: torch.Tensor
+
+
+def exchange_node_plan(flat: Transport, groups: NodeTransports,
+                       is_token_in_rank: torch.Tensor) -> ExchangedNodePlan:
+    """Builds this rank's ``NodePlan`` without moving any payload, from the same routing maths as
+    :func:`dispatch` (``build_send_plan``, ``token_node_mask``, ``forward_counts``,
+    ``node_receive_order``). Three small host-synchronous collectives:
+
+    1. ``flat`` (the whole group): ``[R, 2]`` int64, this rank's ``N`` to everyone and, to the
+       forwarding peer of every node, the rows sent there (the forwarder's ``rail_recv_counts``);
+    2. ``groups.rail``: the ``[S1, P]`` target masks of the sent rows (the forwarder's
+       ``forward_plan``; :func:`dispatch` carries them inside the payload instead);
+    3. ``groups.node``: the forwarders' ``[P, G]`` tables (the receiver's ``node_recv_counts``).
+
+    Args:
+        is_token_in_rank: ``[N, R]`` bool, this rank's layout.
+    Raises:
+        CommTimeoutError: a peer did not answer (naming Buffer ranks and the phase).
+    """
+    topo = groups.topology
+    nodes, per_node, me = topo.num_nodes, topo.ranks_per_node, groups.rank
+    mask = is_token_in_rank.cpu()
+    rail_plan = build_send_plan(token_node_mask(mask, per_node))
+    table = torch.zeros(topo.num_ranks, 2, dtype=torch.int64)
+    table[:, 0] = int(mask.shape[0])
+    peers = [g * per_node + topo.local_of(me) for g in range(nodes)]
+    table[peers, 1] = rail_plan.send_counts
+    counts = flat.exchange_counts(table, "two_hop_plan/counts")
+    tokens_per_rank = counts[:, 0].clone()
+    rail_recv_counts = counts[peers, 1].clone()
+    # target bits of every sent row on its destination node, as the rail payload would carry them
+    row_node = _row_rank(rail_plan.send_counts, rail_plan.num_rows)
+    sent = mask[rail_plan.token_index].view(-1, nodes, per_node)
+    targets = sent[torch.arange(rail_plan.num_rows), row_node].to(torch.uint8).contiguous()
+    try:
+        got = groups.rail.exchange_bytes(targets.view(-1).to(groups.rail.device),
+                                         (rail_plan.send_counts * per_node).tolist(),
+                                         (rail_recv_counts * per_node).tolist(), "two_hop_plan/rail_masks").wait()
+    except CommTimeoutError as error:
+        raise groups.map_timeout(error, True) from error
+    target_mask = _forward_mask(got.cpu().view(-1, per_node))
+    forward_plan = build_send_plan(target_mask)
+    try:
+        node_table = groups.node.exchange_counts(forward_counts(target_mask, rail_recv_counts),
+                                                 "two_hop_plan/node_counts")
+    except CommTimeoutError as error:
+        raise groups.map_timeout(error, False) from error
+    order = node_receive_order(node_table)
+    plan = NodePlan(per_node, rail_plan, rail_recv_counts, forward_plan, node_table, order.order)
+    return ExchangedNodePlan(plan, order.recv_counts, tokens_per_rank)
