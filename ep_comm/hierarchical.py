@@ -291,7 +291,7 @@ def combine(groups: NodeTransports, handle: DispatchHandle, x: torch.Tensor,
 
 def virtual_node_plans(is_token_in_rank: list[torch.Tensor], ranks_per_node: int) -> list[NodePlan]:
     """Every rank's ``NodePlan`` when one process knows every rank's layout (virtual ranks on one
-    GPU, ``backends.nvshmem.TwoHopEngine``): the plans :func:`dispatch` builds through its count
+    GPU, ``backends.two_hop_engine.TwoHopEngine``): the plans :func:`dispatch` builds through its count
     exchanges, from the same routing maths (``plan.build_send_plan``, ``forward_counts``,
     ``node_receive_order``).
 
@@ -333,7 +333,7 @@ def virtual_node_plans(is_token_in_rank: list[torch.Tensor], ranks_per_node: int
 @dataclass(frozen=True)
 class ExchangedNodePlan:
     """This rank's two-hop plan, learnt through the count exchanges, for a kernel engine that
-    runs one rank per process (``backends.nvshmem.TwoHopEngine`` with one PE per process).
+    runs one rank per process (``backends.two_hop_engine.TwoHopEngine`` with one PE per process).
 
     Attributes:
         plan: the rank's ``NodePlan``, identical to what :func:`dispatch` builds (and to

@@ -1,5 +1,5 @@
 """The two-hop kernel path of a node-aware ``Buffer`` on NVIDIA (``ranks_per_node=P`` with the
-NVSHMEM transport): normal dispatch/combine through ``backends.nvshmem.TwoHopEngine``, one NVSHMEM
+NVSHMEM transport): normal dispatch/combine through ``backends.two_hop_engine.TwoHopEngine``, one NVSHMEM
 PE per process, each process driving its own rank.
 
 Chosen in one place, as ``fused.py`` does for the single-node kernels:

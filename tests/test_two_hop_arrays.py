@@ -1,4 +1,4 @@
-"""The two-hop kernels' index arrays (``backends.nvshmem.two_hop_arrays``) and the virtual-rank
+"""The two-hop kernels' index arrays (``backends.two_hop_engine.two_hop_arrays``) and the virtual-rank
 plans (``hierarchical.virtual_node_plans``), checked on the CPU by replaying what the kernels of
 ``csrc/cuda/internode_two_hop*.cu`` do with them, against ``ep_comm.reference``."""
 from __future__ import annotations

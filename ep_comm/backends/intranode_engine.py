@@ -1,0 +1,258 @@
+"""``IntranodeEngine``: normal-mode layout/dispatch/combine through peer buffers (NVLink peers
+mapped with CUDA IPC, ``cuda_ipc.py``, or ``R`` virtual ranks of one process on one GPU for
+tests), fused into the kernels of ``csrc/cuda/layout.cu`` and ``intranode.cu``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..placement_map import ExpertPlacement
+from .cuda_ipc import IpcPeerBuffers
+from .nvshmem_common import NvshmemSettings, TimeoutRecord, _cuda, _host, _KernelTimer, _ptr, _stream, init_nvshmem
+
+
+class PeerBuffers:
+    """One communication buffer per rank, as this process addresses them (low-latency engine).
+
+    ``group=None``: ``num_ranks`` virtual ranks, every buffer allocated here (tests, one GPU).
+    Otherwise one NVSHMEM symmetric buffer per PE of ``group``; ``peers[r]`` is ``nvshmem_ptr``
+    (0 where PE ``r`` is not load/store reachable, e.g. on another node).
+
+    Attributes:
+        peers: ``[R]`` device addresses. local_ranks: the ranks this process runs.
+        symmetric: this PE's symmetric buffer address (0 for virtual ranks).
+    """
+
+    def __init__(self, nbytes: int, num_ranks: int, device: torch.device,
+                 group: dist.ProcessGroup | None, settings: NvshmemSettings | None) -> None:
+        self.cuda = _cuda()
+        self.symmetric = 0
+        self._tensors: list[torch.Tensor] = []
+        if group is None:
+            self._tensors = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
+            self.peers = [int(t.data_ptr()) for t in self._tensors]
+            self.local_ranks = list(range(num_ranks))
+            return
+        pe, n = init_nvshmem(group, settings)
+        if n != num_ranks:
+            raise ValueError(f"NVSHMEM has {n} PEs, expected {num_ranks}")
+        self.symmetric = self.cuda.nvshmem_malloc(nbytes)
+        self.peers = [int(self.cuda.nvshmem_ptr(self.symmetric, r)) for r in range(num_ranks)]
+        self.local_ranks = [pe]
+
+    def close(self) -> None:
+        """Frees the buffers (``nvshmem_free`` is collective over the PEs)."""
+        if self.symmetric:
+            torch.cuda.synchronize()
+            self.cuda.nvshmem_free(self.symmetric)
+            self.symmetric = 0
+        self._tensors = []
+
+
+def _group_size(group: dist.ProcessGroup | None, num_ranks: int) -> int:
+    return num_ranks if group is None else dist.get_world_size(group)
+
+
+# ---- normal mode through peer buffers -----------------------------------------------------------
+@dataclass(frozen=True)
+class IntranodeHandle:
+    """What the combine needs from a dispatch, per rank: its meta, mask and token count."""
+
+    meta: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    num_tokens: int
+    num_recv: int
+
+
+class IntranodeEngine:
+    """Layout, dispatch and combine among up to 8 ranks whose buffers this process can address.
+
+    With ``group=None`` it allocates ``num_ranks`` buffers on this process's GPU and runs every
+    rank here (virtual ranks: one launch covers all ranks, each rank gets ``2 * num_channels``
+    blocks, so keep ``num_ranks * 2 * num_channels`` below the SM count). With a group, each
+    process runs its own rank over buffers mapped with CUDA IPC (``cuda_ipc.IpcPeerBuffers``;
+    NVLink peers or processes sharing one GPU); construction and ``close()`` are then collective,
+    and every rank must make the same sequence of calls. No extra barrier is needed between
+    calls: the notify and the combine start with a barrier across the ranks that every rank joins
+    only after its previous kernels finished (stream order), and a rank resets only its own rings.
+    Lists passed to the calls hold one entry per rank in ``local_ranks``.
+    """
+
+    def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
+                 num_topk: int, max_hidden_bytes: int, num_channels: int = 4, ring_slots: int = 64,
+                 timeout_s: float = 60.0, max_scales: int = 0,
+                 group: dist.ProcessGroup | None = None) -> None:
+        num_ranks = _group_size(group, num_ranks)
+        if not 1 <= num_ranks <= 8:
+            raise ValueError(f"the intranode engine runs 1..8 ranks, got {num_ranks}")
+        if ring_slots < 8:
+            raise ValueError("ring_slots must be >= 8")
+        if not 1 <= num_topk <= 32:
+            raise ValueError(f"num_topk must be in [1, 32], got {num_topk}")
+        self.cuda, host = _cuda(), _host()
+        self.num_ranks, self.placement, self.device = num_ranks, placement, torch.device(device)
+        self.num_topk, self.num_channels, self.timeout_ns = num_topk, num_channels, int(timeout_s * 1e9)
+        self.max_local = int(placement.num_local_experts.max())
+        dispatch_row = host.routing_row_layout(max_hidden_bytes, max_scales, num_topk, True, True, True)
+        combine_row = host.routing_row_layout(max_hidden_bytes, 0, num_topk, False, True, False)
+        self.row_bytes = max(dispatch_row["row_bytes"], combine_row["row_bytes"])
+        self.max_hidden_bytes, self.max_scales = max_hidden_bytes, max_scales
+        self.ring_slots = ring_slots
+        lay = host.routing_intranode_layout(num_ranks, num_channels, self.max_local, ring_slots,
+                                            self.row_bytes)
+        if group is None:
+            self.buffers: PeerBuffers | IpcPeerBuffers = PeerBuffers(lay["total_bytes"], num_ranks,
+                                                                     self.device, None, None)
+        else:
+            self.buffers = IpcPeerBuffers(int(lay["total_bytes"]), group, self.device)
+        self.local_ranks = self.buffers.local_ranks
+        self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
+        self.e2l = placement.expert_to_local.to(self.device, torch.int32)
+        self.records = [TimeoutRecord() for _ in self.local_ranks]
+        self.barrier_value = 0
+        self.last_kernel_ms = 0.0  # the last dispatch / combine kernel launch (CUDA events)
+
+    def _common(self) -> dict:
+        self.barrier_value += 1
+        return {"peers": self.buffers.peers, "expert_to_rank": _ptr(self.e2r),
+                "expert_to_local": _ptr(self.e2l), "num_ranks": self.num_ranks,
+                "num_channels": self.num_channels, "max_local_experts": self.max_local,
+                "num_experts": self.placement.num_experts, "num_topk": self.num_topk,
+                "ring_slots": self.ring_slots, "row_bytes": self.row_bytes,
+                "timeout_ns": self.timeout_ns, "barrier_value": self.barrier_value}
+
+    def _finish(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        for record in self.records:
+            record.check()
+
+    def close(self) -> None:
+        """Releases the peer buffers (collective with a group: see ``IpcPeerBuffers.close``)."""
+        self.buffers.close()
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, ranks_per_node: int = 8
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``layout.compute_dispatch_layout`` on the GPU for one rank's ``[N, K]`` int64 routing."""
+        topk = topk_idx.to(self.device, torch.int64).contiguous()
+        n, r, e = topk.shape[0], self.num_ranks, self.placement.num_experts
+        per_rank = torch.empty(r, dtype=torch.int32, device=self.device)
+        nodes = r // ranks_per_node if r > ranks_per_node and r % ranks_per_node == 0 else 0
+        per_node = torch.empty(nodes, dtype=torch.int32, device=self.device) if nodes else None
+        per_expert = torch.empty(e, dtype=torch.int32, device=self.device)
+        mask = torch.empty(n, r, dtype=torch.bool, device=self.device)
+        self.cuda.dispatch_layout({"topk_idx": _ptr(topk), "expert_to_rank": _ptr(self.e2r),
+                                   "num_tokens": n, "num_topk": topk.shape[1], "num_experts": e,
+                                   "num_ranks": r, "ranks_per_node": ranks_per_node,
+                                   "num_tokens_per_rank": _ptr(per_rank),
+                                   "num_tokens_per_rdma_rank": _ptr(per_node),
+                                   "num_tokens_per_expert": _ptr(per_expert),
+                                   "is_token_in_rank": _ptr(mask)}, _stream(self.device))
+        return per_rank, per_node, per_expert, mask
+
+    def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
+                 topk_weights: list[torch.Tensor | None], x_scales: list[torch.Tensor] | None = None,
+                 threads: int = 256) -> list[dict]:
+        """Dispatches every virtual rank's tokens; returns per rank ``{"recv_x", "recv_scales",
+        "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "num_recv_tokens_per_expert",
+        "recv_counts", "layout", "handle"}`` with rows ordered by source rank, then source token.
+        ``recv_counts`` is ``[R]`` int64 (CPU), rows from each source rank; ``layout`` is this
+        rank's ``(num_tokens_per_rank [R], None, num_tokens_per_expert [E], is_token_in_rank
+        [N, R])``."""
+        r, c, k = self.num_ranks, self.num_channels, self.num_topk
+        hidden_bytes = xs[0].shape[1] * xs[0].element_size()
+        if hidden_bytes % 16 or hidden_bytes > self.max_hidden_bytes:
+            raise ValueError(f"x rows must be a multiple of 16 bytes and <= {self.max_hidden_bytes}")
+        num_scales = 0 if x_scales is None else x_scales[0].shape[1]
+        if num_scales > self.max_scales:
+            raise ValueError(f"x_scales has {num_scales} columns, the engine was sized for {self.max_scales}")
+        layouts = [self.get_dispatch_layout(t) for t in topk_idx]
+        metas = [torch.empty(self.cuda.intranode_meta_words(r, c, self.max_local), dtype=torch.int32,
+                             device=self.device) for _ in self.local_ranks]
+        for rec in self.records:
+            rec.reset()
+        common = self._common()
+        self.cuda.intranode_notify(common, [
+            {"rank": rank, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": _ptr(layouts[i][3]),
+             "num_tokens_per_expert": _ptr(layouts[i][2]), "meta": _ptr(metas[i]),
+             "record": self.records[i].ptr} for i, rank in enumerate(self.local_ranks)],
+            _stream(self.device))
+        self._finish()
+        metas_cpu = [m.cpu() for m in metas]
+        outs, ranks = [], []
+        for i, rank in enumerate(self.local_ranks):
+            m = int(metas_cpu[i][-1])
+            x = xs[i].contiguous()
+            out = {"recv_x": torch.empty(m, *x.shape[1:], dtype=x.dtype, device=self.device),
+                   "recv_scales": (torch.empty(m, num_scales, dtype=torch.float32, device=self.device)
+                                   if num_scales else None),
+                   "recv_topk_idx": torch.empty(m, k, dtype=torch.int64, device=self.device),
+                   "recv_topk_weights": (torch.empty(m, k, dtype=torch.float32, device=self.device)
+                                         if topk_weights[i] is not None else None),
+                   "recv_src_idx": torch.empty(m, dtype=torch.int32, device=self.device)}
+            local = self.placement.num_local_experts[rank]
+            out["num_recv_tokens_per_expert"] = metas_cpu[i][r * c: r * c + int(local)].tolist()
+            out["recv_counts"] = metas_cpu[i][: r * c].view(r, c).sum(1, dtype=torch.int64)
+            out["layout"] = layouts[i]
+            out["handle"] = IntranodeHandle(metas[i], layouts[i][3], x.shape[0], m)
+            w = topk_weights[i]
+            out["_keep"] = (x, topk_idx[i].to(self.device, torch.int64).contiguous(),
+                            None if w is None else w.to(torch.float32).contiguous(),
+                            x_scales[i].to(torch.float32).contiguous() if x_scales else None)
+            outs.append(out)
+            keep = out["_keep"]
+            ranks.append({"rank": rank, "num_tokens": x.shape[0], "x": _ptr(keep[0]),
+                          "x_scales": _ptr(keep[3]),
+                          "topk_idx": _ptr(keep[1]), "topk_weights": _ptr(keep[2]),
+                          "is_token_in_rank": _ptr(layouts[i][3]), "meta": _ptr(metas[i]),
+                          "recv_x": _ptr(out["recv_x"]), "recv_scales": _ptr(out["recv_scales"]),
+                          "recv_topk_idx": _ptr(out["recv_topk_idx"]),
+                          "recv_topk_weights": _ptr(out["recv_topk_weights"]),
+                          "recv_src_idx": _ptr(out["recv_src_idx"]), "record": self.records[i].ptr})
+        with _KernelTimer(self.device) as timer:
+            self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads,
+                                         _stream(self.device))
+        self._finish()
+        self.last_kernel_ms = timer.ms
+        for out in outs:
+            out.pop("_keep")
+        return outs
+
+    def combine(self, xs: list[torch.Tensor], handles: list[IntranodeHandle],
+                topk_weights: list[torch.Tensor | None] | None = None
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Sums each token's returned rows on its source rank: per rank ``(combined_x [N, H],
+        combined_topk_weights [N, K] or None)``."""
+        dtype = xs[0].dtype
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"combine supports bfloat16 and float32, got {dtype}")
+        hidden = xs[0].shape[1]
+        if hidden * xs[0].element_size() > self.max_hidden_bytes or (hidden * xs[0].element_size()) % 16:
+            raise ValueError("combine rows must be a multiple of 16 bytes within the engine's size")
+        weights = topk_weights or [None] * len(self.local_ranks)
+        outs, ranks, keep = [], [], []
+        for i, (rank, h) in enumerate(zip(self.local_ranks, handles)):
+            x = xs[i].contiguous()
+            w = None if weights[i] is None else weights[i].to(torch.float32).contiguous()
+            cx = torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device)
+            cw = None if w is None else torch.empty(h.num_tokens, self.num_topk, dtype=torch.float32,
+                                                    device=self.device)
+            keep.append((x, w))
+            outs.append((cx, cw))
+            ranks.append({"rank": rank, "num_tokens": h.num_tokens, "x": _ptr(x), "topk_weights": _ptr(w),
+                          "is_token_in_rank": _ptr(h.is_token_in_rank), "meta": _ptr(h.meta),
+                          "combined_x": _ptr(cx), "combined_topk_weights": _ptr(cw),
+                          "record": self.records[i].ptr})
+        for rec in self.records:
+            rec.reset()
+        with _KernelTimer(self.device) as timer:
+            self.cuda.intranode_combine(self._common(), ranks, hidden,
+                                        0 if dtype == torch.bfloat16 else 1, _stream(self.device))
+        self._finish()
+        self.last_kernel_ms = timer.ms
+        return outs
+
+
+# ---- low-latency mode ---------------------------------------------------------------------------
