@@ -159,10 +159,7 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
                 if not 0 <= length <= offset + nbytes - position - BLOB_LENGTH_BYTES:
                     raise ValueError(f"a lossless chunk names a blob of {length} bytes that it does not hold")
                 start = position + BLOB_LENGTH_BYTES
-                rows = _lossless().decode(received[start:start + length])
-                if tuple(rows.shape) != (n, f.width):
-                    raise ValueError(f"lossless chunk decoded to shape {tuple(rows.shape)}, expected "
-                                     f"{(n, f.width)}")
+                rows = _lossless().decode(received[start:start + length], expected_shape=(n, f.width))
                 blocks[f.name].append(rows.to(received.device))
                 position += _round(BLOB_LENGTH_BYTES + length, align)
                 continue

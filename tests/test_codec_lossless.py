@@ -271,3 +271,24 @@ def test_forged_headers_are_rejected_before_allocating(shape, chunk_values, num_
 def test_dimensions_beyond_the_format_are_rejected_by_encode():
     with pytest.raises(ValueError, match="x"):
         lossless.encode(torch.empty(0, 2**49, dtype=torch.bfloat16))
+
+
+def test_expected_shape_is_checked_before_allocating():
+    """Zero runs compress ~100,000-fold, so receivers state the shape they expect."""
+    blob = lossless.encode(torch.zeros(1 << 20, dtype=torch.bfloat16))
+    assert blob.numel() < 4096
+    assert lossless.decode(blob, expected_shape=(1 << 20,)).shape == (1 << 20,)
+    with pytest.raises(ValueError, match="expected"):
+        lossless.decode(blob, expected_shape=(16,))
+
+
+def test_small_chunks_match_large_chunk_statistics():
+    """Chunk size changes the blob layout, never the frequency table: the same values coded with
+    1,024-value and 65,536-value chunks carry identical tables (histograms are exact for any size)."""
+    x = (torch.randn(50_000, generator=torch.Generator().manual_seed(5)) * 0.1).bfloat16()
+    small, large = lossless.encode(x, chunk_values=1024), lossless.encode(x, chunk_values=65536)
+    entries = int(large[6]) | int(large[7]) << 8
+    assert (int(small[6]) | int(small[7]) << 8) == entries
+    table = slice(40, 40 + 4 * entries)  # header 32 bytes + one u64 dimension
+    assert torch.equal(small[table], large[table])
+    assert torch.equal(bits(lossless.decode(small)), bits(x))

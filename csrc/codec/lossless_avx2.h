@@ -192,14 +192,39 @@ inline void pack_fields_in_place(uint8_t* bytes, uint32_t count) {
   for (uint32_t g = 0; g < groups; ++g) store_le<uint64_t>(bytes + 6 * g, pack6x8(load_le<uint64_t>(bytes + 8 * g)));
 }
 
-// The split pass of a chunk (same results as split_chunk) fused with its symbol histogram:
-// adds the chunk's symbol counts to hist[1025]. `raw` needs n + 16 bytes. Raw fields are first
-// compacted one per byte (8-byte stores, the cursor advancing by the count of non-zero values),
-// then packed to 6 bits in a second, dependency-free loop.
+// Symbol counts of the split pass, kept across the chunks of one thread's block: four u32
+// tables of v >> 6 over every value (+0.0 counted at 0 and in `zeros`, moved to symbol 1024 when
+// folded), folded into u64 counts before a table can overflow.
+struct SplitHistogram {
+  uint32_t local[4][1024] = {};
+  uint64_t zeros = 0;
+  uint64_t pending = 0;  // values counted since the last fold
+  // Adds the counts to hist[1025] and clears them.
+  void fold_into(uint64_t* hist) {
+    for (int j = 0; j < 1024; ++j) {
+      hist[j] += uint64_t(local[0][j]) + local[1][j] + local[2][j] + local[3][j];
+      local[0][j] = local[1][j] = local[2][j] = local[3][j] = 0;
+    }
+    hist[0] -= zeros;
+    hist[kZeroSymbol] += zeros;
+    zeros = pending = 0;
+  }
+  void add(uint32_t values, uint32_t zero_values, uint64_t* hist) {
+    zeros += zero_values;
+    pending += values;
+    if (pending >= (1ull << 31)) fold_into(hist);
+  }
+};
+
+// The split pass of a chunk (same results as split_chunk) fused with its symbol histogram
+// (counted into `h`; `hist` [1025] receives a fold when h's tables run full). `raw` needs n + 16
+// bytes. Raw fields are first compacted one per byte (8-byte stores, the cursor advancing by the
+// count of non-zero values), then packed to 6 bits in a second, dependency-free loop.
 __attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const uint16_t* v, uint32_t n, uint8_t* raw,
-                                                                       uint32_t& num_raw, uint32_t* hist) {
+                                                                       uint32_t& num_raw, SplitHistogram& h,
+                                                                       uint64_t* hist) {
   const ByteCompactTable& bc = byte_compact_table();
-  uint32_t local[4][1024] = {};  // symbol v >> 6 of every value; +0.0 moved to 1024 at the end
+  uint32_t (*local)[1024] = h.local;
   const __m128i zero = _mm_setzero_si128(), m3f = _mm_set1_epi16(0x3F);
   __m256i sum = _mm256_setzero_si256();
   __m256i idx = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
@@ -222,20 +247,17 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const ui
       ++local[3][v[i + j + 3] >> kRawBits];
     }
   }
-  const uint32_t zeros = i - nr;
   alignas(32) uint32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
   uint32_t checksum = 0;
   for (int j = 0; j < 8; ++j) checksum += lanes[j];
-  for (int j = 0; j < 1024; ++j) hist[j] += local[0][j] + local[1][j] + local[2][j] + local[3][j];
-  hist[0] -= zeros;
-  hist[kZeroSymbol] += zeros;
   for (; i < n; ++i) {
     const uint16_t x = v[i];
     checksum += checksum_term(x, i);
-    ++hist[symbol_of(x)];
+    ++local[0][x >> kRawBits];
     if (x != 0) raw[nr++] = static_cast<uint8_t>(raw_of(x));
   }
+  h.add(n, n - nr, hist);
   store_le<uint64_t>(raw + nr, 0);
   pack_fields_in_place(raw, nr);
   num_raw = nr;

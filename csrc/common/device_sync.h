@@ -50,13 +50,15 @@ __device__ __forceinline__ bool failed(const WaitCtx& w) {
   return *reinterpret_cast<volatile int*>(w.record + kStatus) != kOk;
 }
 
-// Spins until *flag >= target (signed compare). Returns false (after recording who and what it
-// waited for) when timeout_ns passes or another waiter already failed.
+// Spins until *flag >= target, compared modulo 2^32 (flag - target as a signed difference), so
+// monotonic round counters keep working after they wrap past INT_MAX; valid while the two are
+// within 2^31 of each other. Returns false (after recording who and what it waited for) when
+// timeout_ns passes or another waiter already failed.
 __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const int* flag, int target, int peer,
                                          int phase, int detail) {
   unsigned long long start = 0;
   for (unsigned iter = 0;; ++iter) {
-    if (ld_acquire_sys(flag) >= target) return true;
+    if (static_cast<int>(static_cast<unsigned>(ld_acquire_sys(flag)) - static_cast<unsigned>(target)) >= 0) return true;
     if ((iter & 255u) == 0) {
       unsigned long long now = global_timer_ns();
       if (start == 0) start = now;

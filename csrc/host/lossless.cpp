@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "bindings.h"
-#include "codec/lossless_avx2.h"
+#include "codec/lossless_avx2.h"  // x86-64 only; other hosts use the portable core
 #include "codec/host_parallel.h"
 #include "codec/lossless_core.h"
 
@@ -23,6 +23,12 @@ using namespace ep_comm::lossless;
 
 namespace ep_comm::host {
 namespace {
+
+#if defined(__x86_64__)
+bool simd_available() { return have_avx2(); }
+#else
+bool simd_available() { return false; }
+#endif
 
 // Threads for `chunks` chunks of `values` values in all: no more than the chunks, and one for small
 // inputs, where starting a thread team costs more than it saves.
@@ -88,6 +94,8 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   uint64_t product = 1;
   for (int64_t d : shape) {
     if (d < 0) throw std::invalid_argument("negative dimension");
+    // checked before multiplying, so the product cannot wrap around
+    if (d != 0 && product > kMaxValues / static_cast<uint64_t>(d)) throw std::invalid_argument("shape too large");
     product *= static_cast<uint64_t>(d);
   }
   if (product != num_values) throw std::invalid_argument("shape does not match the number of values");
@@ -112,31 +120,43 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   std::vector<uint64_t> offsets(num_chunks + 1);
   {
     py::gil_scoped_release release;
-    const bool use_simd = simd && have_avx2();
-    // pass 1, per chunk: checksum, raw fields and symbol histogram (chunks hold at most 2^24
-    // values: u32 counts suffice)
-    std::vector<uint32_t> hist(num_chunks * kNumSymbols, 0);
-    parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
-      ChunkScratch& cs = chunks[c];
-      const uint64_t b = uint64_t(c) * cv;
-      cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
-      cs.values = v + b;
-      cs.region = o + areas + region * uint64_t(c);
-      cs.words_end = reinterpret_cast<uint16_t*>(cs.region + kStateBytes) + kSlackWords + cs.n;
-      cs.raw = reinterpret_cast<uint8_t*>(cs.words_end);
-      cs.entry.mode = kModeRans;
-      uint32_t* h = hist.data() + uint64_t(c) * kNumSymbols;
-      if (use_simd) {
-        cs.entry.checksum = split_chunk_avx2(cs.values, cs.n, cs.raw, cs.entry.num_raw, h);
-      } else {
+    [[maybe_unused]] const bool use_simd = simd && simd_available();
+    // pass 1, per chunk: checksum, raw fields and symbol histogram. Histograms are kept per block
+    // of consecutive chunks (a few per thread), not per chunk: small chunks stay cheap.
+    const int64_t num_blocks = std::min<int64_t>(int64_t(num_chunks), 4 * int64_t(nt));
+    std::vector<uint64_t> hist(uint64_t(num_blocks) * kNumSymbols, 0);
+    parallel_for(num_blocks, nt, [&](int64_t block) {
+      uint64_t* h = hist.data() + uint64_t(block) * kNumSymbols;
+#if defined(__x86_64__)
+      std::unique_ptr<SplitHistogram> simd_hist(use_simd ? new SplitHistogram() : nullptr);
+#endif
+      const int64_t first = int64_t(num_chunks) * block / num_blocks, last = int64_t(num_chunks) * (block + 1) / num_blocks;
+      for (int64_t c = first; c < last; ++c) {
+        ChunkScratch& cs = chunks[c];
+        const uint64_t b = uint64_t(c) * cv;
+        cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
+        cs.values = v + b;
+        cs.region = o + areas + region * uint64_t(c);
+        cs.words_end = reinterpret_cast<uint16_t*>(cs.region + kStateBytes) + kSlackWords + cs.n;
+        cs.raw = reinterpret_cast<uint8_t*>(cs.words_end);
+        cs.entry.mode = kModeRans;
+#if defined(__x86_64__)
+        if (use_simd) {
+          cs.entry.checksum = split_chunk_avx2(cs.values, cs.n, cs.raw, cs.entry.num_raw, *simd_hist, h);
+          continue;
+        }
+#endif
         cs.entry.checksum = split_chunk(cs.values, cs.n, cs.raw, cs.entry.num_raw);
         for (uint32_t i = 0; i < cs.n; ++i) ++h[symbol_of(cs.values[i])];
       }
+#if defined(__x86_64__)
+      if (simd_hist) simd_hist->fold_into(h);
+#endif
     });
     if (num_values > 0) {
       uint64_t counts[kNumSymbols] = {};
-      for (uint64_t c = 0; c < num_chunks; ++c)
-        for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[c * kNumSymbols + s];
+      for (int64_t b = 0; b < num_blocks; ++b)
+        for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(b) * kNumSymbols + s];
       normalize_counts(counts, num_values, freq);
       cumulative(freq, start);
       for (int s = 0; s < kNumSymbols; ++s) {
@@ -144,15 +164,19 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         syms[s] = make_enc_sym(start[s], freq[s]);
       }
     }
-    SimdEncTables simd_tables;
-    make_simd_enc_tables(syms.data(), simd_tables);
+#if defined(__x86_64__)
+    std::unique_ptr<SimdEncTables> simd_tables(new SimdEncTables());
+    make_simd_enc_tables(syms.data(), *simd_tables);
+#endif
     // pass 2, per chunk: rANS; the final states go just below the words
     parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
       ChunkScratch& cs = chunks[c];
       uint32_t states[kLanes];
+#if defined(__x86_64__)
       if (use_simd)
-        cs.entry.num_words = rans_encode_chunk_avx2(cs.values, cs.n, syms.data(), simd_tables, states, cs.words_end);
+        cs.entry.num_words = rans_encode_chunk_avx2(cs.values, cs.n, syms.data(), *simd_tables, states, cs.words_end);
       else
+#endif
         cs.entry.num_words = rans_encode_chunk(cs.values, cs.n, syms.data(), states, cs.words_end);
       if (payload_bytes(cs.entry, cs.n) >= 2ull * cs.n) {
         cs.entry = ChunkEntry{kModeRaw, 0, 0, cs.entry.checksum};
@@ -223,7 +247,8 @@ void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
   st = read_table(blob, p.h, p.freq, p.start);
   if (st != kOk) fail(st);
   // the chunk directory must account for exactly the blob's bytes: checked here, before any
-  // caller allocates the declared shape (a forged header must not cost memory)
+  // caller allocates the declared shape. (A valid blob can still declare a large tensor: an
+  // all-zero chunk codes to its 128 state bytes; callers that know the size pass expected_shape.)
   uint64_t offset = p.h.data_offset;
   for (uint64_t c = 0; c < p.h.num_chunks; ++c) {
     const uint32_t n = chunk_count(p.h, c);
@@ -267,7 +292,7 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
   if (uint64_t(oinfo.shape[0]) != h.num_values) throw std::invalid_argument("out has the wrong size");
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
   int status = kOk;
-  const bool use_simd = simd && have_avx2();
+  [[maybe_unused]] const bool use_simd = simd && simd_available();
   {
     py::gil_scoped_release release;
     std::vector<ChunkEntry> entries(h.num_chunks);
@@ -294,7 +319,9 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
         uint16_t* dst = o + uint64_t(c) * h.chunk_values;
         if (st == kOk) {
           if (e.mode == kModeRaw) st = decode_raw_chunk(payload, e, n, dst);
+#if defined(__x86_64__)
           else if (use_simd) st = decode_chunk_avx2(payload, e, n, *table, dst);
+#endif
           else st = decode_chunk(payload, e, n, *table, dst);
         }
         chunk_status[c] = st;

@@ -207,6 +207,10 @@ class IpcPeerBuffers:
             failure = f"rank {self.rank}: {error}"
         failures = [f for f in _all_gather(failure, group, self.num_ranks) if f]
         if failures:
+            # unmap the peers' buffers everywhere before anyone frees its own (freeing memory a
+            # peer still maps is undefined), as close() does
+            self._release(free_own=False)
+            dist.barrier(group=self.group)
             self._release(free_own=True)
             raise RuntimeError("CUDA IPC peer buffers could not be set up: " + "; ".join(failures))
 

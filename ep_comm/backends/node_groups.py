@@ -45,8 +45,10 @@ class NodeTransports:
         """The same error with its peers renamed from sub-group ranks to Buffer ranks."""
         members = self.rail_members if on_rail else self.node_members
         peers = [members[p] for p in error.peers if 0 <= p < len(members)]
-        mapped = CommTimeoutError(f"{error} (sub-group ranks; Buffer ranks {peers})", peers=peers,
-                                  phase=error.phase)
+        hop = "rail" if on_rail else "node"
+        mapped = CommTimeoutError(f"ep_comm two-hop ({hop} hop, phase {error.phase}): no answer from Buffer "
+                                  f"rank(s) {peers}. Sub-group error, in sub-group ranks: {error}",
+                                  peers=peers, phase=error.phase)
         return mapped
 
 

@@ -76,13 +76,17 @@ def shape_of(blob: torch.Tensor) -> tuple[int, ...]:
     return tuple(_lib().lossless_shape(_blob_array(blob)))
 
 
-def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True) -> torch.Tensor:
+def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
+           expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """Decompresses a blob from ``encode``.
 
     Args:
         blob: 1-D uint8 tensor; not modified.
         threads: CPU threads (0 = OpenMP's default).
         simd: use the AVX2 decoder where the CPU has it (False: the portable core).
+        expected_shape: when given, a blob declaring another shape is rejected before anything is
+            allocated. Receivers should pass it: runs of +0.0 legitimately compress about
+            100,000-fold, so a small valid blob can declare a very large tensor.
 
     Returns:
         bf16 CPU tensor of the encoded shape, bit-identical to the encoded tensor.
@@ -92,6 +96,8 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True) -> torch.
     """
     data = _blob_array(blob)
     shape = tuple(_lib().lossless_shape(data))
+    if expected_shape is not None and shape != tuple(expected_shape):
+        raise ValueError(f"blob holds a tensor of shape {shape}, expected {tuple(expected_shape)}")
     out = torch.empty(shape, dtype=torch.bfloat16)
     _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd)
     return out
