@@ -44,6 +44,11 @@ def test_repeated_list_values_count_once():
       "--topk", "3"], "exceeds the experts reachable"),
     (["--backend", "nvshmem", "--launcher", "local"], "needs NVIDIA GPUs"),
     (["--launcher", "torchrun"], "RANK/WORLD_SIZE/LOCAL_RANK are not set"),
+    (["--ranks", "4", "--node-aware", "3"], "--node-aware 3 must divide the number of ranks (4)"),
+    (["--node-aware", "-2"], "--node-aware must be a positive number"),
+    (["--ranks", "4", "--node-aware", "4"], "makes a single node"),
+    (["--mode", "low-latency", "--node-aware", "2"], "low-latency mode stays flat"),
+    (["--simulate", "--node-aware", "2"], "run it without --node-aware"),
 ])
 def test_invalid_options_exit_2_with_reason(argv, message, capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -66,6 +71,17 @@ def test_defaults_are_the_deepseek_shape(monkeypatch):
     assert parse_args(["--codec", "none,fp8", "--mode", "low-latency"]).mode_codecs("low-latency") == \
         ["none", "fp8"]
     assert parse_args(["--codec", "lossless,fp8"]).mode_codecs("low-latency") == ["fp8"]
+
+
+def test_node_aware_is_separate_from_the_simulated_ranks_per_node(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = parse_args(["--simulate", "--ranks-per-node", "4"])
+    assert (cfg.ranks_per_node, cfg.node_aware) == (4, 0)
+    cfg = parse_args(["--node-aware", "2"])
+    assert (cfg.ranks_per_node, cfg.node_aware, cfg.modes) == (8, 2, ("normal", "low-latency"))
+    with pytest.raises(ConfigError, match="must divide the number of ranks"):
+        BenchConfig(ranks=6, experts=12, node_aware=4, launcher="local").validate()
 
 
 def test_torchrun_world_size_sets_ranks(monkeypatch):
@@ -362,3 +378,37 @@ def test_low_latency_mode_runs_checked_with_simulation(tmp_path):
     assert report["check"]["passed"]
     assert {r["codec"] for r in report["simulation"]["rows"]} == {"none", "fp8"}
     _assert_model_fits(report)
+
+
+def test_node_aware_sends_fewer_inter_node_bytes_than_flat_and_checks(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--ranks", "4", "--tokens", "8", "--hidden", "256", "--experts", "8", "--topk", "4",
+            "--warmup", "0", "--iters", "1", "--quiet", "--mode", "normal,low-latency",
+            "--node-aware", "2", "--check"]
+    # the routing sends tokens to both ranks of another node: the case two hops save on
+    cfg = parse_args(argv)
+    idx = make_routing(cfg, 0)[0]
+    owners = idx // cfg.local_experts
+    assert bool(((owners == 2).any(1) & (owners == 3).any(1)).any())
+    out = tmp_path / "na.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert validate_report(report) == []
+    assert report["check"]["passed"]
+    assert "flat/normal/none" not in report["check"]["failed_cases"]
+    assert report["config"]["node_aware"] == 2
+    normal = [r for r in report["results"] if r["mode"] == "normal" and r["status"] == "ok"]
+    assert {r["op"] for r in normal} == {"dispatch", "combine", "dispatch+combine"}
+    for row in normal:
+        n = row["node_aware"]
+        assert (n["ranks_per_node"], n["nodes"]) == (2, 2)
+        assert 0 < n["inter_node_bytes_per_token"] < n["flat_inter_node_bytes_per_token"], row["op"]
+        assert n["inter_node_ratio_vs_flat"] < 1 and row["ratio_vs_flat"] > 0
+        assert row["flat"]["wire_bytes_per_token"] > 0
+        if row["op"] == "dispatch":  # bytes_sent_off_node agrees with the per-peer matrix
+            m = row["wire_bytes_per_peer"]
+            off = sum(m[r][s] for r in range(4) for s in range(4) if r // 2 != s // 2)
+            assert n["inter_node_bytes_per_token"] == pytest.approx(off / 4 / 8)
+    low = [r for r in report["results"] if r["mode"] == "low-latency"]
+    assert low and all("node_aware" not in r for r in low)  # low-latency mode stays flat

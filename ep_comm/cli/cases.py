@@ -2,7 +2,8 @@
 
 A case runs ``dispatch()`` and ``combine()`` (each timed), ``between()`` (untimed: plays the
 experts, turning dispatch outputs into combine inputs) and ``verify()`` (``--check``). After a
-call, ``wire[op]`` holds the bytes this rank sent to / received from each peer.
+call, ``wire[op]`` holds the bytes this rank sent to / received from each peer, and with
+``ranks_per_node`` set also ``sent_off_node``: the bytes it sent to other (virtual) nodes.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ class Case(ABC):
 
     method = "abstract"
 
-    def __init__(self, mode: str, codec: str) -> None:
+    def __init__(self, mode: str, codec: str, ranks_per_node: int | None = None) -> None:
         self.mode = mode
         self.codec = codec
+        self.ranks_per_node = ranks_per_node
         self.wire: dict[str, dict[str, list[int]]] = {}
         self.out: Any = None
         self.combined: Any = None
@@ -52,6 +54,8 @@ class Case(ABC):
         self.wire[op] = {"sent_wire": list(stats.bytes_sent_wire), "recv_wire": list(stats.bytes_recv_wire),
                          "sent_raw": list(stats.bytes_sent_raw), "recv_raw": list(stats.bytes_recv_raw),
                          "codec": str(stats.codec)}
+        if self.ranks_per_node:
+            self.wire[op]["sent_off_node"] = stats.bytes_sent_off_node(self.ranks_per_node)
 
 
 class Inputs:
@@ -65,12 +69,15 @@ class Inputs:
 
 
 class EpNormalCase(Case):
-    """``get_dispatch_layout`` + ``dispatch`` (timed together), then ``combine``."""
+    """``get_dispatch_layout`` + ``dispatch`` (timed together), then ``combine``.
+
+    ``ranks_per_node`` (``--node-aware``) only makes ``_record`` count the bytes sent off node;
+    whether the exchange is node-aware is up to ``buf``."""
 
     method = "ep_comm"
 
-    def __init__(self, buf: Any, inp: Inputs, codec: str) -> None:
-        super().__init__("normal", codec)
+    def __init__(self, buf: Any, inp: Inputs, codec: str, ranks_per_node: int | None = None) -> None:
+        super().__init__("normal", codec, ranks_per_node)
         self.buf, self.inp = buf, inp
         self.combine_codec = {"fp8": "none"}.get(codec, codec)
 
@@ -109,6 +116,13 @@ class EpNormalCase(Case):
         errs += ck.compare("combine combined_topk_weights", self.combined[1], want_w, False,
                            scale=want_w.abs())
         return errs
+
+
+class FlatNormalCase(EpNormalCase):
+    """``--node-aware``'s comparison: the same calls on a flat Buffer (no ``ranks_per_node``),
+    same data, its bytes sent off node counted with the same virtual nodes."""
+
+    method = "flat"
 
 
 class EpLowLatencyCase(Case):

@@ -54,6 +54,11 @@ class BenchConfig:
         sim_ep / sim_experts: the projected EP sizes and the experts of the projected model
             (default 256, DeepSeek-V3's count).
         timeout_s: ``Buffer(timeout_s=...)``.
+        node_aware: ``P`` > 0 runs normal mode node-aware: ``Buffer(ranks_per_node=P)``, the
+            ranks grouped into virtual nodes of ``P`` consecutive ranks, plus a flat Buffer on the
+            same data for the inter-node bytes comparison; 0 (default) = flat only. Low-latency
+            mode stays flat. Unrelated to ``ranks_per_node``, which only shapes the
+            ``--simulate`` model.
     """
 
     tokens: int = 128
@@ -85,6 +90,7 @@ class BenchConfig:
     ranks_per_node: int = 8
     timeout_s: float = 60.0
     quiet: bool = False
+    node_aware: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,6 +148,7 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be positive, got {value}")
         if self.nvl_latency_us < 0 or self.rdma_latency_us < 0:
             raise ConfigError("link latencies must be >= 0")
+        self._validate_node_aware()
         if not self.sim_ep or any(e <= 0 for e in self.sim_ep):
             raise ConfigError(f"--sim-ep must list positive EP sizes, got {list(self.sim_ep)}")
         if self.simulate:
@@ -168,6 +175,23 @@ class BenchConfig:
                 raise ConfigError(f"--topk ({self.topk}) exceeds the experts reachable through "
                                   f"{self.topk_groups} groups of {self.experts // self.num_groups} "
                                   f"({reachable})")
+
+    def _validate_node_aware(self) -> None:
+        p = self.node_aware
+        if p == 0:
+            return
+        if p < 0:
+            raise ConfigError(f"--node-aware must be a positive number of ranks per node, got {p}")
+        if self.ranks % p:
+            raise ConfigError(f"--node-aware {p} must divide the number of ranks ({self.ranks})")
+        if self.ranks // p < 2:
+            raise ConfigError(f"--node-aware {p} with {self.ranks} ranks makes a single node: no "
+                              "inter-node traffic to compare; choose P <= ranks / 2")
+        if "normal" not in self.modes:
+            raise ConfigError("--node-aware applies to normal mode only (low-latency mode stays "
+                              "flat); add normal to --mode")
+        if self.simulate:
+            raise ConfigError("--simulate models the flat exchange; run it without --node-aware")
 
     def resolved_launcher(self) -> str:
         if self.launcher != "auto":
@@ -228,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
                      help="seconds a rank waits for a peer")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--node-aware", type=int, default=d.node_aware, metavar="P",
+                     help="run normal mode node-aware (two-hop) over virtual nodes of P consecutive "
+                          "ranks, and the flat path on the same data for comparison; reports "
+                          "inter-node bytes per token of both. Low-latency mode stays flat. Not "
+                          "--ranks-per-node, which only shapes the --simulate model (default 0: off)")
     out = p.add_argument_group("output")
     out.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
     out.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of the results")
@@ -246,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--rdma-latency-us", type=float, default=d.rdma_latency_us,
                      help="RDMA latency per op, assumed (default %(default)s)")
     sim.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
-                     help="GPUs per NVLink domain (default %(default)s)")
+                     help="GPUs per NVLink domain in the model (default %(default)s); does not "
+                          "affect the measured run, see --node-aware")
     return p
 
 

@@ -17,6 +17,10 @@ rank):
 - **wire bandwidth** = ``W / median latency`` (GB/s); **wire bytes per token** = ``W / N``.
 - **x naive**, **x floor**: ep_comm's median latency divided by the baseline's median latency of the
   same operation measured in the same run (below 1 = ep_comm faster).
+- with ``--node-aware P`` (normal mode): **inter-node bytes per token** = the bytes a rank sent to
+  ranks of other virtual nodes of ``P`` consecutive ranks (``CommStats.bytes_sent_off_node(P)``),
+  averaged over ranks, divided by ``N``; for ep_comm (node-aware Buffer) and for the flat Buffer
+  run on the same data in the same run. **x flat** is the latency ratio against that flat run.
 """
 from __future__ import annotations
 
@@ -63,6 +67,22 @@ def method_metrics(raw: dict, case: str, op: str, alg_bytes: float, tokens: int)
             "wire_bytes_per_token": wire / tokens}
 
 
+def off_node_per_token(raw: dict, case: str, op: str, tokens: int) -> float:
+    """Mean over ranks of the bytes ``case`` sent to other nodes in ``op``, per token."""
+    ops = ("dispatch", "combine") if op == "dispatch+combine" else (op,)
+    total = sum(r["wire"][case][o]["sent_off_node"] for r in raw["ranks"] for o in ops)
+    return total / len(raw["ranks"]) / tokens
+
+
+def node_aware_metrics(cfg: BenchConfig, raw: dict, name: str, flat: str, op: str) -> dict[str, Any]:
+    """Inter-node bytes per token of the node-aware ``name`` and the flat ``flat`` cases."""
+    ep = off_node_per_token(raw, name, op, cfg.tokens)
+    base = off_node_per_token(raw, flat, op, cfg.tokens)
+    return {"ranks_per_node": cfg.node_aware, "nodes": cfg.ranks // cfg.node_aware,
+            "inter_node_bytes_per_token": ep, "flat_inter_node_bytes_per_token": base,
+            "inter_node_ratio_vs_flat": ep / base if base else None}
+
+
 def alg_bytes(raw: dict, hidden: int) -> float:
     """Mean over ranks of token-rank pairs times ``H * 2`` bytes."""
     pairs = [r["token_rank_pairs"] for r in raw["ranks"]]
@@ -79,9 +99,13 @@ def build_results(cfg: BenchConfig, raw: dict) -> tuple[list[dict], list[dict]]:
     for mode in cfg.modes:
         for codec in cfg.mode_codecs(mode):
             name = f"ep_comm/{mode}/{codec}"
-            if name in raw["errors"]:
+            flat = f"flat/{mode}/{codec}" if cfg.node_aware and mode == "normal" else None
+            failed = [n for n in (name, flat) if n in raw["errors"]]
+            if failed:
+                error = (raw["errors"][name] if name in raw["errors"]
+                         else f"flat comparison: {raw['errors'][flat]}")
                 results.append({"mode": mode, "codec": codec, "op": "dispatch+combine", "status": "error",
-                                "error": raw["errors"][name]})
+                                "error": error})
                 continue
             for op in OPS3:
                 row: dict[str, Any] = {"mode": mode, "codec": codec, "op": op, "status": "ok"}
@@ -91,6 +115,10 @@ def build_results(cfg: BenchConfig, raw: dict) -> tuple[list[dict], list[dict]]:
                 ep = row["ep_comm"]["latency_us"]["median"]
                 row["ratio_vs_naive"] = ep / row["naive"]["latency_us"]["median"]
                 row["ratio_vs_floor"] = ep / row["floor"]["latency_us"]["median"]
+                if flat is not None:
+                    row["flat"] = method_metrics(raw, flat, op, a, cfg.tokens)
+                    row["ratio_vs_flat"] = ep / row["flat"]["latency_us"]["median"]
+                    row["node_aware"] = node_aware_metrics(cfg, raw, name, flat, op)
                 if op != "dispatch+combine":
                     row["codec_used"] = sorted({str(r["wire"][name][op].get("codec", codec))
                                                 for r in raw["ranks"]})

@@ -82,6 +82,11 @@ def _validate_row(row: dict) -> list[str]:
     for key in ("ratio_vs_naive", "ratio_vs_floor"):
         if not isinstance(row.get(key), (int, float)) or row[key] <= 0:
             errs.append(f"{key}: missing or not positive")
+    if "node_aware" in row:
+        n = row["node_aware"]
+        errs += [f"node_aware.{k}: missing" for k in ("ranks_per_node", "inter_node_bytes_per_token",
+                                                       "flat_inter_node_bytes_per_token") if k not in n]
+        errs += [] if isinstance(row.get("flat"), dict) else ["flat: missing next to node_aware"]
     return errs
 
 
@@ -107,12 +112,15 @@ def print_results(report: dict, console: Console | None = None) -> None:
     console.print(f"device {env['device']}, {env['dist_backend']}, ep_comm backend "
                   f"{env['ep_comm_backend']}, torch {env['torch']}")
     table = Table(title="dispatch / combine latency and bandwidth (baselines measured in the same run)")
-    for col in ("mode", "codec", "op", "median", "p10", "p90", "alg GB/s", "wire GB/s", "wire B/tok",
-                "naive median", "x naive", "floor median", "x floor"):
+    node_aware = any("node_aware" in r for r in report["results"])
+    cols = ["mode", "codec", "op", "median", "p10", "p90", "alg GB/s", "wire GB/s", "wire B/tok",
+            "naive median", "x naive", "floor median", "x floor"]
+    cols += ["inter-node B/tok", "flat inter-node B/tok", "x flat"] if node_aware else []
+    for col in cols:
         table.add_column(col, justify="left" if col in ("mode", "codec", "op") else "right")
     for row in report["results"]:
         if row["status"] != "ok":
-            table.add_row(row["mode"], row["codec"], row["op"], "[red]error[/]", *["-"] * 9)
+            table.add_row(row["mode"], row["codec"], row["op"], "[red]error[/]", *["-"] * (len(cols) - 4))
             continue
         ep, lat = row["ep_comm"], row["ep_comm"]["latency_us"]
         used = row.get("codec_used") or [row["codec"]]
@@ -121,8 +129,10 @@ def print_results(report: dict, console: Console | None = None) -> None:
                       fmt_time(lat["p90"]), f"{ep['algbw_gbps']:.3f}", f"{ep['wirebw_gbps']:.3f}",
                       f"{ep['wire_bytes_per_token']:,.0f}", fmt_time(row["naive"]["latency_us"]["median"]),
                       f"{row['ratio_vs_naive']:.2f}x", fmt_time(row["floor"]["latency_us"]["median"]),
-                      f"{row['ratio_vs_floor']:.2f}x")
+                      f"{row['ratio_vs_floor']:.2f}x", *(_node_cells(row) if node_aware else []))
     console.print(table)
+    if node_aware:
+        console.print(_node_note(report))
     for row in report["results"]:
         if row["status"] != "ok":
             console.print(f"[red]{row['mode']}/{row['codec']} not measured[/]: {row['error']}")
@@ -145,6 +155,26 @@ def print_results(report: dict, console: Console | None = None) -> None:
     if report.get("simulation"):
         print_simulation(report["simulation"], console)
     console.print(f"wall time {report['wall_time_s']:.1f} s")
+
+
+def _node_cells(row: dict) -> list[str]:
+    """The ``--node-aware`` columns of one result row (dashes on flat-only low-latency rows)."""
+    n = row.get("node_aware")
+    if n is None:
+        return ["-", "-", "-"]
+    return [f"{n['inter_node_bytes_per_token']:,.0f}", f"{n['flat_inter_node_bytes_per_token']:,.0f}",
+            f"{row['ratio_vs_flat']:.2f}x"]
+
+
+def _node_note(report: dict) -> str:
+    n = next(r["node_aware"] for r in report["results"] if "node_aware" in r)
+    ratios = [(r["codec"], r["node_aware"]["inter_node_ratio_vs_flat"]) for r in report["results"]
+              if "node_aware" in r and r["op"] == "dispatch+combine"]
+    saving = ", ".join(f"{c} {x:.2f}x" for c, x in ratios if x is not None) or "-"
+    return (f"--node-aware: normal mode over {n['nodes']} virtual nodes of {n['ranks_per_node']} ranks; "
+            f"inter-node B/tok = bytes sent to other nodes per token (bytes_sent_off_node), flat = a "
+            f"flat Buffer on the same data; dispatch+combine inter-node bytes vs flat: {saving}. "
+            f"Low-latency mode stays flat.")
 
 
 def print_simulation(sim: dict, console: Console) -> None:

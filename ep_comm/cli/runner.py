@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import check as ck
 from .baselines import NaiveAllToAll
-from .cases import OPS, Case, EpLowLatencyCase, EpNormalCase, FloorCase, Inputs, NaiveCase
+from .cases import OPS, Case, EpLowLatencyCase, EpNormalCase, FlatNormalCase, FloorCase, Inputs, NaiveCase
 from .config import BenchConfig
 from .routing import make_routing, make_tokens
 from .timing import Clock
@@ -39,12 +39,13 @@ def _buffer_sizes(cfg: BenchConfig, low_latency: bool) -> tuple[int, int]:
     return int(nvl), int(rdma)
 
 
-def _make_buffer(cfg: BenchConfig, group: Any, low_latency: bool) -> Any:
+def _make_buffer(cfg: BenchConfig, group: Any, low_latency: bool, ranks_per_node: int | None = None) -> Any:
+    """A Buffer for one mode; ``ranks_per_node`` makes normal mode node-aware."""
     import ep_comm
 
     nvl, rdma = _buffer_sizes(cfg, low_latency)
     return ep_comm.Buffer(group, nvl, rdma, low_latency_mode=low_latency, backend=cfg.backend,
-                          timeout_s=cfg.timeout_s)
+                          timeout_s=cfg.timeout_s, ranks_per_node=ranks_per_node)
 
 
 def _error_text(error: BaseException) -> str:
@@ -72,20 +73,26 @@ def _run_once(case: Case) -> None:
 def build_cases(cfg: BenchConfig, group: Any, inp: Inputs, device: torch.device,
                 errors: dict[str, str]) -> tuple[list[Case], dict[str, str]]:
     """The ep_comm cases that ran once successfully, plus the naive baseline; ``errors`` gets
-    ``{case name: reason}`` for the rest."""
+    ``{case name: reason}`` for the rest. With ``--node-aware P`` the normal-mode Buffer is
+    node-aware and a flat Buffer runs the same normal-mode calls as the ``flat`` cases."""
     ep_cases: list[Case] = []
     backends: dict[str, str] = {}
+    p = cfg.node_aware or None
     for mode in cfg.modes:
+        normal = mode == "normal"
         try:
-            buf = _make_buffer(cfg, group, mode == "low-latency")
+            buf = _make_buffer(cfg, group, not normal, p if normal else None)
+            flat = _make_buffer(cfg, group, False) if normal and p else None
             backends[mode] = str(buf.backend)
         except Exception as error:  # noqa: BLE001 - reported, other modes still run
             for codec in cfg.mode_codecs(mode):
                 errors[f"ep_comm/{mode}/{codec}"] = _error_text(error)
             continue
         for codec in cfg.mode_codecs(mode):
-            ep_cases.append(EpNormalCase(buf, inp, codec) if mode == "normal"
+            ep_cases.append(EpNormalCase(buf, inp, codec, p) if normal
                             else EpLowLatencyCase(buf, inp, codec))
+            if flat is not None:
+                ep_cases.append(FlatNormalCase(flat, inp, codec, p))
     local: dict[str, str] = {}
     for case in ep_cases:
         try:
