@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_fused_two_processes import WORLD, _compare, _inputs, _report, _spawn
+from test_fused_two_processes import WORLD, _compare, _inputs, _report, _spawn, skip_unless_nvshmem_started
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,8 +82,5 @@ def _two_hop_case(rank: int, shared) -> str:
 def test_buffer_two_hop_two_processes_match_torch_backend() -> None:
     results, _ = _spawn(_two_hop_case)
     _report(f"Buffer(backend='nvshmem', ranks_per_node=1), 2 processes on one GPU: {results}")
-    init_failed = [r for r in results if r.startswith("nvshmem-init-failed")]
-    hung = [r for r in results if r.startswith("killed") and "stage nvshmem-init" in r]
-    if init_failed or hung:
-        pytest.skip(f"NVSHMEM could not run 2 PEs on one GPU: {(init_failed or hung)[0][:300]}")
+    skip_unless_nvshmem_started(results)
     assert results == ["ok"] * WORLD, results

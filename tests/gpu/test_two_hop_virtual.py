@@ -104,11 +104,13 @@ def _timeout_case() -> str:
         # a forwarder waits for every rail peer's signal, rows or not
         topk = torch.tensor([[0, 7]] * 4, dtype=torch.int64)
         xs = [torch.randn(4, 32).cuda() for _ in range(r)]
+        timed_out = False
         try:
             eng.dispatch(xs, [topk.cuda()] * r, [None] * r)
-            return "no timeout"
         except CommTimeoutError:
-            pass
+            timed_out = True
+        if not timed_out:
+            return "no timeout"
         # rank 1 (node 0, local 1) forwards for rank 3 (node 1, local 1), which never put its rows
         try:
             eng.records[p - 1].check()
