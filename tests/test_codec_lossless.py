@@ -280,6 +280,8 @@ def test_expected_shape_is_checked_before_allocating():
     assert lossless.decode(blob, expected_shape=(1 << 20,)).shape == (1 << 20,)
     with pytest.raises(ValueError, match="expected"):
         lossless.decode(blob, expected_shape=(16,))
+    with pytest.raises(ValueError, match="expected_shape"):
+        lossless.decode(blob, expected_shape=16)
 
 
 def test_small_chunks_match_large_chunk_statistics():

@@ -43,12 +43,7 @@ __global__ void rail_put_kernel(TwoHopCommon c, DispatchSet set) {
   uint8_t* buffer = rank_buffer(c, peer);
   uint8_t* dst = buffer + l.rail_stage + static_cast<int64_t>(me_node) * l.rail_rows * pb;
   auto* signal = reinterpret_cast<uint64_t*>(buffer + l.rail_signal) + me_node;
-  if (rows > 0) {
-    nvshmemx_putmem_signal_nbi_block(dst, a.send_rows + first * pb, static_cast<size_t>(rows * pb),
-                                     signal, c.round_value, NVSHMEM_SIGNAL_SET, pe_of(c, peer));
-  } else if (threadIdx.x == 0) {
-    nvshmemx_signal_op(signal, c.round_value, NVSHMEM_SIGNAL_SET, pe_of(c, peer));
-  }
+  put_rows_with_signal(c, dst, a.send_rows + first * pb, rows, pb, signal, peer);
 }
 
 __global__ void forward_kernel(TwoHopCommon c, DispatchSet set) {

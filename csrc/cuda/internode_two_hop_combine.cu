@@ -116,12 +116,7 @@ __global__ void rail_reduce_kernel(TwoHopCommon c, TwoHopCombineFormat f, Combin
   uint8_t* buffer = rank_buffer(c, source);
   uint8_t* dst = buffer + l.rail_stage + static_cast<int64_t>(me_node) * l.rail_rows * pb;
   auto* signal = reinterpret_cast<uint64_t*>(buffer + l.rail_signal) + me_node;
-  if (rows > 0) {
-    nvshmemx_putmem_signal_nbi_block(dst, a.partial + first * pb, static_cast<size_t>(rows * pb),
-                                     signal, c.round_value, NVSHMEM_SIGNAL_SET, pe_of(c, source));
-  } else if (threadIdx.x == 0) {
-    nvshmemx_signal_op(signal, c.round_value, NVSHMEM_SIGNAL_SET, pe_of(c, source));
-  }
+  put_rows_with_signal(c, dst, a.partial + first * pb, rows, pb, signal, source);
 }
 
 __global__ void source_reduce_kernel(TwoHopCommon c, TwoHopCombineFormat f, CombineSet set) {

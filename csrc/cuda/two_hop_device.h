@@ -7,6 +7,11 @@
 #include "../common/hierarchy.h"
 #include "../cuda_bindings/two_hop_launch.h"
 
+#if defined(EP_COMM_WITH_NVSHMEM)
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
 namespace ep_comm::cuda {
 
 template <class T>
@@ -34,6 +39,21 @@ __device__ __forceinline__ uint8_t* rank_buffer(const TwoHopCommon& c, int rank)
 __device__ __forceinline__ int pe_of(const TwoHopCommon& c, int rank) {
   return c.rank_stride > 0 ? c.my_pe : rank;
 }
+
+#if defined(EP_COMM_WITH_NVSHMEM)
+// The rail hop of both kernels, by one block: puts `rows` rows of `pb` bytes from `src` into
+// stage `dst` on `rank`'s PE and sets `signal` there to the call's round value; with no rows the
+// signal alone (a receiver waits on every rail peer's signal, rows or not).
+__device__ __forceinline__ void put_rows_with_signal(const TwoHopCommon& c, uint8_t* dst, const uint8_t* src,
+                                                     int64_t rows, int64_t pb, uint64_t* signal, int rank) {
+  if (rows > 0) {
+    nvshmemx_putmem_signal_nbi_block(dst, src, static_cast<size_t>(rows * pb), signal, c.round_value,
+                                     NVSHMEM_SIGNAL_SET, pe_of(c, rank));
+  } else if (threadIdx.x == 0) {
+    nvshmemx_signal_op(signal, c.round_value, NVSHMEM_SIGNAL_SET, pe_of(c, rank));
+  }
+}
+#endif
 
 // Cooperative copy of a 16-byte-multiple row by `width` threads starting at `lane`.
 __device__ __forceinline__ void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane,

@@ -96,6 +96,10 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
     """
     data = _blob_array(blob)
     shape = tuple(_lib().lossless_shape(data))
+    if expected_shape is not None:
+        if not isinstance(expected_shape, (tuple, list, torch.Size)) or not all(
+                isinstance(d, int) and d >= 0 for d in expected_shape):
+            raise ValueError(f"expected_shape must be a tuple of non-negative ints, got {expected_shape!r}")
     if expected_shape is not None and shape != tuple(expected_shape):
         raise ValueError(f"blob holds a tensor of shape {shape}, expected {tuple(expected_shape)}")
     out = torch.empty(shape, dtype=torch.bfloat16)

@@ -9,7 +9,6 @@ it cannot initialise them, the Buffer test skips with that reason after trying.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _procs import free_port
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,12 +31,6 @@ def _report(line: str) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, case, port: int, results) -> None:
@@ -55,7 +49,7 @@ def _spawn(case) -> tuple[list[str], dict]:
     results and the shared dict (``"{rank}/stage"`` entries say how far each got)."""
     manager = mp.Manager()
     results = manager.dict()
-    context = mp.start_processes(_entry, args=(case, _free_port(), results), nprocs=WORLD,
+    context = mp.start_processes(_entry, args=(case, free_port(), results), nprocs=WORLD,
                                  start_method="spawn", join=False)
     started = time.monotonic()
     try:

@@ -3,22 +3,15 @@ transport with one PE (several rounds), and, as an experiment, two PEs on one GP
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _procs import free_port, run_with_deadline
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exchange_case(rank: int, world: int, port: int, results) -> None:
@@ -97,21 +90,9 @@ def _engines_case(rank: int, world: int) -> str:
 def _spawn(world: int, timeout_s: float = 60.0) -> list[str]:
     """Runs the case on ``world`` processes sharing GPU 0; a process that hangs (e.g. inside
     NVSHMEM's own initialisation) is killed after ``timeout_s`` and reported as such."""
-    manager = mp.Manager()
-    results = manager.dict()
-    context = mp.start_processes(_exchange_case, args=(world, _free_port(), results), nprocs=world,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                return [results.get(r, f"killed after {timeout_s:.0f} s") for r in range(world)]
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        return [results.get(r, f"process error: {str(error).splitlines()[-1]}") for r in range(world)]
-    return [results.get(r, "no result") for r in range(world)]
+    results = mp.Manager().dict()
+    why = run_with_deadline(_exchange_case, (world, free_port(), results), world, timeout_s)
+    return [results.get(r, why or "no result") for r in range(world)]
 
 
 def test_single_pe_exchange_and_bootstrap() -> None:

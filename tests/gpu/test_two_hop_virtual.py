@@ -9,25 +9,17 @@ node's partial sum is rounded to the payload dtype once more than the flat sum.
 """
 from __future__ import annotations
 
-import socket
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _procs import free_port, run_with_deadline
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CASES = [(2, 2, torch.bfloat16, 0), (2, 2, torch.float32, 1), (2, 4, torch.bfloat16, 2),
          (2, 4, torch.float32, 3)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -145,21 +137,12 @@ def _worker(rank: int, port: int, results) -> None:
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str]:
     """Runs every case in one spawned process (one NVSHMEM init); a hang is killed after 90 s."""
-    manager = mp.Manager()
-    results = manager.dict()
-    context = mp.start_processes(_worker, args=(_free_port(), results), nprocs=1, start_method="spawn",
-                                 join=False)
-    deadline = time.monotonic() + 90.0
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                break
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        results["process"] = str(error).splitlines()[-1]
-    return dict(results)
+    results = mp.Manager().dict()
+    why = run_with_deadline(_worker, (free_port(), results), 1, 90.0)
+    outcome = dict(results)
+    if why is not None:
+        outcome["process"] = why
+    return outcome
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{str(c[2])[6:]}")
