@@ -18,22 +18,20 @@ device's copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import inspect
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 from ep_comm.codecs import lossless  # noqa: E402
 
 HIDDEN = 7168
@@ -115,6 +113,18 @@ def ep_chunks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     flat = torch.cat([t.reshape(-1) for t in tensors])
     rows = flat[: flat.numel() // HIDDEN * HIDDEN].reshape(-1, HIDDEN)
     return list(rows.split(CHUNK_TOKENS))
+
+
+def save_tensors(path: Path, data: dict[str, list[torch.Tensor]], max_mb: float) -> None:
+    """Saves kind -> [n] bf16: the same leading fraction of every tensor of the kind, so that
+    each kind keeps at most ``max_mb`` MB and every tensor is represented."""
+    out = {}
+    for kind, tensors in data.items():
+        total = sum(t.numel() for t in tensors)
+        frac = min(1.0, max_mb * 1e6 / 2 / total)
+        out[kind] = torch.cat([t.reshape(-1)[: max(1, int(t.numel() * frac))] for t in tensors]).clone()
+    torch.save(out, path)
+    print(", ".join(f"{k} {v.numel() * 2 / 1e6:.1f} MB" for k, v in out.items()), "->", path)
 
 
 # ---------------------------------------------------------------- codecs
@@ -217,89 +227,6 @@ def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
     return {k: bits / 8 / raw for k, bits in out.items()}
 
 
-# ---------------------------------------------------------------- GPU mode
-def _gpu_library() -> ctypes.CDLL:
-    """Builds the codec kernels (csrc/cuda/lossless_kernels.cu) as a small shared library."""
-    out = Path(tempfile.mkdtemp()) / "libep_codec.so"
-    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}"
-    subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
-                    f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}",
-                    str(ROOT / "csrc" / "cuda" / "lossless_kernels.cu"), "-o", str(out)], check=True)
-    lib = ctypes.CDLL(str(out))
-    u64, vp = ctypes.c_uint64, ctypes.c_void_p
-    lib.ep_lossless_encode_workspace_bytes.restype = ctypes.c_size_t
-    lib.ep_lossless_encode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
-    lib.ep_lossless_decode_workspace_bytes.restype = ctypes.c_size_t
-    lib.ep_lossless_decode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
-    lib.ep_lossless_max_blob_bytes.restype = ctypes.c_size_t
-    lib.ep_lossless_max_blob_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32]
-    lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, vp, vp, vp,
-                                            ctypes.c_size_t, vp]
-    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, vp, vp, ctypes.c_size_t, vp]
-    return lib
-
-
-def _cuda_time(fn: Callable[[], None], reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-def gpu_measure(data: dict[str, list[torch.Tensor]], reps: int) -> dict[str, dict[str, float]]:
-    """Encode/decode GB/s on the device per kind (all of a kind's values as one blob), next to the
-    device copy bandwidth; checks that device blobs equal the host encoder's byte for byte."""
-    lib = _gpu_library()
-    cv = lossless.DEFAULT_CHUNK_VALUES
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    results = {}
-    for kind, tensors in data.items():
-        x = torch.cat([t.reshape(-1) for t in tensors]).cuda()
-        n = x.numel()
-        shape = (ctypes.c_int64 * 1)(n)
-        ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, cv),
-                             lib.ep_lossless_decode_workspace_bytes(n, cv)), dtype=torch.uint8, device="cuda")
-        out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, cv), dtype=torch.uint8, device="cuda")
-        size = torch.zeros(1, dtype=torch.int64, device="cuda")
-        status = torch.zeros(1, dtype=torch.int32, device="cuda")
-        y = torch.empty_like(x)
-
-        def enc(x=x, n=n, shape=shape, out=out, size=size, ws=ws):
-            rc = lib.ep_lossless_encode_cuda(x.data_ptr(), n, shape, 1, cv, out.data_ptr(), size.data_ptr(),
-                                             ws.data_ptr(), ws.numel(), stream)
-            if rc:
-                raise RuntimeError(f"encode launch failed: {rc}")
-
-        enc_s = _cuda_time(enc, reps)
-        blob_bytes = int(size.item())
-
-        def dec(out=out, blob_bytes=blob_bytes, y=y, n=n, status=status, ws=ws):
-            rc = lib.ep_lossless_decode_cuda(out.data_ptr(), blob_bytes, y.data_ptr(), n, cv, status.data_ptr(),
-                                             ws.data_ptr(), ws.numel(), stream)
-            if rc:
-                raise RuntimeError(f"decode launch failed: {rc}")
-
-        dec_s = _cuda_time(dec, reps)
-        copy_dst = torch.empty_like(x)
-        copy_s = _cuda_time(lambda x=x, d=copy_dst: d.copy_(x), reps)
-        host_blob = lossless.encode(x.cpu())
-        results[kind] = {
-            "ratio": blob_bytes / (2 * n),
-            "enc_gbs": 2 * n / enc_s / 1e9, "dec_gbs": 2 * n / dec_s / 1e9, "copy_gbs": 2 * 2 * n / copy_s / 1e9,
-            "status": int(status.item()),
-            "identical_to_host": bool(torch.equal(out[:blob_bytes].cpu(), host_blob)),
-            "round_trip": bool(torch.equal(y.view(torch.int16), x.view(torch.int16))),
-        }
-    return results
-
-
 def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
     """DeepEP's calc_diff of fp8-quantized real activations (those with 512 | H, the FFN outputs)
     against bf16, per scale mode."""
@@ -338,7 +265,11 @@ def run(reps: int, batch: int, seq: int) -> dict:
             report["results"].append(row)
     report["fp8_calc_diff"] = fp8_accuracy(data["activations"])
     if torch.cuda.is_available():
-        report["gpu"] = {"device": torch.cuda.get_device_name(), **gpu_measure(data, reps)}
+        import codec_gpu
+
+        flat = {kind: torch.cat([t.reshape(-1) for t in data[kind]]) for kind in KINDS}
+        report["gpu"] = {"device": torch.cuda.get_device_name(),
+                         "rows": [asdict(r) for r in codec_gpu.measure(flat, reps=max(reps, 10))]}
     else:
         report["gpu"] = None
     return report
@@ -380,15 +311,9 @@ def print_report(report: dict) -> None:
     if report["gpu"] is None:
         console.print("GPU mode: skipped (no CUDA device)")
     else:
-        gpu = Table(title=f"GPU: {report['gpu']['device']}")
-        for col in ("kind", "ratio", "enc GB/s", "dec GB/s", "copy GB/s", "enc/copy", "dec/copy", "== host", "exact"):
-            gpu.add_column(col)
-        for kind in KINDS:
-            g = report["gpu"][kind]
-            gpu.add_row(kind, f"{g['ratio']:.4f}", f"{g['enc_gbs']:.0f}", f"{g['dec_gbs']:.0f}", f"{g['copy_gbs']:.0f}",
-                        f"{g['enc_gbs'] / g['copy_gbs']:.3f}", f"{g['dec_gbs'] / g['copy_gbs']:.3f}",
-                        str(g["identical_to_host"]), str(g["round_trip"] and g["status"] == 0))
-        console.print(gpu)
+        import codec_gpu
+
+        codec_gpu.print_rows([codec_gpu.GpuRow(**r) for r in report["gpu"]["rows"]], report["gpu"]["device"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (best is kept)")
     parser.add_argument("--batch", type=int, default=16, help="sequences in the forward/backward pass")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--save-tensors", type=Path,
+                        help="only save the real tensors (kind -> flat bf16, at most --max-mb each) here, "
+                             "for bench/codec_gpu.py on a machine without the model")
+    parser.add_argument("--max-mb", type=float, default=10.0, help="with --save-tensors: MB per kind")
     args = parser.parse_args(argv)
+    if args.save_tensors:
+        save_tensors(args.save_tensors, model_tensors(args.batch, args.seq), args.max_mb)
+        return 0
     report = run(args.reps, args.batch, args.seq)
     print_report(report)
     if args.json:

@@ -1,0 +1,265 @@
+"""The lossless codec on the GPU: loads (or builds) csrc/cuda/lossless_kernels.cu as a small
+shared library and measures device encode/decode throughput against the device's copy bandwidth
+in the same run, on real BF16 tensors.
+
+Used by bench/codec_bench.py (GPU rows of its report), by tests/gpu/test_codec_lossless_gpu.py
+(the library) and alone on a lent GPU, where the model and zipnn are not installed:
+
+    python bench/codec_bench.py --save-tensors T.pt          # here: the real tensors, capped
+    python bench/codec_gpu.py --build-lib LIB.so --arch 90   # here: the kernels, no GPU needed
+    python bench/codec_gpu.py --tensors T.pt --lib LIB.so    # there: the GPU table (+ --json)
+
+Throughput counts raw bf16 bytes (2 per value) per second of the whole encode (resp. decode)
+call, every kernel of it included, timed with CUDA events over ``reps`` calls after a warm-up.
+The copy bandwidth counts bytes read plus bytes written (a device-to-device copy of the same
+tensor), the convention of KINDS.md's 4.3 TB/s; ``*_of_copy`` is GB/s over that figure.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ep_comm.codecs import lossless  # noqa: E402
+
+KINDS = ("activations", "weights", "gradients")
+
+
+def build_library(out: Path, arch: str | None = None) -> Path:
+    """Compiles lossless_kernels.cu into ``out`` (a shared library with the static CUDA runtime).
+    ``arch``: e.g. "90"; default the current device's."""
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"{major}{minor}"
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
+                    f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}",
+                    str(ROOT / "csrc" / "cuda" / "lossless_kernels.cu"), "-o", str(out)], check=True)
+    return out
+
+
+def gpu_library(prebuilt: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """The codec kernels as a ctypes library: ``prebuilt`` when given and present, else built
+    now into a temporary directory."""
+    path = Path(prebuilt) if prebuilt and Path(prebuilt).exists() else None
+    if path is None:
+        path = build_library(Path(tempfile.mkdtemp()) / "libep_codec.so")
+    lib = ctypes.CDLL(str(path))
+    u64, vp = ctypes.c_uint64, ctypes.c_void_p
+    lib.ep_lossless_encode_workspace_bytes.restype = ctypes.c_size_t
+    lib.ep_lossless_encode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
+    lib.ep_lossless_decode_workspace_bytes.restype = ctypes.c_size_t
+    lib.ep_lossless_decode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
+    lib.ep_lossless_max_blob_bytes.restype = ctypes.c_size_t
+    lib.ep_lossless_max_blob_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32]
+    lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, vp, vp, vp,
+                                            ctypes.c_size_t, vp]
+    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, vp, vp, ctypes.c_size_t, vp]
+    return lib
+
+
+def cuda_time(fn: Callable[[], None], reps: int) -> float:
+    """Mean seconds per call of ``fn`` over ``reps`` calls after one warm-up (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+class DeviceCodec:
+    """Encode/decode of one flat bf16 CUDA tensor with preallocated workspaces.
+
+    x: [n] bf16 (or int16) on the GPU; the blob lands in ``self.out[:self.blob_bytes()]`` (uint8)
+    and the decoded values in ``self.y`` ([n], x's dtype)."""
+
+    def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, chunk_values: int):
+        self.lib, self.x, self.cv = lib, x, chunk_values
+        n = self.n = x.numel()
+        self.shape = (ctypes.c_int64 * 1)(n)
+        self.ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, chunk_values),
+                                  lib.ep_lossless_decode_workspace_bytes(n, chunk_values)),
+                              dtype=torch.uint8, device=x.device)
+        self.out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, chunk_values), dtype=torch.uint8,
+                               device=x.device)
+        self.size = torch.zeros(1, dtype=torch.int64, device=x.device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=x.device)
+        self.y = torch.empty_like(x)
+        self.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        self._blob_bytes = 0
+
+    def encode(self) -> None:
+        rc = self.lib.ep_lossless_encode_cuda(self.x.data_ptr(), self.n, self.shape, 1, self.cv,
+                                              self.out.data_ptr(), self.size.data_ptr(), self.ws.data_ptr(),
+                                              self.ws.numel(), self.stream)
+        if rc:
+            raise RuntimeError(f"encode launch failed: CUDA error {rc}")
+
+    def blob_bytes(self) -> int:
+        torch.cuda.synchronize()
+        self._blob_bytes = int(self.size.item())
+        return self._blob_bytes
+
+    def decode(self) -> None:
+        rc = self.lib.ep_lossless_decode_cuda(self.out.data_ptr(), self._blob_bytes, self.y.data_ptr(), self.n,
+                                              self.cv, self.status.data_ptr(), self.ws.data_ptr(), self.ws.numel(),
+                                              self.stream)
+        if rc:
+            raise RuntimeError(f"decode launch failed: CUDA error {rc}")
+
+
+@dataclass
+class GpuRow:
+    """One kind at one chunk size. GB/s are of raw bf16 bytes; copy_gbs counts read + write."""
+
+    kind: str
+    chunk_values: int
+    mb: float                 # raw MB coded per call (the real values, tiled)
+    ratio: float              # blob bytes / raw bytes of the tiled data
+    enc_gbs: float
+    dec_gbs: float
+    copy_gbs: float
+    enc_of_copy: float
+    dec_of_copy: float
+    identical_to_host: bool   # device blob of the untiled real values == host encoder's blob
+    exact: bool               # device decode of the tiled data is bit-exact, status 0
+    kernels_us: dict[str, float]  # per-kernel device time of one encode + one decode (profiler)
+
+
+def kernel_times(codec: DeviceCodec) -> dict[str, float]:
+    """Device microseconds per kernel name for one encode and one decode (torch.profiler); an
+    empty dict with an "error" key when the profiler is unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            codec.encode()
+            codec.decode()
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for evt in prof.key_averages():
+            us = getattr(evt, "device_time_total", None)
+            if us is None:
+                us = getattr(evt, "cuda_time_total", 0.0)
+            if us:
+                out[evt.key[:60]] = round(float(us), 1)
+        return out
+    except Exception as error:  # the figures above stand without the breakdown
+        return {"error": f"{type(error).__name__}: {error}"[:200]}  # type: ignore[dict-item]
+
+
+def tile(values: torch.Tensor, target_bytes: int) -> torch.Tensor:
+    """``values`` ([n] bf16) repeated and cut to target_bytes / 2 values (at least n)."""
+    want = max(target_bytes // 2, values.numel())
+    reps = -(-want // values.numel())
+    return values.repeat(reps)[:want]
+
+
+def measure_kind(lib: ctypes.CDLL, kind: str, values: torch.Tensor, chunk_values: int, target_bytes: int,
+                 reps: int) -> GpuRow:
+    """values: [n] bf16 CPU tensor of one kind's real values."""
+    real = DeviceCodec(lib, values.cuda(), chunk_values)
+    real.encode()
+    host_blob = lossless.encode(values, chunk_values=chunk_values)
+    identical = bool(torch.equal(real.out[:real.blob_bytes()].cpu(), host_blob))
+    del real
+    codec = DeviceCodec(lib, tile(values, target_bytes).cuda(), chunk_values)
+    enc_s = cuda_time(codec.encode, reps)
+    blob = codec.blob_bytes()
+    dec_s = cuda_time(codec.decode, reps)
+    exact = int(codec.status.item()) == 0 and bool(torch.equal(codec.y.view(torch.int16),
+                                                               codec.x.view(torch.int16)))
+    dst = torch.empty_like(codec.x)
+    copy_s = cuda_time(lambda: dst.copy_(codec.x), reps)
+    raw = 2 * codec.n
+    copy_gbs = 2 * raw / copy_s / 1e9
+    enc_gbs, dec_gbs = raw / enc_s / 1e9, raw / dec_s / 1e9
+    row = GpuRow(kind, chunk_values, raw / 1e6, blob / raw, enc_gbs, dec_gbs, copy_gbs, enc_gbs / copy_gbs,
+                 dec_gbs / copy_gbs, identical, exact, kernel_times(codec))
+    return row
+
+
+def measure(data: dict[str, torch.Tensor], reps: int = 10,
+            chunk_values: tuple[int, ...] = (lossless.DEFAULT_CHUNK_VALUES,), target_bytes: int = 1 << 30,
+            lib: ctypes.CDLL | None = None) -> list[GpuRow]:
+    """data: kind -> [n] bf16 CPU tensor of real values. One row per kind and chunk size."""
+    lib = lib or gpu_library()
+    rows = []
+    for cv in chunk_values:
+        for kind in data:
+            rows.append(measure_kind(lib, kind, data[kind], cv, target_bytes, reps))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_rows(rows: list[GpuRow], device: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"lossless bf16 on the GPU: {device}")
+    for col in ("kind", "chunk", "MB", "ratio", "enc GB/s", "dec GB/s", "copy GB/s (r+w)", "enc/copy",
+                "dec/copy", "== host", "exact"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.kind, str(r.chunk_values), f"{r.mb:.0f}", f"{r.ratio:.4f}", f"{r.enc_gbs:.0f}",
+                      f"{r.dec_gbs:.0f}", f"{r.copy_gbs:.0f}", f"{r.enc_of_copy:.3f}", f"{r.dec_of_copy:.3f}",
+                      str(r.identical_to_host), str(r.exact))
+    console = Console(width=160)
+    console.print(table)
+    for r in rows:
+        console.print(f"{r.kind} chunk {r.chunk_values} kernels (us, one encode + one decode): {r.kernels_us}")
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A file of bench/codec_bench.py --save-tensors: kind -> [n] bf16."""
+    data = torch.load(path, map_location="cpu")
+    return {k: data[k].reshape(-1).to(torch.bfloat16) for k in KINDS if k in data}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build-lib", type=Path, help="only build the kernel library here and stop")
+    parser.add_argument("--arch", help="with --build-lib: target, e.g. 90 (default: this device's)")
+    parser.add_argument("--lib", help="a prebuilt library (else it is built now)")
+    parser.add_argument("--tensors", type=Path, help="real tensors from codec_bench.py --save-tensors")
+    parser.add_argument("--chunk-values", default=str(lossless.DEFAULT_CHUNK_VALUES),
+                        help="comma-separated chunk sizes in values")
+    parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.build_lib:
+        build_library(args.build_lib, args.arch)
+        return 0
+    if args.tensors is None:
+        parser.error("--tensors is required (or --build-lib)")
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 1
+    data = load_tensors(args.tensors)
+    cvs = tuple(int(c) for c in args.chunk_values.split(","))
+    rows = measure(data, args.reps, cvs, args.gpu_mb << 20, gpu_library(args.lib))
+    print_rows(rows, torch.cuda.get_device_name())
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "rows": [asdict(r) for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
