@@ -3,6 +3,7 @@
 # on one H200). From the repository root:
 #
 #   bench/gpu_check.sh            # OUT=dir for the logs (default bench/out), PYTHON=... to pick python
+#   bench/gpu_check.sh codec      # only the codec steps (1 without the CUDA build, and 2)
 #
 # Order (most wanted first; each step has its own time limit, a failing step does not stop the rest):
 #   1. the host codec build (g++), then in the background the CUDA extension build;
@@ -52,9 +53,12 @@ if [ -d $CARRY/ep_comm_cuda ] && [ "$(cat $CARRY/nvshmem_version 2>/dev/null)" =
 else
   say "building every CUDA object here (NVSHMEM here: $nvshmem_version)"
 fi
-say "CUDA build in the background"
+ONLY=${1:-all}
+[ "$ONLY" = codec ] || say "CUDA build in the background"
+if [ "$ONLY" = codec ]; then build_pid=""; else
 ( EP_COMM_CUDA=1 timeout 240 $PY setup.py build_ext --inplace >> "$OUT/build.log" 2>&1; echo $? > "$OUT/.cuda_build_rc" ) &
 build_pid=$!
+fi
 
 say "lossless codec: GPU tests"
 lib=""
@@ -72,6 +76,7 @@ else
   say "no $CARRY/tensors.pt (bench/gpu_prepare.sh makes it): codec throughput skipped"
 fi
 
+if [ "$ONLY" = codec ]; then say "done (codec only)"; exit 0; fi
 say "waiting for the CUDA build"
 wait $build_pid
 say "CUDA build rc=$(cat "$OUT/.cuda_build_rc" 2>/dev/null) ($(grep -c 'bin/nvcc ' "$OUT/build.log") nvcc runs)"

@@ -321,8 +321,9 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end) {
   return sum;
 }
 
-// Parses and validates the fixed header, the shape, and that table and directory fit.
-EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
+// The checks of parse_header that read fixed fields: header, shape, and that table and directory
+// fit (not the table padding and the metadata checksum, which read every metadata byte).
+EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h) {
   if (size < kHeaderBytes) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
   if (blob[4] != kVersion) return kErrVersion;
@@ -353,6 +354,14 @@ EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
   h.directory_offset = directory_offset_for(h.ndim, h.num_table_entries);
   h.data_offset = data_offset_for(h.ndim, h.num_table_entries, h.num_chunks);
   if (size < h.data_offset) return kErrTruncated;
+  return kOk;
+}
+
+// Parses and validates the fixed header, the shape, that table and directory fit, the table's
+// zero padding and the metadata checksum.
+EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
+  const int st = parse_header_fields(blob, size, h);
+  if (st != kOk) return st;
   for (uint64_t p = h.table_offset + 4ull * h.num_table_entries; p < h.directory_offset; ++p)
     if (blob[p] != 0) return kErrPadding;
   if (meta_checksum(blob, h.directory_offset) != load_le<uint32_t>(blob + kMetaChecksumOffset)) return kErrHeader;

@@ -1,10 +1,24 @@
 // CUDA build of the lossless BF16 codec (format and coding steps: csrc/codec/lossless_core.h).
-// Encode: histogram -> table (one thread, the host's normalisation) -> one warp per chunk codes
-// its 32 lanes exactly as the sequential core does (split_chunk + rans_encode_chunk) -> one block
-// writes header, table (none when every chunk is raw, as the host does), directory and offsets
-// -> packing.
-// Decode: one thread validates header, table and directory -> one warp per chunk decodes with the
-// checks of decode_chunk -> the status of the first failing chunk is reported, as on the host.
+// Blobs are byte-identical to the host encoder's; decoding reports the host decoder's statuses.
+//
+// Encode (five launches):
+//   split_kernel   one warp per chunk: checksum, raw fields packed 4-per-3-bytes into the chunk's
+//                  scratch (staged in a shared ring), and the block's symbol histogram (shared,
+//                  flushed once per block) -- the values are read once for all three;
+//   table_kernel   one block: the host's normalisation (parallel argmax for the corrections),
+//                  the cumulative starts (block scan) and the encoder's symbol table;
+//   rans_kernel    one warp per chunk, lanes = the core's 32 interleaved states, symbol table in
+//                  shared memory, values read in 512-byte tiles one tile ahead;
+//   layout_kernel  one block: header, table (none when every chunk is raw, as on the host),
+//                  metadata checksum (block reduction), chunk offsets (block scan), directory;
+//   pack_kernel    one block per chunk: payload into place, 4-byte stores.
+// Decode (three launches):
+//   validate_kernel one block: every check of the host decoder before any chunk is touched, in
+//                  parallel (the first failure in the host's order is the one reported), the
+//                  chunk offsets (block scan) and the decoder's table;
+//   decode_kernel  one warp per chunk; the word and raw-field streams are staged through shared
+//                  rings in 512-byte units fetched one unit ahead; checks of decode_chunk;
+//   report_kernel  the status of the first failing chunk, as on the host.
 #include <cuda_runtime.h>
 
 #include "codec/lossless_core.h"
@@ -13,9 +27,15 @@
 namespace {
 using namespace ep_comm::lossless;
 
-constexpr int kWarpsPerBlock = 4;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kBlockThreads = 32 * kWarpsPerBlock;
+constexpr int kMetaThreads = 1024;  // the one-block kernels
 constexpr unsigned kFull = 0xFFFFFFFFu;
 constexpr unsigned long long kNoError = ~0ull;
+constexpr uint32_t kTileValues = 256;  // values per warp tile: 8 per lane, one 16-byte load each
+constexpr uint32_t kFieldRing = 512;   // raw fields staged per warp before packing (bytes)
+constexpr uint32_t kRingBytes = 1024;  // decoder's staging ring per stream and warp
+constexpr uint32_t kUnitBytes = 512;   // decoder's staging unit: 4 bytes x 4 per lane
 
 struct ShapeArg {
   uint64_t dims[kMaxDims];
@@ -67,151 +87,317 @@ __device__ uint32_t warp_sum(uint32_t v) {
   return v;
 }
 
-__global__ void histogram_kernel(const uint16_t* v, uint64_t n, unsigned long long* counts) {
-  __shared__ unsigned int local[kNumSymbols];
-  for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x) local[s] = 0;
+// ---- block-wide helpers (blockDim.x == kMetaThreads, every thread calls) ----
+template <typename T>
+__device__ T block_sum(T v, T* scratch32) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  __syncthreads();  // scratch32 may still be read by a previous call
+  if ((threadIdx.x & 31) == 0) scratch32[threadIdx.x / 32] = v;
   __syncthreads();
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
-    atomicAdd(&local[symbol_of(v[i])], 1u);
+  T total = 0;
+  for (int w = 0; w < kMetaThreads / 32; ++w) total += scratch32[w];
+  return total;
+}
+template <typename T>
+__device__ T block_max(T v, T* scratch32) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const T other = __shfl_xor_sync(kFull, v, o);
+    v = other > v ? other : v;
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch32[threadIdx.x / 32] = v;
+  __syncthreads();
+  T best = scratch32[0];
+  for (int w = 1; w < kMetaThreads / 32; ++w) best = scratch32[w] > best ? scratch32[w] : best;
+  return best;
+}
+// Exclusive prefix sum over the threads in index order; *total gets the sum of all.
+template <typename T>
+__device__ T block_exclusive_scan(T v, T* scratch32, T* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  T inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const T up = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive += up;
+  }
+  __syncthreads();
+  if (lane == 31) scratch32[warp] = inclusive;
+  __syncthreads();
+  T before = 0, all = 0;
+  for (int w = 0; w < kMetaThreads / 32; ++w) {
+    if (w < warp) before += scratch32[w];
+    all += scratch32[w];
+  }
+  *total = all;
+  return before + inclusive - v;
+}
+
+// ---- value tiles: 256 values of a chunk, lane l holding values [8 l, 8 l + 8) of the tile ----
+struct Tile8 {
+  uint4 bits;
+};
+// Loads tile values [base, base + 256) of a chunk of cn values; zeros past cn. `aligned`: the
+// chunk starts 16-byte aligned (then each lane's 8 values are one 16-byte load).
+__device__ Tile8 fetch_tile(const uint16_t* v, uint32_t cn, uint32_t base, bool aligned, int lane) {
+  Tile8 t;
+  const uint32_t first = base + 8u * lane;
+  if (aligned && first + 8 <= cn) {
+    t.bits = __ldg(reinterpret_cast<const uint4*>(v + first));
+    return t;
+  }
+  uint16_t h[8];
+  for (int k = 0; k < 8; ++k) h[k] = first + k < cn ? v[first + k] : uint16_t(0);
+  t.bits.x = h[0] | (uint32_t(h[1]) << 16);
+  t.bits.y = h[2] | (uint32_t(h[3]) << 16);
+  t.bits.z = h[4] | (uint32_t(h[5]) << 16);
+  t.bits.w = h[6] | (uint32_t(h[7]) << 16);
+  return t;
+}
+__device__ void store_tile(uint16_t* sh, const Tile8& t, int lane) {
+  reinterpret_cast<uint4*>(sh)[lane] = t.bits;
+}
+
+// ---- encode ----
+// One warp per chunk: checksum and raw fields (split_chunk's stream), and the histogram.
+__global__ void __launch_bounds__(kBlockThreads) split_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
+                                                             uint64_t chunks, bool aligned, EncWs ws) {
+  __shared__ unsigned int hist[kNumSymbols];
+  __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
+  __shared__ __align__(8) uint8_t rings[kWarpsPerBlock][kFieldRing];
+  for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x) hist[s] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const unsigned below = (1u << lane) - 1u;
+  uint16_t* tile = tiles[warp];
+  uint8_t* ring = rings[warp];
+  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < chunks;
+       c += uint64_t(gridDim.x) * kWarpsPerBlock) {
+    const uint32_t cn = chunk_values_of(n, cv, c);
+    const uint16_t* v = values + c * cv;
+    uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;  // 8-byte aligned
+    const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
+    uint32_t checksum = 0, nr = 0, zeros = 0, packed_groups = 0;
+    Tile8 next = fetch_tile(v, cn, 0, aligned, lane);
+    for (uint32_t tt = 0; tt < num_tiles; ++tt) {
+      __syncwarp();
+      store_tile(tile, next, lane);
+      __syncwarp();
+      if (tt + 1 < num_tiles) next = fetch_tile(v, cn, (tt + 1) * kTileValues, aligned, lane);
+      for (uint32_t s = 0; s < kTileValues / kLanes; ++s) {
+        const uint32_t j = s * kLanes + lane, i = tt * kTileValues + j;
+        const uint16_t x = tile[j];  // 0 past the end: no field, no checksum term
+        const unsigned nz = __ballot_sync(kFull, x != 0);
+        if (x != 0) {
+          ring[(nr + __popc(nz & below)) % kFieldRing] = static_cast<uint8_t>(raw_of(x));
+          atomicAdd(&hist[symbol_of(x)], 1u);
+        } else if (i < cn) {
+          ++zeros;
+        }
+        nr += __popc(nz);
+        checksum += checksum_term(x, i);
+      }
+      // pack 32 groups of 8 fields (6 bytes each) once 256 are pending; at most 511 are
+      __syncwarp();
+      if (nr - 8 * packed_groups >= 8 * kLanes) {
+        const uint32_t g = packed_groups + lane;
+        uint64_t bytes = 0;
+        for (int k = 0; k < 8; ++k) bytes |= uint64_t(ring[(8 * g + k) % kFieldRing]) << (8 * k);
+        const uint64_t packed = pack6x8(bytes);
+        uint16_t* dst = reinterpret_cast<uint16_t*>(raw + 6ull * g);
+        for (int k = 0; k < 3; ++k) dst[k] = static_cast<uint16_t>(packed >> (16 * k));
+        packed_groups += kLanes;
+        __syncwarp();
+      }
+    }
+    // the last groups; zero fields fill the last one (the last byte's unused bits)
+    const uint32_t groups = (nr + 7) / 8;
+    if (uint32_t(lane) < 8 * groups - nr) ring[(nr + lane) % kFieldRing] = 0;
+    __syncwarp();
+    for (uint32_t g = packed_groups + lane; g < groups; g += kLanes) {
+      uint64_t bytes = 0;
+      for (int k = 0; k < 8; ++k) bytes |= uint64_t(ring[(8 * g + k) % kFieldRing]) << (8 * k);
+      const uint64_t packed = pack6x8(bytes);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(raw + 6ull * g);
+      for (int k = 0; k < 3; ++k) dst[k] = static_cast<uint16_t>(packed >> (16 * k));
+    }
+    __syncwarp();
+    checksum = warp_sum(checksum);
+    zeros = warp_sum(zeros);
+    if (lane == 0) {
+      if (zeros) atomicAdd(&hist[kZeroSymbol], zeros);
+      ws.entries[c] = ChunkEntry{kModeRans, 0, nr, checksum};
+    }
+  }
   __syncthreads();
   for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x)
-    if (local[s]) atomicAdd(&counts[s], static_cast<unsigned long long>(local[s]));
+    if (hist[s]) atomicAdd(&ws.counts[s], static_cast<unsigned long long>(hist[s]));
 }
 
-// One thread: the encoder's symbol table, normalised as on the host (all zero for n == 0).
-__global__ void table_kernel(EncWs ws, uint64_t n) {
-  uint64_t counts[kNumSymbols];
-  uint32_t freq[kNumSymbols], start[kNumSymbols];
-  for (int s = 0; s < kNumSymbols; ++s) {
-    counts[s] = ws.counts[s];
-    freq[s] = start[s] = 0;
+// One block: the encoder's symbol table, normalised exactly as normalize_counts does (all zero
+// for n == 0).
+__global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t n) {
+  __shared__ uint32_t freq[kNumSymbols];
+  __shared__ uint32_t scratch32[kMetaThreads / 32];
+  __shared__ int64_t diff;
+  const int t = threadIdx.x;
+  uint32_t mine = 0;
+  for (int s = t; s < kNumSymbols; s += kMetaThreads) {
+    uint32_t f = 0;
+    const uint64_t count = ws.counts[s];
+    if (count != 0 && n > 0) {
+      const uint64_t scaled = (count * kProbScale + n / 2) / n;
+      f = scaled == 0 ? 1u : static_cast<uint32_t>(scaled);
+    }
+    freq[s] = f;
+    mine += f;
   }
-  if (n > 0) {
-    normalize_counts(counts, n, freq);
-    cumulative(freq, start);
+  const uint32_t sum = block_sum<uint32_t>(mine, scratch32);
+  if (t == 0) diff = n > 0 ? int64_t(kProbScale) - int64_t(sum) : 0;
+  __syncthreads();
+  while (diff != 0) {  // the corrections: the most frequent symbol (lowest index on ties)
+    uint32_t key = 0;
+    for (int s = t; s < kNumSymbols; s += kMetaThreads) {
+      const uint32_t k = (freq[s] << 11) | uint32_t(2047 - s);
+      key = k > key ? k : key;
+    }
+    key = block_max<uint32_t>(key, scratch32);
+    if (t == 0) {
+      const int best = 2047 - int(key & 2047u);
+      if (diff > 0) {
+        freq[best] += static_cast<uint32_t>(diff);
+        diff = 0;
+      } else {
+        int64_t take = int64_t(freq[best]) - 1;
+        if (take > -diff) take = -diff;
+        freq[best] -= static_cast<uint32_t>(take);
+        diff += take;
+      }
+    }
+    __syncthreads();
   }
-  for (int s = 0; s < kNumSymbols; ++s) ws.syms[s] = make_enc_sym(start[s], freq[s]);
+  // cumulative starts: thread t owns symbol t; thread 0 also owns the last symbol (after the scan)
+  uint32_t total = 0;
+  const uint32_t start = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &total);
+  ws.syms[t] = make_enc_sym(start, freq[t]);
+  if (t == 0) ws.syms[kNumSymbols - 1] = make_enc_sym(total, freq[kNumSymbols - 1]);
 }
 
-// One warp per chunk; lane l owns values i with i % 32 == l, as in the core.
-__global__ void encode_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, EncWs ws) {
-  const int lane = threadIdx.x & 31;
+// The encoder's symbol info in shared memory: 16 bytes instead of EncSym's 32.
+struct SharedSym {
+  uint64_t rcp;
+  uint32_t start;
+  uint32_t freq;
+};
+
+// One warp per chunk; lane l owns values i with i % 32 == l, as in the core (rans_encode_chunk).
+__global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
+                                                            uint64_t chunks, bool aligned, EncWs ws) {
+  __shared__ SharedSym syms[kNumSymbols];
+  __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
+  for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x) {
+    const EncSym e = ws.syms[s];
+    syms[s] = SharedSym{e.rcp, e.start, e.freq};
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const unsigned below = (1u << lane) - 1u;
-  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + threadIdx.x / 32; c < chunks;
+  uint16_t* tile = tiles[warp];
+  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < chunks;
        c += uint64_t(gridDim.x) * kWarpsPerBlock) {
     const uint32_t cn = chunk_values_of(n, cv, c);
     const uint16_t* v = values + c * cv;
     uint16_t* words_end = reinterpret_cast<uint16_t*>(chunk_scratch(ws, cv, c)) + cn;
-    uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;  // 8-byte aligned, cv bytes
     const uint32_t steps = (cn + kLanes - 1) / kLanes;
-    // split_chunk: the checksum, and the k-th non-zero value's raw field staged at raw[k]
-    uint32_t checksum = 0, nr = 0;
-    for (uint32_t t = 0; t < steps; ++t) {
-      const uint32_t i = t * kLanes + lane;
-      const uint16_t x = i < cn ? v[i] : 0;
-      const unsigned nz = __ballot_sync(kFull, x != 0);
-      if (x != 0) raw[nr + __popc(nz & below)] = static_cast<uint8_t>(raw_of(x));
-      nr += __popc(nz);
-      checksum += checksum_term(x, i);  // 0 past the end
-    }
-    checksum = warp_sum(checksum);
-    // pack the staged fields in place, eight per lane (8 bytes -> 6 at byte 6g): the stream
-    // split_chunk's BitWriter writes. Zero fields fill the last group (the last byte's unused
-    // bits); group g's 6 bytes overlap only staged groups <= g, all read before the first write.
-    const uint32_t groups = (nr + 7) / 8;
-    if (uint32_t(lane) < 8 * groups - nr) raw[nr + lane] = 0;
-    __syncwarp();
-    for (uint32_t g0 = 0; g0 < groups; g0 += kLanes) {
-      const uint32_t g = g0 + lane;
-      const uint64_t packed = g < groups ? pack6x8(reinterpret_cast<const uint64_t*>(raw)[g]) : 0;
+    const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
+    uint32_t x = kStateLow, nw = 0;
+    Tile8 next = fetch_tile(v, cn, (num_tiles - 1) * kTileValues, aligned, lane);
+    // steps backwards; in a step lane 31 codes first, so its word lands highest
+    for (uint32_t tt = num_tiles; tt-- > 0;) {
       __syncwarp();
-      if (g < groups) {
-        uint16_t* dst = reinterpret_cast<uint16_t*>(raw) + 3ull * g;
-        for (int k = 0; k < 3; ++k) dst[k] = static_cast<uint16_t>(packed >> (16 * k));
+      store_tile(tile, next, lane);
+      __syncwarp();
+      if (tt > 0) next = fetch_tile(v, cn, (tt - 1) * kTileValues, aligned, lane);
+      for (int s = int(kTileValues / kLanes) - 1; s >= 0; --s) {
+        const uint32_t t = tt * (kTileValues / kLanes) + uint32_t(s);
+        if (t >= steps) continue;  // warp-uniform
+        const uint32_t i = t * kLanes + lane;
+        const bool valid = i < cn;
+        const SharedSym sym = syms[valid ? symbol_of(tile[uint32_t(s) * kLanes + lane]) : 0];
+        const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - kProbBits));  // enc_needs_word
+        const unsigned mask = __ballot_sync(kFull, need);
+        const uint32_t k = __popc(mask);
+        if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
+        nw += k;
+        if (need) x >>= 16;
+        if (valid) {  // enc_put
+          const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
+          x = (q << kProbBits) + (x - q * sym.freq) + sym.start;
+        }
       }
-      __syncwarp();
-    }
-    // rans_encode_chunk: steps backwards; in a step lane 31 codes first, so its word lands highest
-    uint32_t x = kStateLow;
-    uint32_t nw = 0;
-    for (uint32_t t = steps; t-- > 0;) {
-      const uint32_t i = t * kLanes + lane;
-      const bool valid = i < cn;
-      const EncSym s = ws.syms[valid ? symbol_of(v[i]) : 0];
-      const bool need = valid && enc_needs_word(x, s);
-      const unsigned mask = __ballot_sync(kFull, need);
-      const uint32_t k = __popc(mask);
-      if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
-      nw += k;
-      if (need) x >>= 16;
-      if (valid) x = enc_put(x, s);
     }
     ws.states[c * kLanes + lane] = x;
     if (lane == 0) {
-      ChunkEntry e{kModeRans, nw, nr, checksum};
-      if (payload_bytes(e, cn) >= 2ull * cn) e = ChunkEntry{kModeRaw, 0, 0, checksum};
+      ChunkEntry e = ws.entries[c];
+      e.num_words = nw;
+      if (payload_bytes(e, cn) >= 2ull * cn) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
       ws.entries[c] = e;
     }
   }
 }
 
-// Header, shape, table (when `table`) and its padding, meta checksum; returns the table's entries.
-__device__ uint32_t write_meta(const EncSym* syms, bool table, uint64_t n, const ShapeArg& shape, uint32_t ndim,
-                               uint32_t cv, uint64_t chunks, uint8_t* out) {
-  uint64_t p = table_offset_for(ndim);
-  uint32_t entries = 0;
-  for (int s = 0; s < kNumSymbols && table; ++s) {
-    if (syms[s].freq == 0) continue;
-    store_le<uint16_t>(out + p, static_cast<uint16_t>(s));
-    store_le<uint16_t>(out + p + 2, static_cast<uint16_t>(syms[s].freq));
-    p += 4;
-    ++entries;
-  }
-  const uint64_t dir = directory_offset_for(ndim, entries);
-  for (; p < dir; ++p) out[p] = 0;
-  store_le<uint32_t>(out, kMagic);
-  out[4] = static_cast<uint8_t>(kVersion);
-  out[5] = static_cast<uint8_t>(ndim);
-  store_le<uint16_t>(out + 6, static_cast<uint16_t>(entries));
-  store_le<uint32_t>(out + 8, cv);
-  store_le<uint32_t>(out + 12, static_cast<uint32_t>(chunks));
-  store_le<uint64_t>(out + 16, n);
-  for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(out + kHeaderBytes + 8ull * d, shape.dims[d]);
-  store_le<uint32_t>(out + kMetaChecksumOffset + 4, 0u);
-  store_le<uint32_t>(out + kMetaChecksumOffset, meta_checksum(out, dir));
-  return entries;
-}
-
-// One block: the metadata (no table when every chunk is raw, as on the host), chunk offsets
-// (exclusive scan of padded payload sizes), the directory and the blob size.
-__global__ void layout_kernel(EncWs ws, uint64_t n, ShapeArg shape, uint32_t ndim, uint32_t cv, uint64_t chunks,
-                              uint8_t* out, uint64_t* out_size) {
-  __shared__ uint64_t partial[1024];
-  __shared__ uint32_t entries;
-  const uint64_t per = (chunks + blockDim.x - 1) / blockDim.x;
-  const uint64_t lo = threadIdx.x * per, hi = lo + per < chunks ? lo + per : chunks;
+// One block: metadata (header, shape, table -- none when every chunk is raw, as on the host --,
+// metadata checksum), chunk offsets (exclusive scan of padded payload sizes), directory, size.
+__global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t n, ShapeArg shape, uint32_t ndim,
+                                                             uint32_t cv, uint64_t chunks, uint8_t* out,
+                                                             uint64_t* out_size) {
+  __shared__ uint64_t scratch64[kMetaThreads / 32];
+  __shared__ uint32_t scratch32[kMetaThreads / 32];
+  const int t = threadIdx.x;
+  const uint64_t per = (chunks + kMetaThreads - 1) / kMetaThreads;
+  const uint64_t lo = t * per < chunks ? t * per : chunks, hi = lo + per < chunks ? lo + per : chunks;
   uint64_t sum = 0;
   int all_raw = 1;
   for (uint64_t c = lo; c < hi; ++c) {
     sum += align4(payload_bytes(ws.entries[c], chunk_values_of(n, cv, c)));
     all_raw &= ws.entries[c].mode == kModeRaw;
   }
-  partial[threadIdx.x] = sum;
-  const bool any_rans = !__syncthreads_and(all_raw);  // also the barrier for `partial`
-  if (threadIdx.x == 0) {
-    entries = write_meta(ws.syms, any_rans, n, shape, ndim, cv, chunks, out);
-    uint64_t acc = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks));
-    for (unsigned t = 0; t < blockDim.x; ++t) {
-      const uint64_t s = partial[t];
-      partial[t] = acc;
-      acc += s;
-    }
-    ws.offsets[chunks] = acc;
-    *out_size = acc;
+  const bool table = !__syncthreads_and(all_raw);
+  // table entries in symbol order: thread t owns symbol t, thread 0 also the last one
+  const uint32_t f_mine = t < kNumSymbols - 1 ? ws.syms[t].freq : 0u;
+  uint32_t seen = 0;
+  const uint32_t pos = block_exclusive_scan<uint32_t>(f_mine != 0 ? 1u : 0u, scratch32, &seen);
+  const uint32_t f_last = ws.syms[kNumSymbols - 1].freq;
+  const uint32_t entries = table ? seen + (f_last != 0 ? 1u : 0u) : 0u;
+  const uint64_t table_at = table_offset_for(ndim), dir = directory_offset_for(ndim, entries);
+  if (table && f_mine != 0) {
+    store_le<uint16_t>(out + table_at + 4ull * pos, static_cast<uint16_t>(t));
+    store_le<uint16_t>(out + table_at + 4ull * pos + 2, static_cast<uint16_t>(f_mine));
   }
-  __syncthreads();
-  const uint64_t dir = directory_offset_for(ndim, entries);
-  uint64_t acc = partial[threadIdx.x];
+  if (table && t == 0 && f_last != 0) {
+    store_le<uint16_t>(out + table_at + 4ull * seen, static_cast<uint16_t>(kNumSymbols - 1));
+    store_le<uint16_t>(out + table_at + 4ull * seen + 2, static_cast<uint16_t>(f_last));
+  }
+  for (uint64_t p = table_at + 4ull * entries + t; p < dir; p += kMetaThreads) out[p] = 0;
+  if (t == 0) {
+    store_le<uint32_t>(out, kMagic);
+    out[4] = static_cast<uint8_t>(kVersion);
+    out[5] = static_cast<uint8_t>(ndim);
+    store_le<uint16_t>(out + 6, static_cast<uint16_t>(entries));
+    store_le<uint32_t>(out + 8, cv);
+    store_le<uint32_t>(out + 12, static_cast<uint32_t>(chunks));
+    store_le<uint64_t>(out + 16, n);
+    store_le<uint32_t>(out + kMetaChecksumOffset + 4, 0u);
+  }
+  if (uint32_t(t) < ndim) store_le<uint64_t>(out + kHeaderBytes + 8ull * t, shape.dims[t]);
+  __syncthreads();  // the metadata bytes are written; the checksum reads them
+  uint32_t part = 0;
+  for (uint64_t i = t; i < dir; i += kMetaThreads)
+    if (i < kMetaChecksumOffset || i >= kMetaChecksumOffset + 4) part += uint32_t(out[i]) * uint32_t(2 * i + 1);
+  const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
+  if (t == 0) store_le<uint32_t>(out + kMetaChecksumOffset, checksum);
+  uint64_t total = 0;
+  uint64_t acc = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks)) +
+                 block_exclusive_scan<uint64_t>(sum, scratch64, &total);
   for (uint64_t c = lo; c < hi; ++c) {
     const ChunkEntry e = ws.entries[c];
     ws.offsets[c] = acc;
@@ -222,12 +408,17 @@ __global__ void layout_kernel(EncWs ws, uint64_t n, ShapeArg shape, uint32_t ndi
     store_le<uint32_t>(d + 8, e.num_raw);
     store_le<uint32_t>(d + 12, e.checksum);
   }
+  if (t == 0) {
+    const uint64_t size = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks)) + total;
+    ws.offsets[chunks] = size;
+    *out_size = size;
+  }
 }
 
-// One block per chunk: copies its payload (states, words, raw fields; or the values) into place
-// and zeroes the padding.
+// One block per chunk: its payload (states, words, raw fields; or the values) into place, zero
+// padding, in 4-byte stores (payload offsets are multiples of 4; `out_aligned`: so is `out`).
 __global__ void pack_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, EncWs ws,
-                            uint8_t* out) {
+                            uint8_t* out, bool out_aligned) {
   for (uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
     const uint32_t cn = chunk_values_of(n, cv, c);
     const ChunkEntry e = ws.entries[c];
@@ -236,15 +427,23 @@ __global__ void pack_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uin
     const uint64_t words_at = kStateBytes, raw_at = kStateBytes + 2ull * e.num_words;
     const uint8_t* words = chunk_scratch(ws, cv, c) + 2ull * (cn - e.num_words);
     const uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;
-    for (uint64_t k = threadIdx.x; k < padded; k += blockDim.x) {
-      uint8_t byte = 0;
-      if (k < used) {
-        if (e.mode == kModeRaw) byte = reinterpret_cast<const uint8_t*>(values + c * cv)[k];
-        else if (k < words_at) byte = reinterpret_cast<const uint8_t*>(ws.states + c * kLanes)[k];
-        else if (k < raw_at) byte = words[k - words_at];
-        else byte = raw[k - raw_at];
+    const uint8_t* states = reinterpret_cast<const uint8_t*>(ws.states + c * kLanes);
+    const uint8_t* plain = reinterpret_cast<const uint8_t*>(values + c * cv);
+    for (uint64_t w = threadIdx.x; w < padded / 4; w += blockDim.x) {
+      uint32_t word = 0;
+      for (int b = 0; b < 4; ++b) {
+        const uint64_t k = 4 * w + b;
+        uint32_t byte = 0;
+        if (k < used) {
+          if (e.mode == kModeRaw) byte = plain[k];
+          else if (k < words_at) byte = states[k];
+          else if (k < raw_at) byte = words[k - words_at];
+          else byte = raw[k - raw_at];
+        }
+        word |= byte << (8 * b);
       }
-      q[k] = byte;
+      if (out_aligned) reinterpret_cast<uint32_t*>(q)[w] = word;
+      else store_le<uint32_t>(q + 4 * w, word);
     }
   }
 }
@@ -268,31 +467,122 @@ size_t carve_dec(uint64_t chunks, char* base, DecWs* ws) {
   return c.off;
 }
 
-// One thread: every check of the host decoder before any chunk is touched.
-__global__ void validate_kernel(const uint8_t* blob, uint64_t size, uint64_t n, uint64_t max_chunks, DecWs ws,
-                                int* status) {
-  *ws.first_error = kNoError;
-  Header h;
-  int st = parse_header(blob, size, h);
-  if (st == kOk && h.num_values != n) st = kErrShape;
-  if (st == kOk && h.num_chunks > max_chunks) st = kErrHeader;
-  uint32_t freq[kNumSymbols], start[kNumSymbols];
-  if (st == kOk) st = read_table(blob, h, freq, start);
-  if (st == kOk) {
-    uint64_t off = h.data_offset;
-    for (uint64_t c = 0; c < h.num_chunks && st == kOk; ++c) {
-      const ChunkEntry e = read_entry(blob, h, c);
-      const uint32_t cn = chunk_count(h, c);
-      st = check_entry(h, e, cn);
-      ws.offsets[c] = off;
-      off += align4(payload_bytes(e, cn));
-    }
-    ws.offsets[h.num_chunks] = off;
-    if (st == kOk && off != size) st = kErrSize;
+// One block: every check of the host decoder (parse_header, the value count, read_table, the
+// directory and the size), each a parallel pass, reported in the host's order; then the chunk
+// offsets and the decoder's table.
+__global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* blob, uint64_t size, uint64_t n,
+                                                               uint64_t max_chunks, DecWs ws, int* status) {
+  __shared__ Header h;
+  __shared__ int st;
+  __shared__ uint32_t freq[kNumSymbols], start[kNumSymbols];
+  __shared__ uint32_t scratch32[kMetaThreads / 32];
+  __shared__ uint64_t scratch64[kMetaThreads / 32];
+  __shared__ unsigned long long first_bad_chunk;
+  const int t = threadIdx.x;
+  if (t == 0) {
+    *ws.first_error = kNoError;
+    first_bad_chunk = kNoError;
+    st = parse_header_fields(blob, size, h);
   }
-  if (st == kOk) build_decode_table(freq, start, *ws.table);  // entries only where the table has them
-  *ws.header = h;
-  *status = st;
+  __syncthreads();
+  // parse_header's loops: the table's zero padding, then the metadata checksum
+  if (st == kOk) {
+    int bad_pad = 0;
+    for (uint64_t p = h.table_offset + 4ull * h.num_table_entries + t; p < h.directory_offset; p += kMetaThreads)
+      bad_pad |= blob[p] != 0;
+    bad_pad = __syncthreads_or(bad_pad);
+    uint32_t part = 0;
+    for (uint64_t i = t; i < h.directory_offset; i += kMetaThreads)
+      if (i < kMetaChecksumOffset || i >= kMetaChecksumOffset + 4) part += uint32_t(blob[i]) * uint32_t(2 * i + 1);
+    const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
+    if (t == 0) {
+      if (bad_pad) st = kErrPadding;
+      else if (checksum != load_le<uint32_t>(blob + kMetaChecksumOffset)) st = kErrHeader;
+      else if (h.num_values != n) st = kErrShape;
+      else if (h.num_chunks > max_chunks) st = kErrHeader;
+    }
+  }
+  __syncthreads();
+  // read_table: strictly increasing symbols, frequencies in [1, kProbScale], summing to kProbScale
+  for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = start[s] = 0;
+  __syncthreads();
+  if (st == kOk) {
+    int bad = 0;
+    uint32_t fsum = 0;
+    for (uint32_t i = t; i < h.num_table_entries; i += kMetaThreads) {
+      const uint8_t* p = blob + h.table_offset + 4ull * i;
+      const uint32_t sym = load_le<uint16_t>(p), f = load_le<uint16_t>(p + 2);
+      const bool ordered = i == 0 || load_le<uint16_t>(p - 4) < sym;
+      if (!ordered || sym >= uint32_t(kNumSymbols) || f == 0 || f > kProbScale) {
+        bad = 1;
+      } else {
+        freq[sym] = f;
+        fsum += f;
+      }
+    }
+    bad = __syncthreads_or(bad);
+    fsum = block_sum<uint32_t>(fsum, scratch32);
+    if (t == 0 && (bad || (h.num_table_entries > 0 && fsum != kProbScale))) st = kErrTable;
+  }
+  __syncthreads();
+  if (st != kOk) {
+    if (t == 0) *status = st;
+    return;
+  }
+  // cumulative starts (thread t owns symbol t, thread 0 also the last)
+  uint32_t ftotal = 0;
+  const uint32_t s0 = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &ftotal);
+  if (t < kNumSymbols - 1) start[t] = s0;
+  if (t == 0) start[kNumSymbols - 1] = ftotal;
+  // the directory: the first chunk (in order) whose entry fails check_entry, else the size
+  const uint64_t chunks = h.num_chunks;
+  const uint64_t per = (chunks + kMetaThreads - 1) / kMetaThreads;
+  const uint64_t lo = t * per < chunks ? t * per : chunks, hi = lo + per < chunks ? lo + per : chunks;
+  uint64_t sum = 0;
+  for (uint64_t c = lo; c < hi; ++c) {
+    const ChunkEntry e = read_entry(blob, h, c);
+    const uint32_t cn = chunk_count(h, c);
+    if (check_entry(h, e, cn) != kOk) {
+      atomicMin(&first_bad_chunk, static_cast<unsigned long long>(c));
+      break;
+    }
+    sum += align4(payload_bytes(e, cn));
+  }
+  uint64_t total = 0;
+  uint64_t off = h.data_offset + block_exclusive_scan<uint64_t>(sum, scratch64, &total);
+  __syncthreads();  // first_bad_chunk
+  if (first_bad_chunk != kNoError) {
+    if (t == 0) *status = kErrDirectory;
+    return;
+  }
+  for (uint64_t c = lo; c < hi; ++c) {
+    ws.offsets[c] = off;
+    off += align4(payload_bytes(read_entry(blob, h, c), chunk_count(h, c)));
+  }
+  if (t == 0) ws.offsets[chunks] = h.data_offset + total;
+  if (h.data_offset + total != size) {
+    if (t == 0) *status = kErrSize;
+    return;
+  }
+  // build_decode_table, one slot per thread step: the slot's symbol is the last with start <= slot
+  if (h.num_table_entries > 0) {
+    for (uint32_t slot = t; slot < kProbScale; slot += kMetaThreads) {
+      int lo_s = 0, hi_s = kNumSymbols - 1;  // start[lo_s] <= slot (start[0] == 0)
+      while (lo_s < hi_s) {
+        const int mid = (lo_s + hi_s + 1) / 2;
+        if (start[mid] <= slot) lo_s = mid;
+        else hi_s = mid - 1;
+      }
+      const uint32_t hi10 = lo_s == kZeroSymbol ? 0u : uint32_t(lo_s);
+      ws.table->entry[slot] = dec_entry(hi10, freq[lo_s], slot - start[lo_s]);
+    }
+  }
+  if (t == 0) {
+    ws.table->zero_start = start[kZeroSymbol];
+    ws.table->zero_freq = freq[kZeroSymbol];
+    *ws.header = h;
+    *status = kOk;
+  }
 }
 
 // A raw chunk, as decode_raw_chunk; the same status in every lane.
@@ -306,20 +596,71 @@ __device__ int decode_raw_warp(const uint8_t* payload, const ChunkEntry& e, uint
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
+// Stages the bytes [0, avail) of a stream at `base` (4-byte aligned when `aligned`) through a
+// shared ring of kRingBytes, kUnitBytes at a time, the next unit always in flight in registers.
+// Bytes at or past `avail` read as 0 and are never loaded. Every lane calls every method.
+struct Stager {
+  const uint8_t* base;
+  uint64_t avail;
+  uint32_t* ring;   // [kRingBytes / 4]
+  bool aligned;
+  uint64_t staged;  // bytes [0, staged) have been in the ring (the last kRingBytes still are)
+  uint64_t fetched;
+  uint32_t pre[4];
+
+  __device__ void fetch(int lane) {
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t off = fetched + 4ull * (lane + kLanes * k);
+      uint32_t w = 0;
+      if (off + 4 <= avail) {
+        w = aligned ? *reinterpret_cast<const uint32_t*>(base + off) : load_le<uint32_t>(base + off);
+      } else {
+        for (uint64_t b = off; b < avail && b < off + 4; ++b) w |= uint32_t(base[b]) << (8 * (b - off));
+      }
+      pre[k] = w;
+    }
+    fetched += kUnitBytes;
+  }
+  __device__ void begin(int lane) {
+    staged = fetched = 0;
+    fetch(lane);
+  }
+  // Makes bytes [0, min(need, avail)) readable; the caller has consumed every byte below
+  // need - (kRingBytes - kUnitBytes).
+  __device__ void ensure(uint64_t need, int lane) {
+    const uint64_t target = need < avail ? need : avail;
+    while (staged < target) {
+      __syncwarp();
+      for (int k = 0; k < 4; ++k) ring[((staged >> 2) + lane + kLanes * k) % (kRingBytes / 4)] = pre[k];
+      staged += kUnitBytes;
+      fetch(lane);
+      __syncwarp();
+    }
+  }
+  __device__ uint32_t byte(uint64_t k) const { return reinterpret_cast<const uint8_t*>(ring)[k % kRingBytes]; }
+};
+
 // A rANS chunk with the checks and statuses of decode_chunk (lane l holds state l; the words and
 // raw fields of a step go to its lanes in lane order, as in the sequential loop). Every read is
-// bounded by the chunk's counts; the same status in every lane.
-__device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, const DecodeTable& table,
-                                uint16_t* dst, int lane) {
+// bounded by the chunk's counts and its padded payload; the same status in every lane.
+__device__ int decode_rans_warp(const uint8_t* payload, uint64_t padded, bool aligned, const ChunkEntry& e,
+                                uint32_t cn, const DecodeTable& table, uint16_t* dst, int lane, uint32_t* word_ring,
+                                uint32_t* raw_ring) {
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
-  const uint8_t* words = payload + kStateBytes;
-  const uint8_t* raw = words + 2ull * e.num_words;
+  Stager words{payload + kStateBytes, padded - kStateBytes, word_ring, aligned};
+  const uint64_t raw_at = kStateBytes + 2ull * e.num_words, raw_base = raw_at & ~uint64_t(3);
+  const uint32_t raw_skip = static_cast<uint32_t>(raw_at - raw_base);
+  Stager raws{payload + raw_base, padded - raw_base, raw_ring, aligned};
+  words.begin(lane);
+  raws.begin(lane);
   const uint64_t nraw_bytes = raw_bytes(e.num_raw);
   uint32_t wpos = 0, rpos = 0, checksum = 0;
   const uint32_t steps = (cn + kLanes - 1) / kLanes;
   for (uint32_t t = 0; t < steps; ++t) {
+    words.ensure(2ull * (wpos + kLanes), lane);
+    raws.ensure(raw_skip + raw_bytes(uint64_t(rpos) + kLanes) + 1, lane);
     const uint32_t i = t * kLanes + lane;
     const bool valid = i < cn;
     bool bad = false;
@@ -329,7 +670,7 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
     const unsigned wmask = __ballot_sync(kFull, need);
     if (need) {
       const uint32_t p = wpos + __popc(wmask & below);
-      if (p < e.num_words) y = (y << 16) | load_le<uint16_t>(words + 2ull * p);
+      if (p < e.num_words) y = (y << 16) | (words.byte(2ull * p) | (words.byte(2ull * p + 1) << 8));
       else bad = true;
     }
     wpos += __popc(wmask);
@@ -338,8 +679,14 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
     uint32_t r = 0;
     if (has_raw) {
       const uint32_t p = rpos + __popc(rmask & below);
-      if (p < e.num_raw) r = read_raw_field(raw, nraw_bytes, p);
-      else bad = true;
+      if (p < e.num_raw) {  // read_raw_field
+        const uint64_t bit = uint64_t(kRawBits) * p, b = bit >> 3;
+        uint32_t w = raws.byte(raw_skip + b);
+        if (b + 1 < nraw_bytes) w |= raws.byte(raw_skip + b + 1) << 8;
+        r = (w >> (bit & 7)) & kRawMask;
+      } else {
+        bad = true;
+      }
     }
     rpos += __popc(rmask);
     if (__any_sync(kFull, bad)) return kErrStream;
@@ -356,8 +703,10 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
-__global__ void decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws, const int* status) {
+__global__ void __launch_bounds__(kBlockThreads) decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws,
+                                                              const int* status) {
   __shared__ DecodeTable table;
+  __shared__ uint32_t rings[kWarpsPerBlock][2][kRingBytes / 4];
   __shared__ int valid_blob;
   if (threadIdx.x == 0) valid_blob = *status == kOk;  // one read, so the whole block agrees
   __syncthreads();
@@ -370,8 +719,9 @@ __global__ void decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws, cons
     table.zero_freq = ws.table->zero_freq;
   }
   __syncthreads();
-  const int lane = threadIdx.x & 31;
-  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + threadIdx.x / 32; c < h.num_chunks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const bool aligned = (reinterpret_cast<uintptr_t>(blob) & 3) == 0;  // payload offsets are multiples of 4
+  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < h.num_chunks;
        c += uint64_t(gridDim.x) * kWarpsPerBlock) {
     const uint32_t cn = chunk_count(h, c);
     const ChunkEntry e = read_entry(blob, h, c);
@@ -383,7 +733,8 @@ __global__ void decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws, cons
     int st = kErrPadding;
     if (!__any_sync(kFull, bad))
       st = e.mode == kModeRaw ? decode_raw_warp(payload, e, cn, dst, lane)
-                              : decode_rans_warp(payload, e, cn, table, dst, lane);
+                              : decode_rans_warp(payload, padded, aligned, e, cn, table, dst, lane, rings[warp][0],
+                                                 rings[warp][1]);
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }
 }
@@ -431,19 +782,21 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   if (workspace_bytes < ep_lossless_encode_workspace_bytes(num_values, chunk_values)) return cudaErrorInvalidValue;
   EncWs ws;
   carve(chunks, chunk_values, static_cast<char*>(workspace), &ws);
+  // chunk starts are 64-byte multiples (chunk_values % 32 == 0): 16-byte loads when the base is aligned
+  const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
   cudaMemsetAsync(ws.counts, 0, 8 * kNumSymbols, stream);
-  if (num_values > 0) {
-    uint64_t blocks = (num_values + 255) / 256;
-    histogram_kernel<<<static_cast<int>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(values, num_values,
-                                                                                          ws.counts);
-  }
-  table_kernel<<<1, 1, 0, stream>>>(ws, num_values);
   if (chunks > 0)
-    encode_kernel<<<grid_for(chunks), 32 * kWarpsPerBlock, 0, stream>>>(values, num_values, chunk_values, chunks, ws);
-  layout_kernel<<<1, 1024, 0, stream>>>(ws, num_values, shape, ndim, chunk_values, chunks, out, out_size);
+    split_kernel<<<grid_for(chunks), kBlockThreads, 0, stream>>>(values, num_values, chunk_values, chunks, aligned,
+                                                                 ws);
+  table_kernel<<<1, kMetaThreads, 0, stream>>>(ws, num_values);
+  if (chunks > 0)
+    rans_kernel<<<grid_for(chunks), kBlockThreads, 0, stream>>>(values, num_values, chunk_values, chunks, aligned,
+                                                                ws);
+  layout_kernel<<<1, kMetaThreads, 0, stream>>>(ws, num_values, shape, ndim, chunk_values, chunks, out, out_size);
   if (chunks > 0) {
     const int grid = static_cast<int>(chunks < 65535 ? chunks : 65535);
-    pack_kernel<<<grid, 256, 0, stream>>>(values, num_values, chunk_values, chunks, ws, out);
+    pack_kernel<<<grid, 256, 0, stream>>>(values, num_values, chunk_values, chunks, ws, out,
+                                          (reinterpret_cast<uintptr_t>(out) & 3) == 0);
   }
   return static_cast<int>(cudaGetLastError());
 }
@@ -462,8 +815,8 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
     return cudaErrorInvalidValue;
   DecWs ws;
   carve_dec(max_chunks, static_cast<char*>(workspace), &ws);
-  validate_kernel<<<1, 1, 0, stream>>>(blob, blob_bytes, num_values, max_chunks, ws, status);
-  if (max_chunks > 0) decode_kernel<<<grid_for(max_chunks), 32 * kWarpsPerBlock, 0, stream>>>(blob, out, ws, status);
+  validate_kernel<<<1, kMetaThreads, 0, stream>>>(blob, blob_bytes, num_values, max_chunks, ws, status);
+  if (max_chunks > 0) decode_kernel<<<grid_for(max_chunks), kBlockThreads, 0, stream>>>(blob, out, ws, status);
   report_kernel<<<1, 1, 0, stream>>>(ws, status);
   return static_cast<int>(cudaGetLastError());
 }
