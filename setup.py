@@ -9,7 +9,7 @@ import glob
 import os
 import sys
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
@@ -27,6 +27,10 @@ def cpu_extensions():
     return [Pybind11Extension(
         "ep_comm._host", sources, include_dirs=[os.path.join(HERE, "csrc")],
         cxx_std=17, extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
+
+
+# the host extension's sources compile in parallel (one job per core; EP_COMM_BUILD_JOBS=N to cap)
+ParallelCompile("EP_COMM_BUILD_JOBS", default=0).install()
 
 
 class BuildExt(CudaBuildExt, build_ext):

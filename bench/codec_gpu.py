@@ -36,14 +36,16 @@ from ep_comm.codecs import lossless  # noqa: E402
 KINDS = ("activations", "weights", "gradients")
 
 
-def build_library(out: Path, arch: str | None = None) -> Path:
+def build_library(out: Path, arch: str | None = None, defines: tuple[str, ...] = ()) -> Path:
     """Compiles lossless_kernels.cu into ``out`` (a shared library with the static CUDA runtime).
-    ``arch``: e.g. "90"; default the current device's."""
+    ``arch``: e.g. "90"; default the current device's. ``defines``: e.g. ("EP_LOSSLESS_DEC_WARPS=8",),
+    the kernel file's tuning knobs."""
     if arch is None:
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
+                    *(f"-D{d}" for d in defines),
                     f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}",
                     str(ROOT / "csrc" / "cuda" / "lossless_kernels.cu"), "-o", str(out)], check=True)
     return out
@@ -235,29 +237,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build-lib", type=Path, help="only build the kernel library here and stop")
     parser.add_argument("--arch", help="with --build-lib: target, e.g. 90 (default: this device's)")
-    parser.add_argument("--lib", help="a prebuilt library (else it is built now)")
+    parser.add_argument("--define", action="append", default=[],
+                        help="with --build-lib: a tuning knob of the kernel file, e.g. EP_LOSSLESS_DEC_WARPS=8")
+    parser.add_argument("--lib", action="append", default=[],
+                        help="a prebuilt library (else one is built now); repeat to compare builds in one run")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated tensor kinds to measure")
     parser.add_argument("--tensors", type=Path, help="real tensors from codec_bench.py --save-tensors")
     parser.add_argument("--chunk-values", default=str(lossless.DEFAULT_CHUNK_VALUES),
                         help="comma-separated chunk sizes in values")
     parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--once", action="store_true",
+                        help="one encode and one decode of the first kind, nothing timed (for a profiler such as ncu)")
     args = parser.parse_args(argv)
     if args.build_lib:
-        build_library(args.build_lib, args.arch)
+        build_library(args.build_lib, args.arch, tuple(args.define))
         return 0
     if args.tensors is None:
         parser.error("--tensors is required (or --build-lib)")
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 1
-    data = load_tensors(args.tensors)
+    data = {k: v for k, v in load_tensors(args.tensors).items() if k in args.kinds.split(",")}
     cvs = tuple(int(c) for c in args.chunk_values.split(","))
-    rows = measure(data, args.reps, cvs, args.gpu_mb << 20, gpu_library(args.lib))
-    print_rows(rows, torch.cuda.get_device_name())
+    if args.once:
+        codec = DeviceCodec(gpu_library(args.lib[0] if args.lib else None),
+                            tile(next(iter(data.values())), args.gpu_mb << 20).cuda(), cvs[0])
+        codec.encode()
+        codec.blob_bytes()
+        codec.decode()
+        torch.cuda.synchronize()
+        print(f"once: status {int(codec.status.item())}")
+        return 0
+    results = {}
+    for lib in args.lib or [None]:
+        name = Path(lib).name if lib else "built now"
+        rows = measure(data, args.reps, cvs, args.gpu_mb << 20, gpu_library(lib))
+        print_rows(rows, f"{torch.cuda.get_device_name()}, {name}")
+        results[name] = [asdict(r) for r in rows]
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "rows": [asdict(r) for r in rows]}, indent=2))
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "libs": results}, indent=2))
     return 0
 
 

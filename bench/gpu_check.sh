@@ -61,17 +61,32 @@ build_pid=$!
 fi
 
 say "lossless codec: GPU tests"
-lib=""
-[ -f $CARRY/libep_codec.so ] && [ "$(cat $CARRY/csrc_hash 2>/dev/null)" = "$(csrc_hash)" ] && lib=$PWD/$CARRY/libep_codec.so
-EP_COMM_CODEC_GPU_LIB=$lib timeout 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_codec_lossless_gpu.py \
-  -rfE -x --maxfail=3 > "$OUT/codec_tests.log" 2>&1
-say "codec tests rc=$?: $(tail -1 "$OUT/codec_tests.log")"
+libs=""
+if [ "$(cat $CARRY/csrc_hash 2>/dev/null)" = "$(csrc_hash)" ]; then libs=$(ls $PWD/$CARRY/libep_codec*.so 2>/dev/null); fi
+lib=""; [ -f $CARRY/libep_codec.so ] && [ -n "$libs" ] && lib=$PWD/$CARRY/libep_codec.so
+for l in ${libs:-""}; do  # the default build and each prepared variant (or one built here)
+  EP_COMM_CODEC_GPU_LIB=$l timeout 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_codec_lossless_gpu.py \
+    -rfE -x --maxfail=3 >> "$OUT/codec_tests.log" 2>&1
+  say "codec tests ${l##*/} rc=$?: $(tail -1 "$OUT/codec_tests.log")"
+done
 
 say "lossless codec: GPU throughput"
 if [ -f $CARRY/tensors.pt ]; then
   timeout 100 $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --chunk-values 65536,16384 \
     --json "$OUT/codec_gpu.json" >> "$LOG" 2>&1
   say "codec bench rc=$?"
+  if [ "$(echo $libs | wc -w)" -gt 1 ]; then
+    timeout 100 $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt $(for l in $libs; do echo --lib $l; done) \
+      --kinds activations,gradients --chunk-values 65536 >> "$LOG" 2>&1
+    say "codec variants rc=$?"
+  fi
+  if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
+    timeout 120 ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --once --gpu-mb 256 \
+      > "$OUT/ncu.log" 2>&1
+    say "ncu rc=$?"
+  fi
 else
   say "no $CARRY/tensors.pt (bench/gpu_prepare.sh makes it): codec throughput skipped"
 fi

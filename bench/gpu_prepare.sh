@@ -14,6 +14,11 @@ CARRY=.gpu_carry
 mkdir -p $CARRY/ep_comm_cuda
 [ -f $CARRY/tensors.pt ] || $PY bench/codec_bench.py --save-tensors $CARRY/tensors.pt --max-mb 10
 $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
+# tuning variants of the same kernels (gpu_check.sh tests and times each beside the default)
+rm -f $CARRY/libep_codec_*.so
+for variant in ${EP_CODEC_VARIANTS:-}; do  # e.g. "dec_w8:EP_LOSSLESS_DEC_WARPS=8 hist_atomic:EP_LOSSLESS_HIST_MATCH=0"
+  $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec_${variant%%:*}.so --arch 90 --define ${variant#*:}
+done
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} EP_COMM_CUDA=1 EP_COMM_CUDA_ARCHS=90 $PY setup.py build_ext --inplace > /dev/null
 temp=build/$($PY -c 'import sys, sysconfig; print(f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")')/ep_comm_cuda
 rm -f $CARRY/ep_comm_cuda/*.o

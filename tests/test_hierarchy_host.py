@@ -99,7 +99,8 @@ def _two_hop_layout_py(r: int, p: int, rail_rows: int, node_rows: int, row_bytes
     out = {"rail_signal": 0, "node_flag": up(8 * g)}
     out["rail_stage"] = up(out["node_flag"] + 4 * p * g)
     out["node_stage"] = up(out["rail_stage"] + g * rail_rows * row_bytes)
-    out["total_bytes"] = up(out["node_stage"] + p * node_rows * row_bytes)
+    out["barrier"] = up(out["node_stage"] + p * node_rows * row_bytes)
+    out["total_bytes"] = up(out["barrier"] + 8 * r)
     return out
 
 
@@ -111,10 +112,12 @@ def test_two_hop_layout_matches_python(r: int, p: int, rail_rows: int, node_rows
     assert {k: got[k] for k in want} == want
     assert (got["rail_rows"], got["node_rows"], got["row_bytes"]) == (rail_rows, node_rows, row_bytes)
     assert all(got[k] % 128 == 0 for k in want)
-    # regions do not overlap: signals, flags, rail stage, node stage in that order
+    # regions do not overlap: signals, flags, rail stage, node stage, barrier in that order
     g = r // p
     assert got["node_flag"] >= 8 * g and got["rail_stage"] >= got["node_flag"] + 4 * p * g
     assert got["node_stage"] >= got["rail_stage"] + g * rail_rows * row_bytes
+    assert got["barrier"] >= got["node_stage"] + p * node_rows * row_bytes
+    assert got["total_bytes"] >= got["barrier"] + 8 * r
     for bad in (dict(row_bytes=24), dict(row_bytes=0), dict(rail_rows=-1)):
         args = dict(num_ranks=r, ranks_per_node=p, rail_rows=rail_rows, node_rows=node_rows, row_bytes=row_bytes)
         with pytest.raises(ValueError):
@@ -138,7 +141,8 @@ def test_two_hop_launchers_validate_before_launching() -> None:
     rank = dict(rank=0, node_peers=[1, 2], send_rows=1, rail_send_offsets=1, fwd_offsets=1, fwd_row=1,
                 fwd_target=1, fwd_slot=1, recv_rows=1, recv_stage_row=1, num_recv_rows=0, record=1)
     bad_common = (dict(ranks_per_node=3), dict(row_bytes=24), dict(payload_bytes=80), dict(payload_bytes=0),
-                  dict(rank_stride=100), dict(symmetric_base=0))
+                  dict(rank_stride=100), dict(symmetric_base=0), dict(my_pe=4), dict(my_pe=-1),
+                  dict(rank_stride=128, my_pe=1))
     for bad in bad_common:
         with pytest.raises(ValueError):
             cuda.two_hop_dispatch({**common, **bad}, [rank], 0)

@@ -138,16 +138,18 @@ EP_HD int64_t ll_combine_row_offset(const LowLatencyLayout& l, int num_topk, int
 }
 
 // NVSHMEM byte all-to-all (internode transport) buffer: uint64 signal[R], then R staging slots of
-// slot_bytes each: slot s holds what source s sent here in the current round.
+// slot_bytes each (slot s holds what source s sent here in the current round), then uint64
+// barrier[R] (barrier[s]: the last round value PE s reached the round's closing barrier with).
 struct ExchangeLayout {
-  int64_t signal, stage, slot_bytes, total_bytes;
+  int64_t signal, stage, slot_bytes, barrier, total_bytes;
 };
 EP_HD ExchangeLayout make_exchange_layout(int num_ranks, int64_t slot_bytes) {
   ExchangeLayout l{};
   l.signal = 0;
   l.stage = align_up(8LL * num_ranks, kRegion);
   l.slot_bytes = align_up(slot_bytes, kRegion);
-  l.total_bytes = l.stage + l.slot_bytes * num_ranks;
+  l.barrier = l.stage + l.slot_bytes * num_ranks;
+  l.total_bytes = l.barrier + align_up(8LL * num_ranks, kRegion);
   return l;
 }
 

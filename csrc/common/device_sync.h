@@ -71,6 +71,25 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const int* flag, int 
   }
 }
 
+// Spins until the 64-bit signal reaches `value`; false (recorded) on timeout or failure elsewhere.
+__device__ __forceinline__ bool wait_signal(const WaitCtx& w, const unsigned long long* signal,
+                                            unsigned long long value, int peer, int phase,
+                                            int detail) {
+  unsigned long long start = 0;
+  for (unsigned iter = 0;; ++iter) {
+    if (ld_acquire_sys_u64(signal) >= value) return true;
+    if ((iter & 255u) == 0) {
+      const unsigned long long now = global_timer_ns();
+      if (start == 0) start = now;
+      if (failed(w)) return false;
+      if (now - start > w.timeout_ns) {
+        record_failure(w, kTimedOut, peer, phase, now - start, detail);
+        return false;
+      }
+    }
+  }
+}
+
 // Spins until *flag != 0 and returns it, or 0 on timeout / failure elsewhere.
 __device__ __forceinline__ int wait_nonzero(const WaitCtx& w, const int* flag, int peer, int phase,
                                             int detail) {

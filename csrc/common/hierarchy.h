@@ -67,13 +67,16 @@ EP_HD int64_t contract_offset(const int64_t* node_counts, NodeShape s, int l, in
 //   rows   rail_stage[G][rail_rows]          rows from the rail peer on node g (hop 1)
 //   rows   node_stage[P][node_rows]          rows forwarded by local rank l (hop 2), grouped by
 //                                            source node then token
+//   uint64 barrier[R]                        round value PE r reached the call's closing barrier
+//                                            with (one PE per rank; virtual ranks use [0] of
+//                                            rank 0's buffer)
 // Every region starts 128-byte aligned. row_bytes is the capacity: a call may pack smaller rows
 // (its payload_bytes) at that smaller stride inside each region. The combine
 // (csrc/cuda/internode_two_hop_combine.cu) runs the regions the other way: node_stage[j] and
 // node_flag[j][g] on a forwarder hold what local rank j returns, rail_stage[g] and
 // rail_signal[g] on a source what node g's forwarder sends back.
 struct TwoHopLayout {
-  int64_t rail_signal, node_flag, rail_stage, node_stage, total_bytes;
+  int64_t rail_signal, node_flag, rail_stage, node_stage, barrier, total_bytes;
   int64_t rail_rows, node_rows, row_bytes;
 };
 EP_HD TwoHopLayout make_two_hop_layout(NodeShape s, int64_t rail_rows, int64_t node_rows,
@@ -89,6 +92,8 @@ EP_HD TwoHopLayout make_two_hop_layout(NodeShape s, int64_t rail_rows, int64_t n
   at = align_up(at + G * rail_rows * row_bytes, region);
   l.node_stage = at;
   at = align_up(at + P * node_rows * row_bytes, region);
+  l.barrier = at;
+  at = align_up(at + 8 * G * P, region);
   l.total_bytes = at;
   l.rail_rows = rail_rows;
   l.node_rows = node_rows;

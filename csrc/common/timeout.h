@@ -34,7 +34,8 @@ enum Phase : int {
   kInternodeNodeRecv = 10, // two-hop dispatch: receiver waits for a forwarder of its node
   kInternodeCombineNodeRecv = 11,  // two-hop combine: forwarder waits for a rank of its node
   kInternodeCombineRailRecv = 12,  // two-hop combine: source waits for a node's forwarder
-  kNumPhases = 13,
+  kInternodeBarrier = 13,  // bounded NVSHMEM barrier ending an exchange round or a two-hop call
+  kNumPhases = 14,
 };
 
 // Human-readable phase names; Python's CommTimeoutError.phase carries these strings.
@@ -52,6 +53,7 @@ inline const char* phase_name(int phase) {
     case kInternodeNodeRecv: return "internode/node-recv";
     case kInternodeCombineNodeRecv: return "internode/combine-node-recv";
     case kInternodeCombineRailRecv: return "internode/combine-rail-recv";
+    case kInternodeBarrier: return "internode/barrier";
     default: return "none";
   }
 }

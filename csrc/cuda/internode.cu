@@ -2,10 +2,12 @@
 // signals; IBGDA where the NIC supports it, NVSHMEM's other transports otherwise). It backs
 // NvshmemTransport.exchange_bytes / exchange_counts in ep_comm/backends/nvshmem.py.
 //
-// Buffer: ExchangeLayout (csrc/common/buffer_layout.h): uint64 signal[R] | stage[R][slot_bytes].
+// Buffer: ExchangeLayout (csrc/common/buffer_layout.h): uint64 signal[R] | stage[R][slot_bytes] |
+// uint64 barrier[R].
 // One round: block r puts this rank's chunk for r into stage[me] of PE r and sets signal[me]
 // there to the round value; block s then waits for signal[s] == round value here and copies
-// stage[s] out. Rounds are separated by a barrier on the stream (stage reuse). Bounded waits.
+// stage[s] out. Rounds are separated by a barrier on the stream (stage reuse). Bounded waits,
+// the barrier included (bounded_barrier_kernel: a PE that never comes is an error, not a hang).
 #include <cuda_runtime.h>
 
 #include "../common/buffer_layout.h"
@@ -72,7 +74,29 @@ __global__ void exchange_wait_kernel(uint8_t* symmetric, int64_t slot_bytes, uin
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = reinterpret_cast<const volatile uint8_t*>(in)[i];
 }
 
+// One block: quiet, tell every PE this one arrived (words[my_pe] there = value), then wait
+// (bounded) until every PE said so here. Thread p signals and waits for PE p.
+__global__ void bounded_barrier_kernel(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
+                                       unsigned long long timeout_ns, int32_t* record) {
+  if (threadIdx.x == 0) nvshmem_quiet();
+  __syncthreads();
+  for (int pe = threadIdx.x; pe < num_pes; pe += blockDim.x)
+    nvshmemx_signal_op(words + my_pe, value, NVSHMEM_SIGNAL_SET, pe);
+  const WaitCtx w{record, timeout_ns, my_pe};
+  for (int pe = threadIdx.x; pe < num_pes; pe += blockDim.x) {
+    if (!wait_signal(w, reinterpret_cast<const unsigned long long*>(words) + pe, value, pe,
+                     kInternodeBarrier, static_cast<int>(value)))
+      break;
+  }
+}
+
 }  // namespace
+
+void launch_bounded_barrier(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
+                            unsigned long long timeout_ns, int32_t* record, void* stream) {
+  bounded_barrier_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(words, num_pes, my_pe, value,
+                                                                           timeout_ns, record);
+}
 
 bool nvshmem_built() { return true; }
 int nvshmem_unique_id_size() { return static_cast<int>(sizeof(nvshmemx_uniqueid_t)); }
@@ -93,7 +117,12 @@ int nvshmem_my_pe_id() { return nvshmem_my_pe(); }
 int nvshmem_num_pes() { return nvshmem_n_pes(); }
 void* nvshmem_alloc(int64_t bytes) {
   void* p = nvshmem_malloc(static_cast<size_t>(bytes));
-  if (p) cudaMemset(p, 0, static_cast<size_t>(bytes));
+  if (p) {
+    cudaMemset(p, 0, static_cast<size_t>(bytes));
+    // the zeros must land before the barrier lets a peer put into this buffer (the memset runs
+    // on the default stream, which NVSHMEM's barrier does not wait for)
+    cudaStreamSynchronize(0);
+  }
   nvshmem_barrier_all();
   return p;
 }
@@ -113,7 +142,11 @@ void launch_exchange_round(uint8_t* symmetric, int64_t slot_bytes, const uint8_t
                                                 send_bytes, my_pe, round_value);
   exchange_wait_kernel<<<num_ranks, 256, 0, s>>>(symmetric, slot_bytes, recv, recv_offsets,
                                                  recv_bytes, my_pe, round_value, timeout_ns, record);
-  nvshmemx_barrier_all_on_stream(s);  // every PE copied its stage out before the next round
+  // every PE copied its stage out before the next round; bounded, so that a PE that never came
+  // (its wait above timed out) leaves this PE with a CommTimeoutError instead of a hang
+  const ExchangeLayout l = make_exchange_layout(num_ranks, slot_bytes);
+  launch_bounded_barrier(reinterpret_cast<uint64_t*>(symmetric + l.barrier), num_ranks, my_pe, round_value,
+                         timeout_ns, record, stream);
 }
 
 #else  // built without NVSHMEM headers/libraries: the transport reports itself unavailable
@@ -129,6 +162,7 @@ void* nvshmem_alloc(int64_t) { return nullptr; }
 void nvshmem_release(void*) {}
 void* nvshmem_peer_ptr(void*, int) { return nullptr; }
 void nvshmem_barrier_on_stream(void*) {}
+void launch_bounded_barrier(uint64_t*, int, int, unsigned long long, unsigned long long, int32_t*, void*) {}
 void launch_exchange_round(uint8_t*, int64_t, const uint8_t*, const int64_t*, const int64_t*,
                            uint8_t*, const int64_t*, const int64_t*, int, int, unsigned long long,
                            unsigned long long, int32_t*, void*) {}

@@ -13,7 +13,7 @@
 //                node_flag[my local][g] on every local rank of the node.
 //   node_gather: every block waits (bounded) for all P x G node flags, then copies rows out in
 //                contract order.
-// A barrier on the stream ends the call, so the next round may reuse the stages. With virtual
+// A bounded barrier of all PEs on the stream ends the call, so the next round may reuse the stages. With virtual
 // ranks the three launches run in stream order, so every wait is already satisfied when it starts.
 #include <cuda_runtime.h>
 
@@ -118,7 +118,7 @@ void launch_two_hop_dispatch(const TwoHopCommon& c, const TwoHopDispatchRank* ra
   rail_put_kernel<<<dim3(G, num_virtual), 128, 0, s>>>(c, set);
   forward_kernel<<<dim3(G, num_virtual), 256, 0, s>>>(c, set);
   node_gather_kernel<<<dim3(blocks, num_virtual), 256, 0, s>>>(c, set);
-  nvshmemx_barrier_all_on_stream(s);
+  two_hop_end_barrier(c, ranks[0].record, s);
 }
 
 #else  // built without NVSHMEM: the two-hop path reports itself unavailable (nvshmem_built())

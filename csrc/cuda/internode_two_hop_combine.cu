@@ -16,7 +16,7 @@
 //                   those rows with a signal into rail_stage[my node] of the source rank.
 //   source_reduce:  every block waits (bounded) for all G rail signals, then each warp sums a
 //                   token's partial rows over nodes into combined_x / combined_weights.
-// A barrier on the stream ends the call (stage reuse).
+// A bounded barrier of all PEs on the stream ends the call (stage reuse).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -161,7 +161,7 @@ void launch_two_hop_combine(const TwoHopCommon& c, const TwoHopCombineFormat& f,
   node_return_kernel<<<dim3(c.ranks_per_node * G, num_virtual), 256, 0, s>>>(c, set);
   rail_reduce_kernel<<<dim3(G, num_virtual), 512, 0, s>>>(c, f, set);
   source_reduce_kernel<<<dim3(blocks, num_virtual), 256, 0, s>>>(c, f, set);
-  nvshmemx_barrier_all_on_stream(s);
+  two_hop_end_barrier(c, ranks[0].record, s);
 }
 
 #else  // built without NVSHMEM: the two-hop path reports itself unavailable (nvshmem_built())

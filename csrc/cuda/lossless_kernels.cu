@@ -16,8 +16,8 @@
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
 //                  chunk offsets (block scan) and the decoder's table;
-//   decode_kernel  one warp per chunk; the word and raw-field streams are staged through shared
-//                  rings in 512-byte units fetched one unit ahead; checks of decode_chunk;
+//   decode_kernel  one warp per chunk, decoder table in shared memory; the checks of decode_chunk,
+//                  a failed bound reported after the chunk's loop;
 //   report_kernel  the status of the first failing chunk, as on the host.
 #include <cuda_runtime.h>
 
@@ -34,8 +34,18 @@ constexpr unsigned kFull = 0xFFFFFFFFu;
 constexpr unsigned long long kNoError = ~0ull;
 constexpr uint32_t kTileValues = 256;  // values per warp tile: 8 per lane, one 16-byte load each
 constexpr uint32_t kFieldRing = 512;   // raw fields staged per warp before packing (bytes)
-constexpr uint32_t kRingBytes = 1024;  // decoder's staging ring per stream and warp
-constexpr uint32_t kUnitBytes = 512;   // decoder's staging unit: 4 bytes x 4 per lane
+// Tuning knobs, overridable at build time (bench/gpu_prepare.sh builds variants to compare).
+#ifndef EP_LOSSLESS_DEC_WARPS
+#define EP_LOSSLESS_DEC_WARPS 4
+#endif
+#ifndef EP_LOSSLESS_DEC_UNROLL
+#define EP_LOSSLESS_DEC_UNROLL 2
+#endif
+#ifndef EP_LOSSLESS_HIST_MATCH
+#define EP_LOSSLESS_HIST_MATCH 1
+#endif
+constexpr int kDecWarps = EP_LOSSLESS_DEC_WARPS;    // decoder warps per block (one chunk each)
+constexpr int kDecUnroll = EP_LOSSLESS_DEC_UNROLL;  // decoder steps unrolled
 
 struct ShapeArg {
   uint64_t dims[kMaxDims];
@@ -187,12 +197,15 @@ __global__ void __launch_bounds__(kBlockThreads) split_kernel(const uint16_t* va
         const uint32_t j = s * kLanes + lane, i = tt * kTileValues + j;
         const uint16_t x = tile[j];  // 0 past the end: no field, no checksum term
         const unsigned nz = __ballot_sync(kFull, x != 0);
-        if (x != 0) {
-          ring[(nr + __popc(nz & below)) % kFieldRing] = static_cast<uint8_t>(raw_of(x));
-          atomicAdd(&hist[symbol_of(x)], 1u);
-        } else if (i < cn) {
-          ++zeros;
-        }
+        if (x != 0) ring[(nr + __popc(nz & below)) % kFieldRing] = static_cast<uint8_t>(raw_of(x));
+        else if (i < cn) ++zeros;
+#if EP_LOSSLESS_HIST_MATCH
+        // one shared atomic per distinct symbol of the step (lanes with equal symbols agree)
+        const unsigned same = __match_any_sync(kFull, symbol_of(x));
+        if (x != 0 && (same & below) == 0) atomicAdd(&hist[symbol_of(x)], __popc(same));
+#else
+        if (x != 0) atomicAdd(&hist[symbol_of(x)], 1u);
+#endif
         nr += __popc(nz);
         checksum += checksum_term(x, i);
       }
@@ -353,14 +366,8 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
   __shared__ uint64_t scratch64[kMetaThreads / 32];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   const int t = threadIdx.x;
-  const uint64_t per = (chunks + kMetaThreads - 1) / kMetaThreads;
-  const uint64_t lo = t * per < chunks ? t * per : chunks, hi = lo + per < chunks ? lo + per : chunks;
-  uint64_t sum = 0;
   int all_raw = 1;
-  for (uint64_t c = lo; c < hi; ++c) {
-    sum += align4(payload_bytes(ws.entries[c], chunk_values_of(n, cv, c)));
-    all_raw &= ws.entries[c].mode == kModeRaw;
-  }
+  for (uint64_t c = t; c < chunks; c += kMetaThreads) all_raw &= ws.entries[c].mode == kModeRaw;
   const bool table = !__syncthreads_and(all_raw);
   // table entries in symbol order: thread t owns symbol t, thread 0 also the last one
   const uint32_t f_mine = t < kNumSymbols - 1 ? ws.syms[t].freq : 0u;
@@ -395,23 +402,31 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
     if (i < kMetaChecksumOffset || i >= kMetaChecksumOffset + 4) part += uint32_t(out[i]) * uint32_t(2 * i + 1);
   const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
   if (t == 0) store_le<uint32_t>(out + kMetaChecksumOffset, checksum);
-  uint64_t total = 0;
-  uint64_t acc = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks)) +
-                 block_exclusive_scan<uint64_t>(sum, scratch64, &total);
-  for (uint64_t c = lo; c < hi; ++c) {
-    const ChunkEntry e = ws.entries[c];
-    ws.offsets[c] = acc;
-    acc += align4(payload_bytes(e, chunk_values_of(n, cv, c)));
-    uint8_t* d = out + dir + sizeof(ChunkEntry) * c;
-    store_le<uint32_t>(d, e.mode);
-    store_le<uint32_t>(d + 4, e.num_words);
-    store_le<uint32_t>(d + 8, e.num_raw);
-    store_le<uint32_t>(d + 12, e.checksum);
+  // offsets and directory, 1024 chunks per round (thread t: chunk r * 1024 + t, coalesced)
+  uint64_t base = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks));
+  for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
+    const uint64_t c = r + t;
+    ChunkEntry e{};
+    uint64_t bytes = 0;
+    if (c < chunks) {
+      e = ws.entries[c];
+      bytes = align4(payload_bytes(e, chunk_values_of(n, cv, c)));
+    }
+    uint64_t round_total = 0;
+    const uint64_t at = base + block_exclusive_scan<uint64_t>(bytes, scratch64, &round_total);
+    if (c < chunks) {
+      ws.offsets[c] = at;
+      uint8_t* d = out + dir + sizeof(ChunkEntry) * c;
+      store_le<uint32_t>(d, e.mode);
+      store_le<uint32_t>(d + 4, e.num_words);
+      store_le<uint32_t>(d + 8, e.num_raw);
+      store_le<uint32_t>(d + 12, e.checksum);
+    }
+    base += round_total;
   }
   if (t == 0) {
-    const uint64_t size = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks)) + total;
-    ws.offsets[chunks] = size;
-    *out_size = size;
+    ws.offsets[chunks] = base;
+    *out_size = base;
   }
 }
 
@@ -429,18 +444,18 @@ __global__ void pack_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uin
     const uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;
     const uint8_t* states = reinterpret_cast<const uint8_t*>(ws.states + c * kLanes);
     const uint8_t* plain = reinterpret_cast<const uint8_t*>(values + c * cv);
+    // every segment starts at an even payload byte and an even source byte: halfword loads
     for (uint64_t w = threadIdx.x; w < padded / 4; w += blockDim.x) {
       uint32_t word = 0;
-      for (int b = 0; b < 4; ++b) {
-        const uint64_t k = 4 * w + b;
-        uint32_t byte = 0;
-        if (k < used) {
-          if (e.mode == kModeRaw) byte = plain[k];
-          else if (k < words_at) byte = states[k];
-          else if (k < raw_at) byte = words[k - words_at];
-          else byte = raw[k - raw_at];
-        }
-        word |= byte << (8 * b);
+      for (int half = 0; half < 2; ++half) {
+        const uint64_t k = 4 * w + 2 * half;
+        if (k >= used) break;
+        const uint8_t* src = e.mode == kModeRaw ? plain + k
+                             : k < words_at   ? states + k
+                             : k < raw_at     ? words + (k - words_at)
+                                              : raw + (k - raw_at);
+        const uint32_t pair = k + 1 < used ? uint32_t(*reinterpret_cast<const uint16_t*>(src)) : uint32_t(*src);
+        word |= pair << (16 * half);
       }
       if (out_aligned) reinterpret_cast<uint32_t*>(q)[w] = word;
       else store_le<uint32_t>(q + 4 * w, word);
@@ -477,11 +492,9 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   __shared__ uint32_t freq[kNumSymbols], start[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
-  __shared__ unsigned long long first_bad_chunk;
   const int t = threadIdx.x;
   if (t == 0) {
     *ws.first_error = kNoError;
-    first_bad_chunk = kNoError;
     st = parse_header_fields(blob, size, h);
   }
   __syncthreads();
@@ -534,33 +547,31 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   const uint32_t s0 = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &ftotal);
   if (t < kNumSymbols - 1) start[t] = s0;
   if (t == 0) start[kNumSymbols - 1] = ftotal;
-  // the directory: the first chunk (in order) whose entry fails check_entry, else the size
+  // the directory (any entry failing check_entry: kErrDirectory, as the host's first failure),
+  // then the size; offsets by rounds of 1024 chunks (thread t: chunk r * 1024 + t, coalesced)
   const uint64_t chunks = h.num_chunks;
-  const uint64_t per = (chunks + kMetaThreads - 1) / kMetaThreads;
-  const uint64_t lo = t * per < chunks ? t * per : chunks, hi = lo + per < chunks ? lo + per : chunks;
-  uint64_t sum = 0;
-  for (uint64_t c = lo; c < hi; ++c) {
-    const ChunkEntry e = read_entry(blob, h, c);
-    const uint32_t cn = chunk_count(h, c);
-    if (check_entry(h, e, cn) != kOk) {
-      atomicMin(&first_bad_chunk, static_cast<unsigned long long>(c));
-      break;
+  int dir_bad = 0;
+  uint64_t base = h.data_offset;
+  for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
+    const uint64_t c = r + t;
+    uint64_t bytes = 0;
+    if (c < chunks) {
+      const ChunkEntry e = read_entry(blob, h, c);
+      const uint32_t cn = chunk_count(h, c);
+      if (check_entry(h, e, cn) != kOk) dir_bad = 1;
+      else bytes = align4(payload_bytes(e, cn));
     }
-    sum += align4(payload_bytes(e, cn));
+    uint64_t round_total = 0;
+    const uint64_t at = base + block_exclusive_scan<uint64_t>(bytes, scratch64, &round_total);
+    if (c < chunks) ws.offsets[c] = at;
+    base += round_total;
   }
-  uint64_t total = 0;
-  uint64_t off = h.data_offset + block_exclusive_scan<uint64_t>(sum, scratch64, &total);
-  __syncthreads();  // first_bad_chunk
-  if (first_bad_chunk != kNoError) {
+  if (__syncthreads_or(dir_bad)) {
     if (t == 0) *status = kErrDirectory;
     return;
   }
-  for (uint64_t c = lo; c < hi; ++c) {
-    ws.offsets[c] = off;
-    off += align4(payload_bytes(read_entry(blob, h, c), chunk_count(h, c)));
-  }
-  if (t == 0) ws.offsets[chunks] = h.data_offset + total;
-  if (h.data_offset + total != size) {
+  if (t == 0) ws.offsets[chunks] = base;
+  if (base != size) {
     if (t == 0) *status = kErrSize;
     return;
   }
@@ -596,117 +607,79 @@ __device__ int decode_raw_warp(const uint8_t* payload, const ChunkEntry& e, uint
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
-// Stages the bytes [0, avail) of a stream at `base` (4-byte aligned when `aligned`) through a
-// shared ring of kRingBytes, kUnitBytes at a time, the next unit always in flight in registers.
-// Bytes at or past `avail` read as 0 and are never loaded. Every lane calls every method.
-struct Stager {
-  const uint8_t* base;
-  uint64_t avail;
-  uint32_t* ring;   // [kRingBytes / 4]
-  bool aligned;
-  uint64_t staged;  // bytes [0, staged) have been in the ring (the last kRingBytes still are)
-  uint64_t fetched;
-  uint32_t pre[4];
-
-  __device__ void fetch(int lane) {
-    for (int k = 0; k < 4; ++k) {
-      const uint64_t off = fetched + 4ull * (lane + kLanes * k);
-      uint32_t w = 0;
-      if (off + 4 <= avail) {
-        w = aligned ? *reinterpret_cast<const uint32_t*>(base + off) : load_le<uint32_t>(base + off);
-      } else {
-        for (uint64_t b = off; b < avail && b < off + 4; ++b) w |= uint32_t(base[b]) << (8 * (b - off));
-      }
-      pre[k] = w;
-    }
-    fetched += kUnitBytes;
-  }
-  __device__ void begin(int lane) {
-    staged = fetched = 0;
-    fetch(lane);
-  }
-  // Makes bytes [0, min(need, avail)) readable; the caller has consumed every byte below
-  // need - (kRingBytes - kUnitBytes).
-  __device__ void ensure(uint64_t need, int lane) {
-    const uint64_t target = need < avail ? need : avail;
-    while (staged < target) {
-      __syncwarp();
-      for (int k = 0; k < 4; ++k) ring[((staged >> 2) + lane + kLanes * k) % (kRingBytes / 4)] = pre[k];
-      staged += kUnitBytes;
-      fetch(lane);
-      __syncwarp();
-    }
-  }
-  __device__ uint32_t byte(uint64_t k) const { return reinterpret_cast<const uint8_t*>(ring)[k % kRingBytes]; }
-};
+// Word w of a chunk's word stream (bytes 2w, 2w + 1 of `words`, 2-byte aligned when Aligned).
+template <bool Aligned>
+__device__ uint32_t load_word(const uint8_t* words, uint32_t w) {
+  if (Aligned) return reinterpret_cast<const uint16_t*>(words)[w];
+  return load_le<uint16_t>(words + 2ull * w);
+}
 
 // A rANS chunk with the checks and statuses of decode_chunk (lane l holds state l; the words and
 // raw fields of a step go to its lanes in lane order, as in the sequential loop). Every read is
-// bounded by the chunk's counts and its padded payload; the same status in every lane.
-__device__ int decode_rans_warp(const uint8_t* payload, uint64_t padded, bool aligned, const ChunkEntry& e,
-                                uint32_t cn, const DecodeTable& table, uint16_t* dst, int lane, uint32_t* word_ring,
-                                uint32_t* raw_ring) {
+// bounded by the chunk's counts; a read that would pass them marks the chunk bad (kErrStream,
+// reported after the loop: the values are undefined then); the same status in every lane.
+template <bool Aligned>
+__device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, const DecodeTable& table,
+                                uint16_t* dst, int lane) {
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
-  Stager words{payload + kStateBytes, padded - kStateBytes, word_ring, aligned};
-  const uint64_t raw_at = kStateBytes + 2ull * e.num_words, raw_base = raw_at & ~uint64_t(3);
-  const uint32_t raw_skip = static_cast<uint32_t>(raw_at - raw_base);
-  Stager raws{payload + raw_base, padded - raw_base, raw_ring, aligned};
-  words.begin(lane);
-  raws.begin(lane);
-  const uint64_t nraw_bytes = raw_bytes(e.num_raw);
+  const uint8_t* words = payload + kStateBytes;
+  const uint8_t* raw = words + 2ull * e.num_words;
+  const uint32_t num_words = e.num_words, num_raw = e.num_raw;
+  const uint32_t nraw_bytes = static_cast<uint32_t>(raw_bytes(num_raw));
+  const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
   uint32_t wpos = 0, rpos = 0, checksum = 0;
+  bool bad = false;
   const uint32_t steps = (cn + kLanes - 1) / kLanes;
+#pragma unroll kDecUnroll
   for (uint32_t t = 0; t < steps; ++t) {
-    words.ensure(2ull * (wpos + kLanes), lane);
-    raws.ensure(raw_skip + raw_bytes(uint64_t(rpos) + kLanes) + 1, lane);
     const uint32_t i = t * kLanes + lane;
     const bool valid = i < cn;
-    bool bad = false;
-    uint32_t y = x;
-    const uint32_t s = dec_step(y, table);
+    const uint32_t slot = x & (kProbScale - 1);
+    const uint32_t entry = table.entry[slot];
+    uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
+    const bool zero = slot - zero_start < zero_freq;
     const bool need = valid && y < kStateLow;
     const unsigned wmask = __ballot_sync(kFull, need);
     if (need) {
       const uint32_t p = wpos + __popc(wmask & below);
-      if (p < e.num_words) y = (y << 16) | (words.byte(2ull * p) | (words.byte(2ull * p + 1) << 8));
+      if (p < num_words) y = (y << 16) | load_word<Aligned>(words, p);
       else bad = true;
     }
     wpos += __popc(wmask);
-    const bool has_raw = valid && s != uint32_t(kZeroSymbol);
+    const bool has_raw = valid && !zero;
     const unsigned rmask = __ballot_sync(kFull, has_raw);
-    uint32_t r = 0;
+    uint32_t v = 0;
     if (has_raw) {
       const uint32_t p = rpos + __popc(rmask & below);
-      if (p < e.num_raw) {  // read_raw_field
-        const uint64_t bit = uint64_t(kRawBits) * p, b = bit >> 3;
-        uint32_t w = raws.byte(raw_skip + b);
-        if (b + 1 < nraw_bytes) w |= raws.byte(raw_skip + b + 1) << 8;
-        r = (w >> (bit & 7)) & kRawMask;
+      if (p < num_raw) {  // read_raw_field
+        const uint32_t bit = kRawBits * p, b = bit >> 3;
+        uint32_t w = raw[b];
+        if (b + 1 < nraw_bytes) w |= uint32_t(raw[b + 1]) << 8;
+        v = (entry_hi10(entry) << kRawBits) | ((w >> (bit & 7)) & kRawMask);  // join_value
       } else {
         bad = true;
       }
     }
     rpos += __popc(rmask);
-    if (__any_sync(kFull, bad)) return kErrStream;
     if (valid) {
       x = y;
-      const uint16_t v = join_value(s, r);
-      dst[i] = v;
-      checksum += checksum_term(v, i);
+      dst[i] = static_cast<uint16_t>(v);
+      checksum += checksum_term(static_cast<uint16_t>(v), i);
     }
   }
+  if (__any_sync(kFull, bad)) return kErrStream;
   // finish_chunk's checks, in its order
-  if (wpos != e.num_words || rpos != e.num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
+  if (wpos != num_words || rpos != num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
   if (!raw_tail_zero(payload, e)) return kErrPadding;
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
-__global__ void __launch_bounds__(kBlockThreads) decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws,
-                                                              const int* status) {
+template <bool Aligned>
+__global__ void __launch_bounds__(32 * kDecWarps) decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws,
+                                                               const int* status) {
   __shared__ DecodeTable table;
-  __shared__ uint32_t rings[kWarpsPerBlock][2][kRingBytes / 4];
   __shared__ int valid_blob;
   if (threadIdx.x == 0) valid_blob = *status == kOk;  // one read, so the whole block agrees
   __syncthreads();
@@ -720,9 +693,7 @@ __global__ void __launch_bounds__(kBlockThreads) decode_kernel(const uint8_t* bl
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const bool aligned = (reinterpret_cast<uintptr_t>(blob) & 3) == 0;  // payload offsets are multiples of 4
-  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < h.num_chunks;
-       c += uint64_t(gridDim.x) * kWarpsPerBlock) {
+  for (uint64_t c = blockIdx.x * uint64_t(kDecWarps) + warp; c < h.num_chunks; c += uint64_t(gridDim.x) * kDecWarps) {
     const uint32_t cn = chunk_count(h, c);
     const ChunkEntry e = read_entry(blob, h, c);
     const uint8_t* payload = blob + ws.offsets[c];
@@ -733,8 +704,7 @@ __global__ void __launch_bounds__(kBlockThreads) decode_kernel(const uint8_t* bl
     int st = kErrPadding;
     if (!__any_sync(kFull, bad))
       st = e.mode == kModeRaw ? decode_raw_warp(payload, e, cn, dst, lane)
-                              : decode_rans_warp(payload, padded, aligned, e, cn, table, dst, lane, rings[warp][0],
-                                                 rings[warp][1]);
+                              : decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane);
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }
 }
@@ -816,7 +786,15 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
   DecWs ws;
   carve_dec(max_chunks, static_cast<char*>(workspace), &ws);
   validate_kernel<<<1, kMetaThreads, 0, stream>>>(blob, blob_bytes, num_values, max_chunks, ws, status);
-  if (max_chunks > 0) decode_kernel<<<grid_for(max_chunks), kBlockThreads, 0, stream>>>(blob, out, ws, status);
+  if (max_chunks > 0) {
+    const uint64_t blocks = (max_chunks + kDecWarps - 1) / kDecWarps;
+    const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
+    // payload offsets are multiples of 4: 2-byte word loads when the blob is 2-byte aligned
+    if ((reinterpret_cast<uintptr_t>(blob) & 1) == 0)
+      decode_kernel<true><<<grid, 32 * kDecWarps, 0, stream>>>(blob, out, ws, status);
+    else
+      decode_kernel<false><<<grid, 32 * kDecWarps, 0, stream>>>(blob, out, ws, status);
+  }
   report_kernel<<<1, 1, 0, stream>>>(ws, status);
   return static_cast<int>(cudaGetLastError());
 }

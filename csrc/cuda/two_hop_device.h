@@ -1,6 +1,6 @@
 // Device helpers shared by the two-hop dispatch and combine kernels (internode_two_hop*.cu):
 // where a rank's buffer is (one PE per rank, or virtual ranks of one PE: see two_hop_launch.h),
-// row copies and the bounded wait on a 64-bit NVSHMEM signal.
+// row copies and the rail put (the bounded wait on a 64-bit signal is device_sync.h's wait_signal).
 #pragma once
 #if defined(__CUDACC__)
 #include "../common/device_sync.h"
@@ -53,6 +53,17 @@ __device__ __forceinline__ void put_rows_with_signal(const TwoHopCommon& c, uint
     nvshmemx_signal_op(signal, c.round_value, NVSHMEM_SIGNAL_SET, pe_of(c, rank));
   }
 }
+
+// Host: the bounded barrier that ends a two-hop call (stage reuse), over every rank's PE (one PE
+// per rank) or this PE alone (virtual ranks: a job of one PE, checked by the binding), on the
+// layout's barrier words of the first rank buffer (launch_bounded_barrier, internode.cu). A PE
+// that never comes makes it record kInternodeBarrier in `record` instead of hanging the stream.
+inline void two_hop_end_barrier(const TwoHopCommon& c, int32_t* record, cudaStream_t s) {
+  const TwoHopLayout l = make_two_hop_layout(NodeShape{c.num_ranks, c.ranks_per_node}, c.rail_rows,
+                                             c.node_rows, c.row_bytes);
+  launch_bounded_barrier(reinterpret_cast<uint64_t*>(c.symmetric_base + l.barrier),
+                         c.rank_stride > 0 ? 1 : c.num_ranks, c.my_pe, c.round_value, c.timeout_ns, record, s);
+}
 #endif
 
 // Cooperative copy of a 16-byte-multiple row by `width` threads starting at `lane`.
@@ -61,25 +72,6 @@ __device__ __forceinline__ void copy_row(uint8_t* dst, const uint8_t* src, int64
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
   for (int64_t i = lane; i < bytes / 16; i += width) d[i] = s[i];
-}
-
-// Spins until the 64-bit signal reaches `value`; false (recorded) on timeout or failure elsewhere.
-__device__ __forceinline__ bool wait_signal(const WaitCtx& w, const unsigned long long* signal,
-                                            unsigned long long value, int peer, int phase,
-                                            int detail) {
-  unsigned long long start = 0;
-  for (unsigned iter = 0;; ++iter) {
-    if (ld_acquire_sys_u64(signal) >= value) return true;
-    if ((iter & 255u) == 0) {
-      const unsigned long long now = global_timer_ns();
-      if (start == 0) start = now;
-      if (failed(w)) return false;
-      if (now - start > w.timeout_ns) {
-        record_failure(w, kTimedOut, peer, phase, now - start, detail);
-        return false;
-      }
-    }
-  }
 }
 
 }  // namespace ep_comm::cuda

@@ -135,6 +135,16 @@ void* nvshmem_alloc(int64_t bytes);
 void nvshmem_release(void* ptr);
 void* nvshmem_peer_ptr(void* ptr, int pe);
 void nvshmem_barrier_on_stream(void* stream);
+// A barrier of all `num_pes` PEs on `stream` that gives up after `timeout_ns` (recording
+// kInternodeBarrier and the missing PE in `record`, which the caller checks after the stream
+// synchronises) instead of hanging as nvshmemx_barrier_all_on_stream does when a PE never comes.
+// `words` is a symmetric, zero-initialised uint64[num_pes] used by nothing else; `value` must
+// grow from one barrier on `words` to the next and be the same on every PE. Completes this PE's
+// earlier NVSHMEM puts first (nvshmem_quiet), as nvshmem_barrier_all does. If an earlier wait of
+// the launch already failed (record status set), it still tells the peers it arrived but does
+// not wait for them.
+void launch_bounded_barrier(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
+                            unsigned long long timeout_ns, int32_t* record, void* stream);
 // One round of a byte all-to-all through the symmetric exchange buffer: sends
 // send[send_offsets[r], +send_bytes[r]) to every PE r (send_bytes[r] <= slot_bytes), waits for
 // every source's bytes, copies source s's bytes to recv + recv_offsets[s]. Offsets/sizes are

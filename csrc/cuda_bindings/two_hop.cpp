@@ -55,6 +55,11 @@ TwoHopCommon common_args(const py::dict& d) {
 }
 
 void check_rank_list(const TwoHopCommon& c, size_t n) {
+  // the closing barrier's PEs (two_hop_end_barrier): every rank's PE, or this PE alone
+  if (c.rank_stride == 0 && (c.my_pe < 0 || c.my_pe >= c.num_ranks))
+    throw std::invalid_argument("one PE per rank: my_pe must be in [0, num_ranks)");
+  if (c.rank_stride > 0 && c.my_pe != 0)
+    throw std::invalid_argument("virtual ranks run on a job of one PE (my_pe 0)");
   if (n == 0 || n > static_cast<size_t>(kMaxRanks))
     throw std::invalid_argument("between 1 and " + std::to_string(kMaxRanks) + " ranks per launch");
   if (c.rank_stride == 0 && n != 1)

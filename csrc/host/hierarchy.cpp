@@ -107,6 +107,7 @@ void register_hierarchy(py::module_& m) {
     d["node_flag"] = l.node_flag;
     d["rail_stage"] = l.rail_stage;
     d["node_stage"] = l.node_stage;
+    d["barrier"] = l.barrier;
     d["total_bytes"] = l.total_bytes;
     d["rail_rows"] = l.rail_rows;
     d["node_rows"] = l.node_rows;

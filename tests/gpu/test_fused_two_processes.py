@@ -9,21 +9,28 @@ it cannot initialise them, the Buffer test skips with that reason after trying.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _procs import free_port
+from _procs import arm_stack_dumps, disarm_stack_dumps, free_port, stack_summary, stop_processes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 WORLD = 2
+# pytest-timeout gives a test 100 s (bench/gpu_check.sh); these fire first so the parent can
+# collect the children's stacks and say how far each got
 INIT_LIMIT_S = 45.0  # NVSHMEM initialisation of two PEs on one GPU: longer means it hung
-CASE_LIMIT_S = 100.0
+CASE_LIMIT_S = 75.0
+DUMP_AFTER_S = CASE_LIMIT_S - 5.0  # a child's own stack dump, should the parent be interrupted first
+GLOO_LIMIT_S = 30.0  # torch.distributed collectives give up instead of waiting 30 min for a hung peer
 
 
 def _report(line: str) -> None:
@@ -33,40 +40,74 @@ def _report(line: str) -> None:
             f.write(line + "\n")
 
 
-def _entry(rank: int, case, port: int, results) -> None:
+def _entry(rank: int, case, port: int, results, trace_dir: str) -> None:
+    dumps = arm_stack_dumps(rank, trace_dir, DUMP_AFTER_S)
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=GLOO_LIMIT_S))
     try:
         results[rank] = case(rank, results)
     except Exception as error:  # noqa: BLE001 - reported to the parent
         results[rank] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     finally:
         dist.destroy_process_group()
+        disarm_stack_dumps(dumps)
 
 
 def _spawn(case) -> tuple[list[str], dict]:
     """Runs ``case(rank, shared)`` on two processes; kills them at the limits. Returns the
-    results and the shared dict (``"{rank}/stage"`` entries say how far each got)."""
+    results and the shared dict (``"{rank}/stage"`` entries say how far each got). A killed rank's
+    result names its stage and carries its Python stacks. The children and the manager always end
+    with the test, also when pytest-timeout interrupts it (then the stacks go to the report)."""
     manager = mp.Manager()
+    trace_dir = tempfile.mkdtemp(prefix="ep_comm_stacks_")
+    context = None
     results = manager.dict()
-    context = mp.start_processes(_entry, args=(case, free_port(), results), nprocs=WORLD,
-                                 start_method="spawn", join=False)
-    started = time.monotonic()
+    outcome: list[str] | None = None
+    waited, interrupted = 0.0, True
     try:
-        while not context.join(timeout=1.0):
-            waited = time.monotonic() - started
-            in_init = any(results.get(f"{r}/stage") == "nvshmem-init" for r in range(WORLD))
-            if waited > CASE_LIMIT_S or (in_init and waited > INIT_LIMIT_S):
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                stage = {r: results.get(f"{r}/stage", "start") for r in range(WORLD)}
-                return [results.get(r, f"killed after {waited:.0f} s at stage {stage[r]}")
-                        for r in range(WORLD)], dict(results)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        return [results.get(r, f"process error: {str(error).splitlines()[-1]}") for r in range(WORLD)], \
-            dict(results)
-    return [results.get(r, "no result") for r in range(WORLD)], dict(results)
+        context = mp.start_processes(_entry, args=(case, free_port(), results, trace_dir), nprocs=WORLD,
+                                     start_method="spawn", join=False)
+        started = time.monotonic()
+        try:
+            while not context.join(timeout=1.0):
+                waited = time.monotonic() - started
+                in_init = any(results.get(f"{r}/stage") == "nvshmem-init" for r in range(WORLD))
+                if waited > CASE_LIMIT_S or (in_init and waited > INIT_LIMIT_S):
+                    break
+            else:
+                outcome = [results.get(r, "no result") for r in range(WORLD)]
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            outcome = [results.get(r, f"process error: {str(error).splitlines()[-1]}") for r in range(WORLD)]
+        interrupted = False
+    finally:
+        killed = stop_processes(context.processes, trace_dir) if context is not None else {}
+        try:
+            shared = dict(results)
+        except Exception:  # noqa: BLE001 - the manager connection broke with the interruption
+            shared = {}
+        manager.shutdown()
+        stacks = {r: stack_summary(trace_dir, r, start) for r, start in killed.items()}
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        if interrupted:
+            for r in killed:
+                _report(f"{case.__name__} interrupted: rank {r} {_killed(r, waited, shared, stacks[r])}")
+    if outcome is None:  # killed at a limit
+        outcome = [shared.get(r, _killed(r, waited, shared, stacks.get(r, ""))) for r in range(WORLD)]
+    return outcome, shared
+
+
+def _killed(rank: int, waited: float, shared: dict, stacks: str) -> str:
+    """The result of a rank killed at a limit: its last stage and, when it wrote them, its stacks."""
+    why = f"killed after {waited:.0f} s at stage {shared.get(f'{rank}/stage', 'start')}"
+    return why + (f"\n--- rank {rank} stacks (innermost first) ---\n{stacks}" if stacks else "")
+
+
+def stage_marker(shared, rank: int):
+    """``mark(what)`` records ``what`` as rank ``rank``'s ``"{rank}/stage"``."""
+    def mark(what: str) -> None:
+        shared[f"{rank}/stage"] = what
+    return mark
 
 
 # -- intranode engine over CUDA IPC (no NVSHMEM involved) -----------------------------------------

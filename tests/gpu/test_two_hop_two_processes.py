@@ -13,7 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_fused_two_processes import WORLD, _compare, _inputs, _report, _spawn, skip_unless_nvshmem_started
+from test_fused_two_processes import (
+    WORLD,
+    _compare,
+    _inputs,
+    _report,
+    _spawn,
+    skip_unless_nvshmem_started,
+    stage_marker,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -23,13 +31,15 @@ def _two_hop_case(rank: int, shared) -> str:
     import ep_comm
 
     group = dist.group.WORLD
-    shared[f"{rank}/stage"] = "nvshmem-init"
+    mark = stage_marker(shared, rank)  # how far this rank got, should it hang
+    mark("nvshmem-init")
     try:
         fast = ep_comm.Buffer(group, backend="nvshmem", ranks_per_node=1, timeout_s=5.0)
     except Exception as error:  # noqa: BLE001 - NVSHMEM could not start two PEs on this GPU
         return f"nvshmem-init-failed: {type(error).__name__}: {error}"
-    shared[f"{rank}/stage"] = "running"
+    mark("nvshmem buffer made")
     ref = ep_comm.Buffer(group, backend="torch")
+    mark("torch buffer made")
     problems: list[str] = []
     if not fast.two_hop_plan.enabled:
         return f"two-hop plan disabled: {fast.two_hop_plan.reason}"
@@ -38,9 +48,11 @@ def _two_hop_case(rank: int, shared) -> str:
     # round 2 reuses the engine; round 3 has no tokens on rank 1; round 4 needs a bigger engine
     for round_, n in enumerate((61 + 30 * rank, 61 + 30 * rank, 40 if rank == 0 else 0, 150 + rank)):
         x, topk, w = _inputs(rank + 10 * round_, e, k, hidden, n)
+        mark(f"round {round_}: two-hop dispatch of {n} tokens")
         a = fast.dispatch(x.cuda(), topk_idx=topk.cuda(), topk_weights=w.cuda(), num_tokens_per_expert=per_expert)
         if fast.last_stats.extra.get("two_hop_kernels") != 1.0:
             problems.append(f"round {round_}: dispatch did not run the two-hop kernels")
+        mark(f"round {round_}: torch dispatch")
         b = ref.dispatch(x, topk_idx=topk, topk_weights=w, num_tokens_per_expert=per_expert)
         for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
             _compare(problems, f"round {round_} {name}", a[i], b[i])
@@ -49,25 +61,30 @@ def _two_hop_case(rank: int, shared) -> str:
         if not torch.equal(a[4].recv_src_token_index.cpu(), b[4].recv_src_token_index.cpu()):
             problems.append(f"round {round_} recv_src_token_index differs")
         y = (a[0].float() * (rank + 1.5)).bfloat16()
+        mark(f"round {round_}: two-hop combine of {y.shape[0]} rows")
         ca, wa, _ = fast.combine(y, a[4], topk_weights=a[2])
         if fast.last_stats.extra.get("two_hop_kernels") != 1.0:
             problems.append(f"round {round_}: combine did not run the two-hop kernels")
+        mark(f"round {round_}: torch combine")
         cb, wb, _ = ref.combine(y.cpu(), b[4], topk_weights=b[2])
         _compare(problems, f"round {round_} combined_x", ca, cb, exact=False)
         _compare(problems, f"round {round_} combined_topk_weights", wa, wb, exact=False)
     # not supported by the kernels: hierarchical.py over the torch subgroups, same results
     x, topk, w = _inputs(rank, e, k, hidden, 33)
+    mark("lossless dispatch (hierarchical.py)")
     a = fast.dispatch(x.cuda(), topk_idx=topk.cuda(), topk_weights=w.cuda(), num_tokens_per_expert=per_expert,
                       codec="lossless")
     if fast.last_stats.extra.get("two_hop_kernels"):
         problems.append("a lossless dispatch ran the two-hop kernels")
     b = ref.dispatch(x, topk_idx=topk, topk_weights=w, num_tokens_per_expert=per_expert)
     _compare(problems, "lossless recv_x", a[0], b[0])
+    mark("cached dispatch")
     cached = fast.dispatch(x.cuda(), handle=a[4])[0]
     _compare(problems, "cached dispatch", cached, b[0])
 
     # a peer that never calls: the plan exchange gives up and names it
     if rank == 0:
+        mark("missing peer: rank 0 dispatches alone")
         try:
             fast.dispatch(x.cuda(), topk_idx=topk.cuda(), topk_weights=w.cuda(), num_tokens_per_expert=per_expert)
             problems.append("no CommTimeoutError when rank 1 stayed away")
@@ -75,7 +92,9 @@ def _two_hop_case(rank: int, shared) -> str:
             if error.peers != [1]:
                 problems.append(f"timeout named peers {error.peers}, phase {error.phase!r}")
             _report(f"two-hop timeout, rank 0 alone: peers {error.peers}, phase {error.phase!r}")
+    mark("final barrier")
     dist.barrier()
+    mark("done")
     return "ok" if not problems else "; ".join(problems)
 
 

@@ -136,9 +136,10 @@ def _worker(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str]:
-    """Runs every case in one spawned process (one NVSHMEM init); a hang is killed after 90 s."""
+    """Runs every case in one spawned process (one NVSHMEM init); a hang is killed after 80 s,
+    before pytest-timeout's 100 s, with its stacks in the outcome."""
     results = mp.Manager().dict()
-    why = run_with_deadline(_worker, (free_port(), results), 1, 90.0)
+    why = run_with_deadline(_worker, (free_port(), results), 1, 80.0)
     outcome = dict(results)
     if why is not None:
         outcome["process"] = why
