@@ -41,15 +41,17 @@ constexpr uint32_t kFieldRing = 512;   // raw fields staged per warp before pack
 #ifndef EP_LOSSLESS_DEC_UNROLL
 #define EP_LOSSLESS_DEC_UNROLL 1
 #endif
-// 1: the per-chunk kernels are built for 64 resident warps per SM (registers capped by
-// __launch_bounds__, shared memory preferred over L1): one chunk per warp leaves occupancy as
-// the lever (ncu on an H200: ~24% achieved occupancy, ~11 cycles per issued instruction).
+// 1: the decoder is built for 64 resident warps per SM (registers capped at 32 by
+// __launch_bounds__, shared memory preferred over L1). One chunk per warp leaves occupancy as the
+// lever (ncu on an H200, 256 MB: ~24% achieved occupancy, ~12 cycles per issued instruction);
+// measured on an H200 (1 GiB, 64K-value chunks): decode 2.61 ms with it, 2.76 ms without. The
+// encoder's split/rans kernels were slower with the same cap (0.96 / 1.49 ms against 0.83 /
+// 1.29 ms), so they keep the compiler's register allocation.
 #ifndef EP_LOSSLESS_FULL_OCCUPANCY
 #define EP_LOSSLESS_FULL_OCCUPANCY 1
 #endif
 constexpr int kDecWarps = EP_LOSSLESS_DEC_WARPS;    // decoder warps per block (one chunk each)
 constexpr int kDecUnroll = EP_LOSSLESS_DEC_UNROLL;  // decoder steps unrolled
-constexpr int kMinBlocks = EP_LOSSLESS_FULL_OCCUPANCY ? 2048 / kBlockThreads : 1;     // split, rans
 #ifndef EP_LOSSLESS_DEC_MIN_BLOCKS
 #define EP_LOSSLESS_DEC_MIN_BLOCKS (EP_LOSSLESS_FULL_OCCUPANCY ? 64 / EP_LOSSLESS_DEC_WARPS : 1)
 #endif
@@ -177,7 +179,7 @@ __device__ void store_tile(uint16_t* sh, const Tile8& t, int lane) {
 
 // ---- encode ----
 // One warp per chunk: checksum and raw fields (split_chunk's stream), and the histogram.
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocks) split_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
+__global__ void __launch_bounds__(kBlockThreads) split_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
                                                              uint64_t chunks, bool aligned, EncWs ws) {
   __shared__ unsigned int hist[kNumSymbols];
   __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
@@ -307,7 +309,7 @@ struct SharedSym {
 };
 
 // One warp per chunk; lane l owns values i with i % 32 == l, as in the core (rans_encode_chunk).
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocks) rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
+__global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
                                                             uint64_t chunks, bool aligned, EncWs ws) {
   __shared__ SharedSym syms[kNumSymbols];
   __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
@@ -448,28 +450,22 @@ __global__ void pack_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uin
     const uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;
     const uint8_t* states = reinterpret_cast<const uint8_t*>(ws.states + c * kLanes);
     const uint8_t* plain = reinterpret_cast<const uint8_t*>(values + c * cv);
-    // every segment starts at an even payload byte and an even source byte: halfword loads;
-    // a thread gathers 4 consecutive words (16 bytes) before storing them
-    const uint64_t num_words = padded / 4;
-    for (uint64_t w0 = 4ull * threadIdx.x; w0 < num_words; w0 += 4ull * blockDim.x) {
-      uint32_t word[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int h = 0; h < 8; ++h) {
-        const uint64_t k = 4 * w0 + 2 * h;
+    // every segment starts at an even payload byte and an even source byte: halfword loads (one
+    // 4-byte word per thread step; 4 words per thread was measured slower on an H200)
+    for (uint64_t w = threadIdx.x; w < padded / 4; w += blockDim.x) {
+      uint32_t word = 0;
+      for (int half = 0; half < 2; ++half) {
+        const uint64_t k = 4 * w + 2 * half;
         if (k >= used) break;
         const uint8_t* src = e.mode == kModeRaw ? plain + k
                              : k < words_at   ? states + k
                              : k < raw_at     ? words + (k - words_at)
                                               : raw + (k - raw_at);
         const uint32_t pair = k + 1 < used ? uint32_t(*reinterpret_cast<const uint16_t*>(src)) : uint32_t(*src);
-        word[h / 2] |= pair << (16 * (h % 2));
+        word |= pair << (16 * half);
       }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (w0 + j >= num_words) break;
-        if (out_aligned) reinterpret_cast<uint32_t*>(q)[w0 + j] = word[j];
-        else store_le<uint32_t>(q + 4 * (w0 + j), word[j]);
-      }
+      if (out_aligned) reinterpret_cast<uint32_t*>(q)[w] = word;
+      else store_le<uint32_t>(q + 4 * w, word);
     }
   }
 }
@@ -765,10 +761,6 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   carve(chunks, chunk_values, static_cast<char*>(workspace), &ws);
   // chunk starts are 64-byte multiples (chunk_values % 32 == 0): 16-byte loads when the base is aligned
   const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
-  if (EP_LOSSLESS_FULL_OCCUPANCY) {
-    cudaFuncSetAttribute(split_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    cudaFuncSetAttribute(rans_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  }
   cudaMemsetAsync(ws.counts, 0, 8 * kNumSymbols, stream);
   if (chunks > 0)
     split_kernel<<<grid_for(chunks), kBlockThreads, 0, stream>>>(values, num_values, chunk_values, chunks, aligned,
