@@ -165,33 +165,42 @@ EP_HD uint32_t read_raw_field(const uint8_t* raw, uint64_t bytes, uint64_t k) {
 }
 
 // ---- frequency table ----
-// Scales `counts[257]` (total > 0) to `freq[257]` summing to kProbScale, every seen symbol >= 1.
+// One symbol's frequency before the corrections: its count scaled to kProbScale, at least 1 when seen.
+EP_HD uint32_t scaled_frequency(uint64_t count, uint64_t total) {
+  if (count == 0) return 0;
+  const uint64_t scaled = (count * kProbScale + total / 2) / total;
+  return scaled == 0 ? 1u : static_cast<uint32_t>(scaled);
+}
+
+// One correction of normalize_counts on the most frequent symbol's frequency `f`: takes all of a
+// positive `diff` (what the frequencies lack of kProbScale), or as much of a negative one as keeps
+// f >= 1. Updates both.
+EP_HD void correct_frequency(uint32_t& f, int64_t& diff) {
+  if (diff > 0) {
+    f += static_cast<uint32_t>(diff);
+    diff = 0;
+  } else {
+    int64_t take = int64_t(f) - 1;
+    if (take > -diff) take = -diff;
+    f -= static_cast<uint32_t>(take);
+    diff += take;
+  }
+}
+
+// Scales `counts[1025]` (total > 0) to `freq[1025]` summing to kProbScale, every seen symbol >= 1.
 // Deterministic, so host and device builds produce the same table.
 EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* freq) {
   int64_t sum = 0;
   for (int s = 0; s < kNumSymbols; ++s) {
-    uint32_t f = 0;
-    if (counts[s] != 0) {
-      uint64_t scaled = (counts[s] * kProbScale + total / 2) / total;
-      f = scaled == 0 ? 1u : static_cast<uint32_t>(scaled);
-    }
-    freq[s] = f;
-    sum += f;
+    freq[s] = scaled_frequency(counts[s], total);
+    sum += freq[s];
   }
   int64_t diff = int64_t(kProbScale) - sum;
-  while (diff != 0) {
+  while (diff != 0) {  // the most frequent symbol, the lowest index on ties
     int best = 0;
     for (int s = 1; s < kNumSymbols; ++s)
       if (freq[s] > freq[best]) best = s;
-    if (diff > 0) {
-      freq[best] += static_cast<uint32_t>(diff);
-      diff = 0;
-    } else {
-      int64_t take = int64_t(freq[best]) - 1;
-      if (take > -diff) take = -diff;
-      freq[best] -= static_cast<uint32_t>(take);
-      diff += take;
-    }
+    correct_frequency(freq[best], diff);
   }
 }
 
@@ -311,6 +320,20 @@ EP_HD uint64_t directory_offset_for(uint32_t ndim, uint32_t entries) {
 }
 EP_HD uint64_t data_offset_for(uint32_t ndim, uint32_t entries, uint32_t chunks) {
   return directory_offset_for(ndim, entries) + sizeof(ChunkEntry) * uint64_t(chunks);
+}
+
+// The fixed header fields: magic, version, ndim, table entries, chunk size, chunk count, value
+// count, and the zero word after the metadata checksum (the checksum itself comes last).
+EP_HD void store_header(uint8_t* o, uint32_t ndim, uint32_t entries, uint32_t chunk_values, uint32_t chunks,
+                        uint64_t num_values) {
+  store_le<uint32_t>(o, kMagic);
+  o[4] = static_cast<uint8_t>(kVersion);
+  o[5] = static_cast<uint8_t>(ndim);
+  store_le<uint16_t>(o + 6, static_cast<uint16_t>(entries));
+  store_le<uint32_t>(o + 8, chunk_values);
+  store_le<uint32_t>(o + 12, chunks);
+  store_le<uint64_t>(o + 16, num_values);
+  store_le<uint32_t>(o + kMetaChecksumOffset + 4, 0u);
 }
 
 // Checksum of the header, shape and table (bytes [0, end) but the checksum field itself).

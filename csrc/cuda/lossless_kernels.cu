@@ -261,14 +261,8 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
   const int t = threadIdx.x;
   uint32_t mine = 0;
   for (int s = t; s < kNumSymbols; s += kMetaThreads) {
-    uint32_t f = 0;
-    const uint64_t count = ws.counts[s];
-    if (count != 0 && n > 0) {
-      const uint64_t scaled = (count * kProbScale + n / 2) / n;
-      f = scaled == 0 ? 1u : static_cast<uint32_t>(scaled);
-    }
-    freq[s] = f;
-    mine += f;
+    freq[s] = n > 0 ? scaled_frequency(ws.counts[s], n) : 0u;
+    mine += freq[s];
   }
   const uint32_t sum = block_sum<uint32_t>(mine, scratch32);
   if (t == 0) diff = n > 0 ? int64_t(kProbScale) - int64_t(sum) : 0;
@@ -280,18 +274,7 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
       key = k > key ? k : key;
     }
     key = block_max<uint32_t>(key, scratch32);
-    if (t == 0) {
-      const int best = 2047 - int(key & 2047u);
-      if (diff > 0) {
-        freq[best] += static_cast<uint32_t>(diff);
-        diff = 0;
-      } else {
-        int64_t take = int64_t(freq[best]) - 1;
-        if (take > -diff) take = -diff;
-        freq[best] -= static_cast<uint32_t>(take);
-        diff += take;
-      }
-    }
+    if (t == 0) correct_frequency(freq[2047 - int(key & 2047u)], diff);
     __syncthreads();
   }
   // cumulative starts: thread t owns symbol t; thread 0 also owns the last symbol (after the scan)
@@ -391,16 +374,7 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
     store_le<uint16_t>(out + table_at + 4ull * seen + 2, static_cast<uint16_t>(f_last));
   }
   for (uint64_t p = table_at + 4ull * entries + t; p < dir; p += kMetaThreads) out[p] = 0;
-  if (t == 0) {
-    store_le<uint32_t>(out, kMagic);
-    out[4] = static_cast<uint8_t>(kVersion);
-    out[5] = static_cast<uint8_t>(ndim);
-    store_le<uint16_t>(out + 6, static_cast<uint16_t>(entries));
-    store_le<uint32_t>(out + 8, cv);
-    store_le<uint32_t>(out + 12, static_cast<uint32_t>(chunks));
-    store_le<uint64_t>(out + 16, n);
-    store_le<uint32_t>(out + kMetaChecksumOffset + 4, 0u);
-  }
+  if (t == 0) store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n);
   if (uint32_t(t) < ndim) store_le<uint64_t>(out + kHeaderBytes + 8ull * t, shape.dims[t]);
   __syncthreads();  // the metadata bytes are written; the checksum reads them
   uint32_t part = 0;

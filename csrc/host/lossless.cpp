@@ -196,13 +196,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     for (uint64_t c = 0; c < num_chunks; ++c)
       offsets[c + 1] = offsets[c] + align4(payload_bytes(chunks[c].entry, chunks[c].n));
     std::memset(o, 0, data_off);
-    store_le<uint32_t>(o, kMagic);
-    o[4] = static_cast<uint8_t>(kVersion);
-    o[5] = static_cast<uint8_t>(ndim);
-    store_le<uint16_t>(o + 6, static_cast<uint16_t>(entries));
-    store_le<uint32_t>(o + 8, cv);
-    store_le<uint32_t>(o + 12, static_cast<uint32_t>(num_chunks));
-    store_le<uint64_t>(o + 16, num_values);
+    store_header(o, ndim, entries, cv, static_cast<uint32_t>(num_chunks), num_values);
     for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(o + kHeaderBytes + 8ull * d, uint64_t(shape[d]));
     uint64_t p = table_offset_for(ndim);
     for (int s = 0; s < kNumSymbols && entries > 0; ++s) {
