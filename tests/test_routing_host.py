@@ -190,9 +190,9 @@ def test_low_latency_layout(hidden: int) -> None:
     payload, _, bf16_bytes = host.routing_ll_row(hidden, False)
     assert bf16_bytes >= payload + 2 * hidden
     assert lay["stage_row_bytes"] == max(row_bytes, bf16_bytes)
-    order = ["dispatch_flag", "combine_flag", "dispatch_stage", "combine_stage", "send_scratch"]
+    order = ["dispatch_flag", "combine_flag", "dispatch_stage", "combine_stage", "send_scratch", "barrier"]
     sizes = [4 * l_max * r, 4 * e, l_max * r * t * lay["stage_row_bytes"], 2 * t * k * hidden,
-             (e + 8 * l_max) * lay["stage_row_bytes"]]
+             (e + 8 * l_max) * lay["stage_row_bytes"], 8 * r]
     for i, name in enumerate(order):
         nxt = lay[order[i + 1]] if i + 1 < len(order) else lay["total_bytes"]
         assert lay[name] % 128 == 0 and lay[name] + sizes[i] <= nxt

@@ -100,8 +100,10 @@ static_assert(sizeof(LLHeader) == kAlign, "LLHeader must fill the header field")
 //   rows  dispatch_stage[L][R][T][row]   LLRow rows, row bytes sized for bf16 (fits fp8 too)
 //   bf16  combine_stage[T][K][H]         the row returned for (token, k)
 //   rows  send_scratch[E + 8 L][row]     per-warp source rows for NVSHMEM puts to non-P2P peers
+//   u64   barrier[R]                     barrier[s]: the last value PE s reached the barrier
+//                                        before a send with (bounded_barrier_kernel)
 struct LowLatencyLayout {
-  int64_t dispatch_flag, combine_flag, dispatch_stage, combine_stage, send_scratch, total_bytes,
+  int64_t dispatch_flag, combine_flag, dispatch_stage, combine_stage, send_scratch, barrier, total_bytes,
       stage_row_bytes;
 };
 EP_HD LowLatencyLayout make_low_latency_layout(int num_ranks, int max_local_experts,
@@ -123,6 +125,8 @@ EP_HD LowLatencyLayout make_low_latency_layout(int num_ranks, int max_local_expe
   at = align_up(at + 2LL * max_tokens * num_topk * hidden, kRegion);
   l.send_scratch = at;
   at = align_up(at + (num_experts + 8LL * max_local_experts) * l.stage_row_bytes, kRegion);
+  l.barrier = at;
+  at = align_up(at + 8LL * num_ranks, kRegion);
   l.total_bytes = at;
   return l;
 }

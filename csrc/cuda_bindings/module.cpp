@@ -267,6 +267,18 @@ PYBIND11_MODULE(_cuda, m) {
     return reinterpret_cast<uintptr_t>(nvshmem_peer_ptr(reinterpret_cast<void*>(p), pe));
   });
   m.def("nvshmem_barrier_on_stream", [](uintptr_t s) { require_nvshmem(); nvshmem_barrier_on_stream(stream_of(s)); });
+  // A barrier over PEs [0, num_pes) with a timeout (csrc/cuda/internode.cu bounded_barrier_kernel):
+  // words = the symmetric u64[num_pes] region, value = this barrier's number (the same on every
+  // PE, growing), record = the caller's TimeoutRecord (a PE that never arrives is recorded there).
+  m.def("launch_bounded_barrier", [](uintptr_t words, int num_pes, int my_pe, unsigned long long value,
+                                     unsigned long long timeout_ns, uintptr_t record, uintptr_t s) {
+    require_nvshmem();
+    if (num_pes < 1 || my_pe < 0 || my_pe >= num_pes)
+      throw std::invalid_argument("launch_bounded_barrier: my_pe must be in [0, num_pes)");
+    launch_bounded_barrier(reinterpret_cast<uint64_t*>(words), num_pes, my_pe, value, timeout_ns,
+                           reinterpret_cast<int32_t*>(record), stream_of(s));
+  }, py::arg("words"), py::arg("num_pes"), py::arg("my_pe"), py::arg("value"), py::arg("timeout_ns"),
+     py::arg("record"), py::arg("stream"));
   m.def("exchange_round", [](const py::dict& d, uintptr_t stream) {
     require_nvshmem();
     launch_exchange_round(ptr<uint8_t>(d, "symmetric"), num<int64_t>(d, "slot_bytes"),

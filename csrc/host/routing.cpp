@@ -157,7 +157,7 @@ void register_routing(py::module_& m) {
     py::dict d;
     d["dispatch_flag"] = l.dispatch_flag; d["combine_flag"] = l.combine_flag;
     d["dispatch_stage"] = l.dispatch_stage; d["combine_stage"] = l.combine_stage;
-    d["send_scratch"] = l.send_scratch; d["total_bytes"] = l.total_bytes; d["stage_row_bytes"] = l.stage_row_bytes;
+    d["send_scratch"] = l.send_scratch; d["barrier"] = l.barrier; d["total_bytes"] = l.total_bytes; d["stage_row_bytes"] = l.stage_row_bytes;
     return d;
   }, py::arg("num_ranks"), py::arg("max_local_experts"), py::arg("num_experts"), py::arg("max_tokens"),
      py::arg("num_topk"), py::arg("hidden"));

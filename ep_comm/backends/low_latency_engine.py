@@ -47,9 +47,11 @@ class LowLatencyEngine:
     the others). Lists passed to the calls hold one entry per rank in ``local_ranks``.
 
     Each call is a send (``start_*``) and a receive (``finish_*``). With a group, every send is
-    preceded by an NVSHMEM barrier on the stream: a rank's next send must not overwrite a peer's
-    staging rows or re-arm its flags while that peer still receives the previous call (two
-    dispatches, or two combines, in a row). Virtual ranks run in stream order and need none.
+    preceded by a barrier over the PEs on the stream: a rank's next send must not overwrite a
+    peer's staging rows or re-arm its flags while that peer still receives the previous call (two
+    dispatches, or two combines, in a row). The barrier is bounded (a peer that never calls is a
+    ``CommTimeoutError`` naming it, and the stream moves on). Virtual ranks run in stream order
+    and need none.
     """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
@@ -67,6 +69,8 @@ class LowLatencyEngine:
         lay = host.routing_low_latency_layout(num_ranks, self.max_local, placement.num_experts,
                                               max_tokens, num_topk, hidden)
         self.buffers = PeerBuffers(lay["total_bytes"], num_ranks, self.device, group, settings)
+        self.barrier_offset = int(lay["barrier"])
+        self.barrier_round = 0  # the same count on every PE: one per send
         self.local_ranks = self.buffers.local_ranks
         self.multi_process = group is not None
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
@@ -90,10 +94,10 @@ class LowLatencyEngine:
             record.check()
 
     def _wait_bounded(self) -> None:
-        """Waits for the stream, but not forever: the NVSHMEM barrier before a send has no
-        timeout of its own, so a peer that never calls would hang the stream. After the
-        kernels' timeout (plus a grace period) this raises ``CommTimeoutError``, naming the peer
-        when a kernel recorded one."""
+        """Waits for the stream, but not forever: the kernels and the barrier before a send
+        record a peer that never comes and return; should the stream still not finish within
+        their timeout plus a grace period, this raises ``CommTimeoutError`` (naming the peer
+        when a kernel recorded one)."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         started = time.monotonic()
@@ -103,17 +107,19 @@ class LowLatencyEngine:
                 for record in self.records:
                     record.check()
                 raise CommTimeoutError(
-                    f"ep_comm low_latency/barrier: rank {self.local_ranks[0]} waited "
-                    f"{time.monotonic() - started:.1f}s at the NVSHMEM barrier before a send; a peer "
-                    "did not call (could not tell which; the GPU stream stays blocked)", peers=[],
-                    phase="low_latency/barrier")
+                    f"ep_comm low_latency/stream: rank {self.local_ranks[0]} waited "
+                    f"{time.monotonic() - started:.1f}s for its stream past the kernels' timeout "
+                    "(could not tell which peer)", peers=[], phase="low_latency/stream")
             time.sleep(0)
 
     def _before_send(self) -> None:
         for rec in self.records:
             rec.reset()
         if self.multi_process:
-            self.cuda.nvshmem_barrier_on_stream(_stream(self.device))
+            self.barrier_round += 1
+            self.cuda.launch_bounded_barrier(self.buffers.symmetric + self.barrier_offset, self.num_ranks,
+                                             self.local_ranks[0], self.barrier_round, self.timeout_ns,
+                                             self.records[0].ptr, _stream(self.device))
 
     def close(self) -> None:
         """Frees the buffers (collective over the PEs with a group)."""
