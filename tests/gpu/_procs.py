@@ -148,7 +148,8 @@ def _size(path: str) -> int:
 
 
 def _signal(process, signum: int) -> None:
+    """Sends ``signum`` to ``process``; one that already exited (or never started) is left alone."""
     try:
         os.kill(process.pid, signum)
     except (ProcessLookupError, TypeError):
-        pass
+        return
