@@ -101,6 +101,31 @@ def test_long_zero_runs_compress():
     assert assert_round_trip(x).numel() < 0.80 * raw
 
 
+def test_short_streams_near_chunk_ends():
+    """Chunks whose word or raw-field streams end early (all +0.0, a few non-zero values, zeros
+    only at the start or end) are decoded by the SIMD decoder from padded stream tails: same
+    values as the portable core, and every corruption of such a blob is still rejected."""
+    g = torch.Generator().manual_seed(3)
+    cv = 1024
+    dense = torch.randn(cv, generator=g).bfloat16()
+    parts = [torch.zeros(cv), dense, torch.zeros(cv), torch.cat([dense[: cv // 2], torch.zeros(cv // 2)]),
+             torch.cat([torch.zeros(cv - 40), dense[:40]]), torch.zeros(cv), dense.flip(0)]
+    one = torch.zeros(cv)
+    one[700] = 3.0
+    parts.append(one)
+    x = torch.cat([p.bfloat16() for p in parts])
+    blob = assert_round_trip(x, chunk_values=cv)
+    # a smaller blob of the same kinds of chunks: every single-byte flip raises in both decoders
+    small = torch.cat([torch.zeros(64), dense[:64], torch.zeros(32), dense[:8], torch.zeros(56)]).bfloat16()
+    blob = assert_round_trip(small, chunk_values=64)
+    for pos in range(blob.numel()):
+        bad = blob.clone()
+        bad[pos] ^= 0x41
+        for simd in (True, False):
+            with pytest.raises(ValueError):
+                lossless.decode(bad, simd=simd)
+
+
 def test_normal_data_compresses():
     x = (torch.randn(64, 7168, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     blob = assert_round_trip(x)

@@ -58,10 +58,28 @@ __attribute__((target("avx2"))) inline uint32_t chunk_checksum_avx2(const uint16
   return sum;
 }
 
-// Same result as decode_chunk. A SIMD step of 8 lanes reads 8 words at wpos and 8 bytes of raw
-// fields at the byte holding field rpos; it runs only while all 4 steps of a 32-lane step stay
-// inside both streams.
-// kHasZero = false (the blob holds no +0.0, as most activation and weight blobs) drops the zero
+// Zero-padded copy of the last bytes of a stream, so that SIMD steps near its end read in bounds.
+// Covers stream bytes [first, first + kBytes): the stream's last min(size, kBytes / 2) bytes, then
+// zeros. SIMD steps read from it once a stream has fewer than kBytes / 2 bytes left.
+struct StreamTail {
+  static constexpr uint32_t kBytes = 128;
+  alignas(16) uint8_t bytes[kBytes];
+  uint64_t first;
+  StreamTail(const uint8_t* stream, uint64_t size) {
+    const uint64_t keep = size < kBytes / 2 ? size : kBytes / 2;
+    first = size - keep;
+    memset(bytes, 0, kBytes);
+    if (keep > 0) memcpy(bytes, stream + first, keep);
+  }
+};
+
+// Same result as decode_chunk. A SIMD step (32 values: 4 x 8 lanes) reads, per 8 lanes, 16 bytes
+// of words at word wpos and 8 bytes of raw fields at the byte holding field rpos. Steps read the
+// streams in place while the whole step stays inside them, and from zero-padded copies of the
+// streams' last 64 bytes near their ends (so short streams, e.g. of chunks of +0.0, decode in SIMD
+// too). A stream consumed past its end is corrupted: the step loop stops and the portable core
+// reports it.
+// kHasZero = false (the chunk holds no +0.0, as most activation and weight chunks) drops the zero
 // tests: every lane then takes the next raw field, 8 fields = 6 bytes per 8 lanes.
 template <bool kHasZero>
 __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const uint8_t* payload, const ChunkEntry& e,
@@ -83,8 +101,19 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   const uint32_t full_steps = n / kLanes;
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(states + 8 * j));
-  for (; t < full_steps && wpos + kLanes <= e.num_words && (uint64_t(rpos) + 24) * kRawBits / 8 + 8 <= nraw_bytes;
-       ++t) {
+  const uint64_t nword_bytes = 2ull * e.num_words;
+  const StreamTail word_tail(words, nword_bytes), raw_tail(raw, nraw_bytes);
+  // A step reads word bytes [2 wpos, 2 wpos + 64) (8 lanes read 16 bytes at 2 wpos_j, wpos_j <=
+  // wpos + 24) and raw bytes [6 rpos / 8, 6 (rpos + 24) / 8 + 8). Out of place, wpos <= num_words
+  // and rpos <= num_raw keep both within the tails' 128 bytes.
+  for (; t < full_steps && wpos <= e.num_words && rpos <= e.num_raw; ++t) {
+    const bool words_in_place = 2ull * wpos + 64 <= nword_bytes;
+    const bool raw_in_place = (uint64_t(rpos) + 24) * kRawBits / 8 + 8 <= nraw_bytes;
+    // stream byte b is at src + (b - skip)
+    const uint8_t* word_src = words_in_place ? words : word_tail.bytes;
+    const uint64_t word_skip = words_in_place ? 0 : word_tail.first;
+    const uint8_t* raw_src = raw_in_place ? raw : raw_tail.bytes;
+    const uint64_t raw_skip = raw_in_place ? 0 : raw_tail.first;
     __m256i value[4];
     for (int j = 0; j < 4; ++j) {
       const __m256i slot = _mm256_and_si256(x[j], low11);
@@ -99,7 +128,7 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
       const __m256i y = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)), bias);
       const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(y, 16), zero);
       const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-      __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 2ull * wpos)));
+      __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(word_src + (2ull * wpos - word_skip))));
       w = _mm256_permutevar8x32_epi32(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[mask])));
       x[j] = _mm256_blendv_epi8(y, _mm256_or_si256(_mm256_slli_epi32(y, 16), w), need);
       wpos += uint32_t(_mm_popcnt_u32(uint32_t(mask)));
@@ -110,13 +139,13 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
         const __m256i is_zero = _mm256_andnot_si256(_mm256_cmpgt_epi32(zero, d), _mm256_cmpgt_epi32(zero_freq, d));
         const int nz = ~_mm256_movemask_ps(_mm256_castsi256_ps(is_zero)) & 0xFF;
         const uint64_t bit = uint64_t(rpos) * kRawBits;
-        const uint64_t fields = unpack6x8(load_le<uint64_t>(raw + (bit >> 3)) >> (bit & 7));
+        const uint64_t fields = unpack6x8(load_le<uint64_t>(raw_src + ((bit >> 3) - raw_skip)) >> (bit & 7));
         __m256i r = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(fields)));
         r = _mm256_permutevar8x32_epi32(r, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[nz])));
         rpos += uint32_t(_mm_popcnt_u32(uint32_t(nz)));
         value[j] = _mm256_andnot_si256(is_zero, _mm256_or_si256(hi, r));
       } else {
-        const uint64_t fields = unpack6x8(load_le<uint64_t>(raw + uint64_t(rpos) / 8 * 6));  // rpos % 8 == 0
+        const uint64_t fields = unpack6x8(load_le<uint64_t>(raw_src + (uint64_t(rpos) / 8 * 6 - raw_skip)));  // rpos % 8 == 0
         rpos += 8;
         value[j] = _mm256_or_si256(hi, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(fields))));
       }
@@ -134,8 +163,11 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
 // Same result as decode_chunk (AVX2 steps, then the portable core for the rest and the checks).
 inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
                              uint16_t* out) {
-  return table.zero_freq == 0 ? decode_chunk_avx2_impl<false>(payload, e, n, table, out)
-                              : decode_chunk_avx2_impl<true>(payload, e, n, table, out);
+  // a chunk without +0.0 (every value has a raw field) takes the path without zero tests, also
+  // when other chunks of the blob hold zeros (the results are the same: no zero slot is decoded)
+  const bool chunk_has_zero = table.zero_freq != 0 && e.num_raw != n;
+  return chunk_has_zero ? decode_chunk_avx2_impl<true>(payload, e, n, table, out)
+                        : decode_chunk_avx2_impl<false>(payload, e, n, table, out);
 }
 
 // compress[mask][p]: source lane of output slot p when the lanes in mask are packed at the top

@@ -17,6 +17,7 @@
 #include "codec/lossless_avx2.h"  // x86-64 only; other hosts use the portable core
 #include "codec/host_parallel.h"
 #include "codec/lossless_core.h"
+#include "page_array.h"
 
 namespace py = pybind11;
 using namespace ep_comm::lossless;
@@ -110,7 +111,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   // work areas start after the largest possible header, table and directory
   const uint64_t areas = (data_offset_for(ndim, kNumSymbols, static_cast<uint32_t>(num_chunks)) + 63) & ~uint64_t(63);
   const uint64_t region = region_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
-  py::array_t<uint8_t> out(static_cast<py::ssize_t>(areas + region * num_chunks));
+  py::array_t<uint8_t> out = page_backed_array<uint8_t>(areas + region * num_chunks);
   uint8_t* o = out.mutable_data();
 
   uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
@@ -272,6 +273,49 @@ std::vector<int64_t> header_shape(const py::buffer& blob) {
   return std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim);
 }
 
+// Decodes a parsed blob `b` (size bytes) into o[num_values]; returns a Status. Releases the GIL.
+int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, bool simd) {
+  const Header& h = p.h;
+  const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
+  int status = kOk;
+  [[maybe_unused]] const bool use_simd = simd && simd_available();
+  py::gil_scoped_release release;
+  std::vector<ChunkEntry> entries(h.num_chunks);
+  std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
+  offsets[0] = h.data_offset;
+  for (uint64_t c = 0; c < h.num_chunks && status == kOk; ++c) {
+    entries[c] = read_entry(b, h, c);
+    status = check_entry(h, entries[c], chunk_count(h, c));
+    offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
+  }
+  if (status == kOk && offsets[h.num_chunks] != size) status = kErrSize;
+  if (status != kOk) return status;
+  std::unique_ptr<DecodeTable> table(new DecodeTable());
+  if (h.num_values > 0) build_decode_table(p.freq, p.start, *table);
+  std::vector<int> chunk_status(h.num_chunks, kOk);
+  parallel_for(int64_t(h.num_chunks), nt, [&](int64_t c) {
+    const ChunkEntry& e = entries[c];
+    uint32_t n = chunk_count(h, uint64_t(c));
+    const uint8_t* payload = b + offsets[c];
+    uint64_t used = payload_bytes(e, n);
+    int st = kOk;
+    for (uint64_t q = offsets[c] + used; q < offsets[c + 1]; ++q)
+      if (b[q] != 0) st = kErrPadding;
+    uint16_t* dst = o + uint64_t(c) * h.chunk_values;
+    if (st == kOk) {
+      if (e.mode == kModeRaw) st = decode_raw_chunk(payload, e, n, dst);
+#if defined(__x86_64__)
+      else if (use_simd) st = decode_chunk_avx2(payload, e, n, *table, dst);
+#endif
+      else st = decode_chunk(payload, e, n, *table, dst);
+    }
+    chunk_status[c] = st;
+  });
+  for (int st : chunk_status)
+    if (st != kOk) return st;
+  return kOk;
+}
+
 // blob -> values written to `out` (num_values u16, contiguous). Raises ValueError on any
 // inconsistency; never reads outside the blob.
 void decode_into(const py::buffer& blob, const py::buffer& out, int threads, bool simd) {
@@ -282,49 +326,23 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
   uint16_t* o = const_cast<uint16_t*>(u16_data(oinfo, "out"));
   Parsed p;
   parse(b, size, p);
-  const Header& h = p.h;
-  if (uint64_t(oinfo.shape[0]) != h.num_values) throw std::invalid_argument("out has the wrong size");
-  const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
-  int status = kOk;
-  [[maybe_unused]] const bool use_simd = simd && simd_available();
-  {
-    py::gil_scoped_release release;
-    std::vector<ChunkEntry> entries(h.num_chunks);
-    std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
-    offsets[0] = h.data_offset;
-    for (uint64_t c = 0; c < h.num_chunks && status == kOk; ++c) {
-      entries[c] = read_entry(b, h, c);
-      status = check_entry(h, entries[c], chunk_count(h, c));
-      offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
-    }
-    if (status == kOk && offsets[h.num_chunks] != size) status = kErrSize;
-    std::unique_ptr<DecodeTable> table(new DecodeTable());
-    if (status == kOk && h.num_values > 0) build_decode_table(p.freq, p.start, *table);
-    if (status == kOk) {
-      std::vector<int> chunk_status(h.num_chunks, kOk);
-      parallel_for(int64_t(h.num_chunks), nt, [&](int64_t c) {
-        const ChunkEntry& e = entries[c];
-        uint32_t n = chunk_count(h, uint64_t(c));
-        const uint8_t* payload = b + offsets[c];
-        uint64_t used = payload_bytes(e, n);
-        int st = kOk;
-        for (uint64_t q = offsets[c] + used; q < offsets[c + 1]; ++q)
-          if (b[q] != 0) st = kErrPadding;
-        uint16_t* dst = o + uint64_t(c) * h.chunk_values;
-        if (st == kOk) {
-          if (e.mode == kModeRaw) st = decode_raw_chunk(payload, e, n, dst);
-#if defined(__x86_64__)
-          else if (use_simd) st = decode_chunk_avx2(payload, e, n, *table, dst);
-#endif
-          else st = decode_chunk(payload, e, n, *table, dst);
-        }
-        chunk_status[c] = st;
-      });
-      for (int st : chunk_status)
-        if (status == kOk && st != kOk) status = st;
-    }
-  }
+  if (uint64_t(oinfo.shape[0]) != p.h.num_values) throw std::invalid_argument("out has the wrong size");
+  const int status = decode_parsed(b, size, p, o, threads, simd);
   if (status != kOk) fail(status);
+}
+
+// blob -> new 1-D u16 array of its values (large outputs in their own huge-page mapping: see
+// page_array.h). Raises ValueError on any inconsistency; never reads outside the blob.
+py::array_t<uint16_t> decode_new(const py::buffer& blob, int threads, bool simd) {
+  py::buffer_info info = blob.request();
+  uint64_t size = 0;
+  const uint8_t* b = blob_data(info, size);
+  Parsed p;
+  parse(b, size, p);
+  py::array_t<uint16_t> out = page_backed_array<uint16_t>(p.h.num_values);
+  const int status = decode_parsed(b, size, p, out.mutable_data(), threads, simd);
+  if (status != kOk) fail(status);
+  return out;
 }
 
 }  // namespace
@@ -339,6 +357,8 @@ void register_lossless(py::module_& m) {
   m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("out"), py::arg("threads") = 0, py::arg("simd") = true,
         "decodes a blob into out (1-D, 2-byte items, num_values long); ValueError on a bad blob;\n"
         "simd=False forces the portable core (the AVX2 path is used where the CPU has it)");
+  m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("threads") = 0, py::arg("simd") = true,
+        "decodes a blob into a new 1-D uint16 array of num_values bit patterns; ValueError on a bad blob");
   m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv) {
     return max_blob_bytes(n, ndim, cv);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);

@@ -102,9 +102,8 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
             raise ValueError(f"expected_shape must be a tuple of non-negative ints, got {expected_shape!r}")
     if expected_shape is not None and shape != tuple(expected_shape):
         raise ValueError(f"blob holds a tensor of shape {shape}, expected {tuple(expected_shape)}")
-    out = torch.empty(shape, dtype=torch.bfloat16)
-    _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd)
-    return out
+    values = _lib().lossless_decode(data, threads, simd)  # 1-D uint16 bit patterns
+    return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
 
 
 def wire_bytes(blob: torch.Tensor) -> int:
