@@ -126,6 +126,24 @@ def test_short_streams_near_chunk_ends():
                 lossless.decode(bad, simd=simd)
 
 
+def test_large_output_owns_its_memory():
+    """Outputs of 2 MiB and more live in their own mapping: they stay valid and writable after the
+    blob is gone, and are released with the tensor."""
+    import gc
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1536, 1024, generator=g).bfloat16()  # 3 MiB
+    y = lossless.decode(lossless.encode(x))
+    gc.collect()
+    assert torch.equal(bits(y), bits(x))
+    y[0, 0] = 7.0
+    assert float(y[0, 0]) == 7.0 and torch.equal(bits(y[1:]), bits(x[1:]))
+    view = y[5:9]
+    del y
+    gc.collect()
+    assert torch.equal(bits(view), bits(x[5:9])), "a view keeps the mapping alive"
+
+
 def test_normal_data_compresses():
     x = (torch.randn(64, 7168, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     blob = assert_round_trip(x)

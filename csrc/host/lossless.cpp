@@ -310,7 +310,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
       else st = decode_chunk(payload, e, n, *table, dst);
     }
     chunk_status[c] = st;
-  });
+  }, page_grain(int64_t(h.num_chunks), nt, 2ull * h.chunk_values));
   for (int st : chunk_status)
     if (st != kOk) return st;
   return kOk;
