@@ -8,7 +8,9 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
+#include <algorithm>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,8 +36,8 @@ bool simd_available() { return false; }
 // Threads for `chunks` chunks of `values` values in all: no more than the chunks, and one for small
 // inputs, where starting a thread team costs more than it saves.
 int resolve_threads(int threads, uint64_t chunks, uint64_t values) {
+  if (values < (1u << 17)) return 1;  // before hardware_threads(), which reads sysfs
   int nt = threads > 0 ? threads : hardware_threads();
-  if (values < (1u << 17)) return 1;
   return chunks < uint64_t(nt) ? static_cast<int>(chunks > 0 ? chunks : 1) : nt;
 }
 
@@ -68,19 +70,6 @@ struct ChunkScratch {
 constexpr uint64_t kSlackWords = 16;
 uint64_t region_bytes(uint32_t cv) {
   return (kStateBytes + 2 * kSlackWords + 2ull * cv + cv + 16 + 63) & ~uint64_t(63);
-}
-
-// Returns the pages of [begin, end) to the system (the untouched tail of an over-allocated blob).
-void release_pages(uint8_t* begin, uint8_t* end) {
-#ifdef __linux__
-  const uintptr_t page = 4096;
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
-  const uintptr_t e = reinterpret_cast<uintptr_t>(end) & ~(page - 1);
-  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
-#else
-  (void)begin;
-  (void)end;
-#endif
 }
 
 // bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
@@ -222,10 +211,18 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       std::memmove(o + offsets[c], chunks[c].payload(), used);
       std::memset(o + offsets[c] + used, 0, offsets[c + 1] - offsets[c] - used);
     }
-    release_pages(o + offsets[num_chunks], o + areas + region * num_chunks);
   }
-  // the blob: a view of the first offsets[num_chunks] bytes (keeps `out` alive as its base)
-  return py::array_t<uint8_t>({static_cast<py::ssize_t>(offsets[num_chunks])}, {py::ssize_t(1)}, o, out);
+  const uint64_t blob_bytes = offsets[num_chunks], work_bytes = areas + region * num_chunks;
+  if (is_page_backed(work_bytes)) {
+    // a view of the first blob_bytes bytes (keeps `out` alive as its base); the work areas'
+    // whole huge pages past them go back to the system
+    release_unused_pages(o, work_bytes, blob_bytes);
+    return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
+  }
+  // small: an exact-size copy, so that the work allocation is freed (and reused by the heap)
+  py::array_t<uint8_t> blob(static_cast<py::ssize_t>(blob_bytes));
+  std::memcpy(blob.mutable_data(), o, blob_bytes);
+  return blob;
 }
 
 struct Parsed {
@@ -331,18 +328,30 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
   if (status != kOk) fail(status);
 }
 
-// blob -> new 1-D u16 array of its values (large outputs in their own huge-page mapping: see
-// page_array.h). Raises ValueError on any inconsistency; never reads outside the blob.
-py::array_t<uint16_t> decode_new(const py::buffer& blob, int threads, bool simd) {
+// Text of a shape, as Python prints a tuple.
+std::string shape_text(const uint64_t* dims, size_t ndim) {
+  std::string t = "(";
+  for (size_t d = 0; d < ndim; ++d) t += std::to_string(dims[d]) + (ndim == 1 || d + 1 < ndim ? "," : "") + (d + 1 < ndim ? " " : "");
+  return t + ")";
+}
+
+// blob -> (new 1-D u16 array of its values, shape). Large outputs get their own huge-page mapping
+// (page_array.h). With `expected_shape`, a blob declaring another shape is rejected before the
+// output is allocated. Raises ValueError on any inconsistency; never reads outside the blob.
+py::tuple decode_new(const py::buffer& blob, int threads, bool simd, std::optional<std::vector<uint64_t>> expected_shape) {
   py::buffer_info info = blob.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
   Parsed p;
   parse(b, size, p);
+  if (expected_shape &&
+      (expected_shape->size() != p.h.ndim || !std::equal(expected_shape->begin(), expected_shape->end(), p.h.shape)))
+    throw std::invalid_argument("blob holds a tensor of shape " + shape_text(p.h.shape, p.h.ndim) + ", expected " +
+                                shape_text(expected_shape->data(), expected_shape->size()));
   py::array_t<uint16_t> out = page_backed_array<uint16_t>(p.h.num_values);
   const int status = decode_parsed(b, size, p, out.mutable_data(), threads, simd);
   if (status != kOk) fail(status);
-  return out;
+  return py::make_tuple(out, std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim));
 }
 
 }  // namespace
@@ -358,7 +367,9 @@ void register_lossless(py::module_& m) {
         "decodes a blob into out (1-D, 2-byte items, num_values long); ValueError on a bad blob;\n"
         "simd=False forces the portable core (the AVX2 path is used where the CPU has it)");
   m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("threads") = 0, py::arg("simd") = true,
-        "decodes a blob into a new 1-D uint16 array of num_values bit patterns; ValueError on a bad blob");
+        py::arg("expected_shape") = py::none(),
+        "blob -> (new 1-D uint16 array of its bit patterns, shape list); ValueError on a bad blob, or one\n"
+        "declaring another shape than expected_shape (checked before allocating)");
   m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv) {
     return max_blob_bytes(n, ndim, cv);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);

@@ -56,4 +56,29 @@ pybind11::array_t<T> page_backed_array(uint64_t count) {
   return pybind11::array_t<T>(static_cast<pybind11::ssize_t>(count));
 }
 
+// Whether page_backed_array<T>(count) maps its own pages for an array of `bytes` bytes.
+inline bool is_page_backed(uint64_t bytes) {
+#ifdef __linux__
+  return bytes >= kPageArrayMinBytes;
+#else
+  (void)bytes;
+  return false;
+#endif
+}
+
+// Returns the whole huge pages of a page-backed array past its first `used` bytes to the system
+// (the array stays valid; those pages read as zeros if touched again).
+inline void release_unused_pages(void* array_start, uint64_t array_bytes, uint64_t used) {
+#ifdef __linux__
+  const uintptr_t start = reinterpret_cast<uintptr_t>(array_start);
+  const uintptr_t begin = (start + used + kHugePageBytes - 1) & ~uintptr_t(kHugePageBytes - 1);
+  const uintptr_t end = start + ((array_bytes + kHugePageBytes - 1) & ~(kHugePageBytes - 1));
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+#else
+  (void)array_start;
+  (void)array_bytes;
+  (void)used;
+#endif
+}
+
 }  // namespace ep_comm::host

@@ -42,7 +42,7 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
     Args:
         x: bf16 tensor of any shape; not modified.
         chunk_values: values per independently coded chunk (multiple of 32).
-        threads: CPU threads (0 = OpenMP's default).
+        threads: CPU threads (0 = every hardware thread).
         simd: use the AVX2 coder where the CPU has it (False: the portable core; same bytes).
 
     Returns:
@@ -82,7 +82,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
 
     Args:
         blob: 1-D uint8 tensor; not modified.
-        threads: CPU threads (0 = OpenMP's default).
+        threads: CPU threads (0 = every hardware thread).
         simd: use the AVX2 decoder where the CPU has it (False: the portable core).
         expected_shape: when given, a blob declaring another shape is rejected before anything is
             allocated. Receivers should pass it: runs of +0.0 legitimately compress about
@@ -95,14 +95,13 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
         ValueError: the blob is truncated, corrupted or not a lossless blob.
     """
     data = _blob_array(blob)
-    shape = tuple(_lib().lossless_shape(data))
     if expected_shape is not None:
         if not isinstance(expected_shape, (tuple, list, torch.Size)) or not all(
                 isinstance(d, int) and d >= 0 for d in expected_shape):
             raise ValueError(f"expected_shape must be a tuple of non-negative ints, got {expected_shape!r}")
-    if expected_shape is not None and shape != tuple(expected_shape):
-        raise ValueError(f"blob holds a tensor of shape {shape}, expected {tuple(expected_shape)}")
-    values = _lib().lossless_decode(data, threads, simd)  # 1-D uint16 bit patterns
+        expected_shape = list(expected_shape)
+    # one C++ call: parse, check the shape, allocate, decode
+    values, shape = _lib().lossless_decode(data, threads, simd, expected_shape)  # 1-D uint16 bit patterns
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
 
 
