@@ -192,6 +192,27 @@ def test_noncontiguous_and_threads_deterministic():
     assert torch.equal(bits(lossless.decode(a, threads=2)), bits(x))
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_threads_place_mixed_chunks_identically(threads):
+    """Workers code chunks out of order and copy each payload after its predecessor's: chunks
+    of +0.0 (tiny), random bits (stored raw) and normal values (rANS) in every order give the
+    single-thread bytes, with more threads than cores too; an all-raw blob drops its table."""
+    g = torch.Generator().manual_seed(11)
+    cv = 4096  # 41 chunks: above the 2**17 values below which one thread codes everything
+    kinds = [torch.zeros(cv, dtype=torch.bfloat16),
+             torch.randint(-32768, 32768, (cv,), generator=g, dtype=torch.int16).view(torch.bfloat16),
+             torch.randn(cv, generator=g).bfloat16()]
+    order = torch.randint(0, 3, (40,), generator=g).tolist()
+    x = torch.cat([kinds[k] for k in order] + [kinds[2][:777]])
+    single = assert_round_trip(x, chunk_values=cv, threads=1)
+    assert torch.equal(lossless.encode(x, chunk_values=cv, threads=threads), single)
+    assert torch.equal(bits(lossless.decode(single, threads=threads)), bits(x))
+    noise = torch.randint(-32768, 32768, (cv * 33 + 5,), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    raw_blob = assert_round_trip(noise, chunk_values=cv, threads=1)
+    assert int(raw_blob[6]) | int(raw_blob[7]) << 8 == 0
+    assert torch.equal(lossless.encode(noise, chunk_values=cv, threads=threads), raw_blob)
+
+
 def test_encode_rows_and_shape_of():
     x = torch.randn(64, 512).bfloat16()
     blob = lossless.encode_rows(x)

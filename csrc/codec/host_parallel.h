@@ -17,27 +17,34 @@ inline int hardware_threads() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-// Calls fn(i) for i in [0, n), on up to `threads` threads, which claim runs of `grain`
-// consecutive indices. fn must not throw.
+// Calls fn(worker, i) for i in [0, n), on up to `threads` threads (worker in [0, threads): the
+// calling thread is worker 0), which claim runs of `grain` consecutive indices in increasing
+// order. fn must not throw.
 template <typename F>
-void parallel_for(int64_t n, int threads, F&& fn, int64_t grain = 1) {
+void parallel_for_workers(int64_t n, int threads, F&& fn, int64_t grain = 1) {
   if (grain < 1) grain = 1;
   const int64_t runs = (n + grain - 1) / grain;
   if (threads > runs) threads = static_cast<int>(runs);
   if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
+    for (int64_t i = 0; i < n; ++i) fn(0, i);
     return;
   }
   std::atomic<int64_t> next{0};
-  auto work = [&] {
+  auto work = [&](int worker) {
     for (int64_t r = next.fetch_add(1); r < runs; r = next.fetch_add(1))
-      for (int64_t i = r * grain, end = std::min(n, i + grain); i < end; ++i) fn(i);
+      for (int64_t i = r * grain, end = std::min(n, i + grain); i < end; ++i) fn(worker, i);
   };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
   for (auto& th : pool) th.join();
+}
+
+// Calls fn(i) for i in [0, n), as parallel_for_workers.
+template <typename F>
+void parallel_for(int64_t n, int threads, F&& fn, int64_t grain = 1) {
+  parallel_for_workers(n, threads, [&](int, int64_t i) { fn(i); }, grain);
 }
 
 // Grain for chunks whose outputs are `bytes_per_item` apart in a huge-page-backed array: enough

@@ -229,10 +229,10 @@ inline void pack_fields_in_place(uint8_t* bytes, uint32_t count) {
   for (uint32_t g = 0; g < groups; ++g) store_le<uint64_t>(bytes + 6 * g, pack6x8(load_le<uint64_t>(bytes + 8 * g)));
 }
 
-// Symbol counts of the split pass, kept across the chunks of one thread's block: four u32
+// Symbol counts of the encoder's first pass, kept across the chunks of one thread's block: four u32
 // tables of v >> 6 over every value (+0.0 counted at 0 and in `zeros`, moved to symbol 1024 when
 // folded), folded into u64 counts before a table can overflow.
-struct SplitHistogram {
+struct SymbolHistogram {
   uint32_t local[4][1024] = {};
   uint64_t zeros = 0;
   uint64_t pending = 0;  // values counted since the last fold
@@ -253,15 +253,37 @@ struct SplitHistogram {
   }
 };
 
-// The split pass of a chunk (same results as split_chunk) fused with its symbol histogram
-// (counted into `h`; `hist` [1025] receives a fold when h's tables run full). `raw` needs n + 16
-// bytes. Raw fields are first compacted one per byte (8-byte stores, the cursor advancing by the
-// count of non-zero values), then packed to 6 bits in a second, dependency-free loop.
-__attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const uint16_t* v, uint32_t n, uint8_t* raw,
-                                                                       uint32_t& num_raw, SplitHistogram& h,
-                                                                       uint64_t* hist) {
-  const ByteCompactTable& bc = byte_compact_table();
+// Symbol histogram of v[0, n) (the counts of symbol_of over every value), counted into `h`
+// (`hist` [1025] receives a fold when h's tables run full): four interleaved u32 tables of v >> 6,
+// zeros counted 16 at a time with a vector compare.
+__attribute__((target("avx2,popcnt"))) inline void count_symbols_avx2(const uint16_t* v, uint32_t n, SymbolHistogram& h,
+                                                                     uint64_t* hist) {
   uint32_t (*local)[1024] = h.local;
+  const __m256i zero = _mm256_setzero_si256();
+  uint32_t zeros = 0, i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    zeros += uint32_t(_mm_popcnt_u32(uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, zero))))) / 2;
+    for (int j = 0; j < 16; j += 4) {
+      ++local[0][v[i + j] >> kRawBits];
+      ++local[1][v[i + j + 1] >> kRawBits];
+      ++local[2][v[i + j + 2] >> kRawBits];
+      ++local[3][v[i + j + 3] >> kRawBits];
+    }
+  }
+  for (; i < n; ++i) {
+    zeros += v[i] == 0;
+    ++local[0][v[i] >> kRawBits];
+  }
+  h.add(n, zeros, hist);
+}
+
+// The split pass of a chunk (same results as split_chunk): checksum and raw fields. `raw` needs
+// n + 16 bytes. Raw fields are first compacted one per byte (8-byte stores, the cursor advancing
+// by the count of non-zero values), then packed to 6 bits in a second, dependency-free loop.
+__attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const uint16_t* v, uint32_t n, uint8_t* raw,
+                                                                       uint32_t& num_raw) {
+  const ByteCompactTable& bc = byte_compact_table();
   const __m128i zero = _mm_setzero_si128(), m3f = _mm_set1_epi16(0x3F);
   __m256i sum = _mm256_setzero_si256();
   __m256i idx = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
@@ -277,12 +299,6 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const ui
     r = _mm_shuffle_epi8(r, _mm_load_si128(reinterpret_cast<const __m128i*>(bc.ctrl[nz])));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(raw + nr), r);
     nr += uint32_t(_mm_popcnt_u32(uint32_t(nz)));
-    for (int j = 0; j < 8; j += 4) {
-      ++local[0][v[i + j] >> kRawBits];
-      ++local[1][v[i + j + 1] >> kRawBits];
-      ++local[2][v[i + j + 2] >> kRawBits];
-      ++local[3][v[i + j + 3] >> kRawBits];
-    }
   }
   alignas(32) uint32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
@@ -291,10 +307,8 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t split_chunk_avx2(const ui
   for (; i < n; ++i) {
     const uint16_t x = v[i];
     checksum += checksum_term(x, i);
-    ++local[0][x >> kRawBits];
     if (x != 0) raw[nr++] = static_cast<uint8_t>(raw_of(x));
   }
-  h.add(n, n - nr, hist);
   store_le<uint64_t>(raw + nr, 0);
   pack_fields_in_place(raw, nr);
   num_raw = nr;

@@ -9,7 +9,9 @@
 #include <sys/mman.h>
 #endif
 #include <algorithm>
+#include <atomic>
 #include <memory>
+#include <thread>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -49,27 +51,42 @@ const uint16_t* u16_data(const py::buffer_info& info, const char* name) {
   return static_cast<const uint16_t*>(info.ptr);
 }
 
-struct ChunkScratch {
-  uint32_t n = 0;
-  ChunkEntry entry{};
-  uint8_t* region = nullptr;      // this chunk's work area inside the output allocation
-  uint16_t* words_end = nullptr;  // words are [words_end - num_words, words_end); raw fields follow
-  uint8_t* raw = nullptr;         // packed raw fields, raw_bytes(entry.num_raw) bytes (= words_end)
-  const uint16_t* values = nullptr;
-  // the finished payload (payload_bytes(entry, n) bytes), before it is moved to its place
-  const uint8_t* payload() const {
-    return entry.mode == kModeRaw ? region
-                                  : reinterpret_cast<const uint8_t*>(words_end - entry.num_words) - kStateBytes;
-  }
-};
-
-// Work area of one chunk of n <= cv values, inside the output allocation: states (written just
-// below the words once their count is known), kSlack words of room for the AVX2 encoder's 8-word
-// stores below the words, n words (written backwards), then the raw fields: first one byte per
-// field, packed to 6 bits in place, plus 8-byte store slack. Rounded up to 64 bytes.
+// A worker's scratch for one chunk of n <= cv values: states (written just below the words once
+// their count is known), kSlackWords words of room for the AVX2 encoder's 8-word stores below the
+// words, n words (written backwards), then the raw fields: first one byte per field, packed to 6
+// bits in place, plus 8-byte store slack. Reused for every chunk the worker codes, so it stays in
+// cache; a finished payload is contiguous in it and is copied once, to its place in the blob.
 constexpr uint64_t kSlackWords = 16;
-uint64_t region_bytes(uint32_t cv) {
+uint64_t scratch_bytes(uint32_t cv) {
   return (kStateBytes + 2 * kSlackWords + 2ull * cv + cv + 16 + 63) & ~uint64_t(63);
+}
+
+// Codes chunk values v[0, n) in `scratch` (scratch_bytes(n) bytes); returns the payload's first
+// byte (payload_bytes(e, n) bytes: in scratch, or v itself for a chunk stored raw) and fills `e`.
+const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms, const void* simd_tables,
+                               bool use_simd, uint8_t* scratch, ChunkEntry& e) {
+  uint16_t* words_end = reinterpret_cast<uint16_t*>(scratch + kStateBytes) + kSlackWords + n;
+  uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
+  uint32_t states[kLanes];
+  e.mode = kModeRans;
+#if defined(__x86_64__)
+  if (use_simd) {
+    e.checksum = split_chunk_avx2(v, n, raw, e.num_raw);
+    e.num_words = rans_encode_chunk_avx2(v, n, syms, *static_cast<const SimdEncTables*>(simd_tables), states, words_end);
+  } else
+#endif
+  {
+    (void)simd_tables;
+    (void)use_simd;
+    encode_chunk(v, n, syms, states, words_end, raw, e);
+  }
+  if (payload_bytes(e, n) >= 2ull * n) {  // rANS does not shrink it: stored raw
+    e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
+    return reinterpret_cast<const uint8_t*>(v);
+  }
+  uint8_t* payload = reinterpret_cast<uint8_t*>(words_end - e.num_words) - kStateBytes;
+  std::memcpy(payload, states, kStateBytes);
+  return payload;
 }
 
 // bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
@@ -97,47 +114,42 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   if (num_chunks > 0xFFFFFFFFull) throw std::invalid_argument("too many chunks");
   const int nt = resolve_threads(threads, num_chunks, num_values);
   const uint32_t ndim = static_cast<uint32_t>(shape.size());
-  // work areas start after the largest possible header, table and directory
-  const uint64_t areas = (data_offset_for(ndim, kNumSymbols, static_cast<uint32_t>(num_chunks)) + 63) & ~uint64_t(63);
-  const uint64_t region = region_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
-  py::array_t<uint8_t> out = page_backed_array<uint8_t>(areas + region * num_chunks);
+  // the largest blob any table allows; pages past the blob's end are never touched
+  const uint64_t capacity = max_blob_bytes(num_values, ndim, cv);
+  py::array_t<uint8_t> out = page_backed_array<uint8_t>(capacity);
   uint8_t* o = out.mutable_data();
 
   uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
   std::vector<EncSym> syms(kNumSymbols);
   uint32_t entries = 0;
-  std::vector<ChunkScratch> chunks(num_chunks);
+  std::vector<ChunkEntry> dir(num_chunks);
   std::vector<uint64_t> offsets(num_chunks + 1);
   {
     py::gil_scoped_release release;
     [[maybe_unused]] const bool use_simd = simd && simd_available();
-    // pass 1, per chunk: checksum, raw fields and symbol histogram. Histograms are kept per block
-    // of consecutive chunks (a few per thread), not per chunk: small chunks stay cheap.
+    const auto chunk_n = [&](int64_t c) {
+      const uint64_t b = uint64_t(c) * cv;
+      return static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
+    };
+    // pass 1: the symbol histogram, per block of consecutive chunks (a few blocks per thread)
     const int64_t num_blocks = std::min<int64_t>(int64_t(num_chunks), 4 * int64_t(nt));
     std::vector<uint64_t> hist(uint64_t(num_blocks) * kNumSymbols, 0);
     parallel_for(num_blocks, nt, [&](int64_t block) {
       uint64_t* h = hist.data() + uint64_t(block) * kNumSymbols;
 #if defined(__x86_64__)
-      std::unique_ptr<SplitHistogram> simd_hist(use_simd ? new SplitHistogram() : nullptr);
+      std::unique_ptr<SymbolHistogram> simd_hist(use_simd ? new SymbolHistogram() : nullptr);
 #endif
       const int64_t first = int64_t(num_chunks) * block / num_blocks, last = int64_t(num_chunks) * (block + 1) / num_blocks;
       for (int64_t c = first; c < last; ++c) {
-        ChunkScratch& cs = chunks[c];
-        const uint64_t b = uint64_t(c) * cv;
-        cs.n = static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
-        cs.values = v + b;
-        cs.region = o + areas + region * uint64_t(c);
-        cs.words_end = reinterpret_cast<uint16_t*>(cs.region + kStateBytes) + kSlackWords + cs.n;
-        cs.raw = reinterpret_cast<uint8_t*>(cs.words_end);
-        cs.entry.mode = kModeRans;
+        const uint16_t* cv_values = v + uint64_t(c) * cv;
+        const uint32_t n = chunk_n(c);
 #if defined(__x86_64__)
         if (use_simd) {
-          cs.entry.checksum = split_chunk_avx2(cs.values, cs.n, cs.raw, cs.entry.num_raw, *simd_hist, h);
+          count_symbols_avx2(cv_values, n, *simd_hist, h);
           continue;
         }
 #endif
-        cs.entry.checksum = split_chunk(cs.values, cs.n, cs.raw, cs.entry.num_raw);
-        for (uint32_t i = 0; i < cs.n; ++i) ++h[symbol_of(cs.values[i])];
+        for (uint32_t i = 0; i < n; ++i) ++h[symbol_of(cv_values[i])];
       }
 #if defined(__x86_64__)
       if (simd_hist) simd_hist->fold_into(h);
@@ -154,38 +166,49 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         syms[s] = make_enc_sym(start[s], freq[s]);
       }
     }
+    const void* simd_tables = nullptr;
 #if defined(__x86_64__)
-    std::unique_ptr<SimdEncTables> simd_tables(new SimdEncTables());
-    make_simd_enc_tables(syms.data(), *simd_tables);
+    std::unique_ptr<SimdEncTables> simd_table_storage(new SimdEncTables());
+    make_simd_enc_tables(syms.data(), *simd_table_storage);
+    simd_tables = simd_table_storage.get();
 #endif
-    // pass 2, per chunk: rANS; the final states go just below the words
-    parallel_for(int64_t(num_chunks), nt, [&](int64_t c) {
-      ChunkScratch& cs = chunks[c];
-      uint32_t states[kLanes];
-#if defined(__x86_64__)
-      if (use_simd)
-        cs.entry.num_words = rans_encode_chunk_avx2(cs.values, cs.n, syms.data(), *simd_tables, states, cs.words_end);
-      else
-#endif
-        cs.entry.num_words = rans_encode_chunk(cs.values, cs.n, syms.data(), states, cs.words_end);
-      if (payload_bytes(cs.entry, cs.n) >= 2ull * cs.n) {
-        cs.entry = ChunkEntry{kModeRaw, 0, 0, cs.entry.checksum};
-        std::memcpy(cs.region, cs.values, 2ull * cs.n);
-      } else {
-        std::memcpy(const_cast<uint8_t*>(cs.payload()), states, kStateBytes);
-      }
+    // pass 2, per chunk, claimed in order: split and rANS in the worker's scratch, then the
+    // payload is copied to its place, which follows the previous chunk's (published through
+    // chunk_end: a worker waits, yielding, for its predecessor's size; the lowest unfinished
+    // chunk never waits, so the loop always progresses)
+    const uint64_t data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
+    constexpr uint64_t kNotReady = ~0ull;
+    std::unique_ptr<std::atomic<uint64_t>[]> chunk_end(new std::atomic<uint64_t>[num_chunks]);
+    for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
+    const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
+    std::vector<uint8_t> scratch(scratch_stride * uint64_t(nt));
+    parallel_for_workers(int64_t(num_chunks), nt, [&](int worker, int64_t c) {
+      const uint32_t n = chunk_n(c);
+      ChunkEntry& e = dir[c];
+      const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, use_simd,
+                                               scratch.data() + scratch_stride * uint64_t(worker), e);
+      uint64_t begin = data_off;
+      if (c > 0)
+        while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();
+      const uint64_t used = payload_bytes(e, n), end = begin + align4(used);
+      chunk_end[c].store(end, std::memory_order_release);
+      std::memcpy(o + begin, payload, used);
+      std::memset(o + begin + used, 0, end - begin - used);
     });
-    // a blob whose chunks are all raw needs no table
+    offsets[0] = data_off;
+    for (uint64_t c = 0; c < num_chunks; ++c) offsets[c + 1] = chunk_end[c].load(std::memory_order_relaxed);
+    // a blob whose chunks are all raw needs no table: the payloads move down by the table's bytes
     bool all_raw = true;
-    for (const ChunkScratch& cs : chunks) all_raw = all_raw && cs.entry.mode == kModeRaw;
-    if (all_raw) entries = 0;
+    for (const ChunkEntry& e : dir) all_raw = all_raw && e.mode == kModeRaw;
+    if (all_raw && entries > 0) {
+      entries = 0;
+      const uint64_t new_off = data_offset_for(ndim, 0, static_cast<uint32_t>(num_chunks));
+      std::memmove(o + new_off, o + data_off, offsets[num_chunks] - data_off);
+      for (uint64_t& off : offsets) off -= data_off - new_off;
+    }
     // header, table, directory
     const uint64_t dir_off = directory_offset_for(ndim, entries);
-    const uint64_t data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
-    offsets[0] = data_off;
-    for (uint64_t c = 0; c < num_chunks; ++c)
-      offsets[c + 1] = offsets[c] + align4(payload_bytes(chunks[c].entry, chunks[c].n));
-    std::memset(o, 0, data_off);
+    std::memset(o, 0, offsets[0]);
     store_header(o, ndim, entries, cv, static_cast<uint32_t>(num_chunks), num_values);
     for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(o + kHeaderBytes + 8ull * d, uint64_t(shape[d]));
     uint64_t p = table_offset_for(ndim);
@@ -197,29 +220,21 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     }
     store_le<uint32_t>(o + kMetaChecksumOffset, meta_checksum(o, dir_off));
     for (uint64_t c = 0; c < num_chunks; ++c) {
-      const ChunkScratch& cs = chunks[c];
       uint8_t* d = o + dir_off + sizeof(ChunkEntry) * c;
-      store_le<uint32_t>(d, cs.entry.mode);
-      store_le<uint32_t>(d + 4, cs.entry.num_words);
-      store_le<uint32_t>(d + 8, cs.entry.num_raw);
-      store_le<uint32_t>(d + 12, cs.entry.checksum);
-    }
-    // move the payloads down into place, in order: chunk c's destination ends at or below its
-    // own work area's end (offsets[c] <= areas + c * region), so no unmoved payload is overwritten
-    for (uint64_t c = 0; c < num_chunks; ++c) {
-      const uint64_t used = payload_bytes(chunks[c].entry, chunks[c].n);
-      std::memmove(o + offsets[c], chunks[c].payload(), used);
-      std::memset(o + offsets[c] + used, 0, offsets[c + 1] - offsets[c] - used);
+      store_le<uint32_t>(d, dir[c].mode);
+      store_le<uint32_t>(d + 4, dir[c].num_words);
+      store_le<uint32_t>(d + 8, dir[c].num_raw);
+      store_le<uint32_t>(d + 12, dir[c].checksum);
     }
   }
-  const uint64_t blob_bytes = offsets[num_chunks], work_bytes = areas + region * num_chunks;
-  if (is_page_backed(work_bytes)) {
-    // a view of the first blob_bytes bytes (keeps `out` alive as its base); the work areas'
-    // whole huge pages past them go back to the system
-    release_unused_pages(o, work_bytes, blob_bytes);
+  const uint64_t blob_bytes = offsets[num_chunks];
+  if (is_page_backed(capacity)) {
+    // a view of the first blob_bytes bytes (keeps `out` alive as its base); whole huge pages past
+    // them go back to the system (normally never touched)
+    release_unused_pages(o, capacity, blob_bytes);
     return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
   }
-  // small: an exact-size copy, so that the work allocation is freed (and reused by the heap)
+  // small: an exact-size copy, so that the capacity-sized allocation is freed (and reused)
   py::array_t<uint8_t> blob(static_cast<py::ssize_t>(blob_bytes));
   std::memcpy(blob.mutable_data(), o, blob_bytes);
   return blob;
