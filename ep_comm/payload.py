@@ -146,7 +146,12 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
     align = _align(fmt)
     order = _layout_order(fmt, codec, payload_field)
     blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in fmt.fields}
-    offset = 0
+    # lossless payload rows are decoded straight into their place (CPU), then moved once
+    decoded = None
+    if codec == "lossless":
+        spec = next(f for f in fmt.fields if f.name == payload_field)
+        decoded = torch.empty(total, spec.width, dtype=spec.dtype)
+    offset = row = 0
     for n, nbytes in zip(rows_from, bytes_from):
         if nbytes == 0 and n == 0:  # a masked rank sends nothing at all
             continue
@@ -159,8 +164,8 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
                 if not 0 <= length <= offset + nbytes - position - BLOB_LENGTH_BYTES:
                     raise ValueError(f"a lossless chunk names a blob of {length} bytes that it does not hold")
                 start = position + BLOB_LENGTH_BYTES
-                rows = _lossless().decode(received[start:start + length], expected_shape=(n, f.width))
-                blocks[f.name].append(rows.to(received.device))
+                # the blob must hold exactly these n rows (checked before anything is written)
+                _lossless().decode_into(received[start:start + length], decoded[row:row + n])
                 position += _round(BLOB_LENGTH_BYTES + length, align)
                 continue
             if n:
@@ -169,10 +174,13 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
         if position - offset != nbytes:
             raise ValueError(f"a chunk of {nbytes} bytes does not match its {n} rows")
         offset += nbytes
+        row += n
     out = {}
     for f in fmt.fields:
         parts = blocks[f.name]
-        if not parts:
+        if decoded is not None and f.name == payload_field:
+            out[f.name] = decoded.to(received.device)
+        elif not parts:
             out[f.name] = torch.empty(0, f.width, dtype=f.dtype, device=received.device)
         elif len(parts) == 1:
             out[f.name] = parts[0].clone()

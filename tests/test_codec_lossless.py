@@ -213,6 +213,25 @@ def test_threads_place_mixed_chunks_identically(threads):
     assert torch.equal(lossless.encode(noise, chunk_values=cv, threads=threads), raw_blob)
 
 
+def test_decode_into_rows_of_a_buffer():
+    g = torch.Generator().manual_seed(8)
+    parts = [torch.randn(n, 96, generator=g).bfloat16() for n in (5, 0, 17)]
+    dest = torch.full((22, 96), float("nan"), dtype=torch.bfloat16)
+    row = 0
+    for p in parts:
+        assert lossless.decode_into(lossless.encode(p), dest[row:row + p.shape[0]]) is not None
+        row += p.shape[0]
+    assert torch.equal(bits(dest), bits(torch.cat(parts)))
+    blob = lossless.encode(parts[0])
+    before = bits(dest).clone()
+    with pytest.raises(ValueError, match="shape"):
+        lossless.decode_into(blob, dest[:6])  # another shape: rejected before writing
+    assert torch.equal(bits(dest), before)
+    for bad in (torch.empty(5, 96), dest.t()[:, :5].t().contiguous().float(), torch.empty(96, 5).bfloat16().t(), "x"):
+        with pytest.raises(ValueError, match="out"):
+            lossless.decode_into(blob, bad)
+
+
 def test_encode_rows_and_shape_of():
     x = torch.randn(64, 512).bfloat16()
     blob = lossless.encode_rows(x)

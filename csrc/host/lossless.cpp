@@ -328,9 +328,25 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
   return kOk;
 }
 
-// blob -> values written to `out` (num_values u16, contiguous). Raises ValueError on any
-// inconsistency; never reads outside the blob.
-void decode_into(const py::buffer& blob, const py::buffer& out, int threads, bool simd) {
+// Text of a shape, as Python prints a tuple.
+std::string shape_text(const uint64_t* dims, size_t ndim) {
+  std::string t = "(";
+  for (size_t d = 0; d < ndim; ++d) t += std::to_string(dims[d]) + (ndim == 1 || d + 1 < ndim ? "," : "") + (d + 1 < ndim ? " " : "");
+  return t + ")";
+}
+
+// Throws ValueError unless the parsed blob's shape is `expected`.
+void check_shape(const Parsed& p, const std::vector<uint64_t>& expected) {
+  if (expected.size() != p.h.ndim || !std::equal(expected.begin(), expected.end(), p.h.shape))
+    throw std::invalid_argument("blob holds a tensor of shape " + shape_text(p.h.shape, p.h.ndim) + ", expected " +
+                                shape_text(expected.data(), expected.size()));
+}
+
+// blob -> values written to `out` (1-D, contiguous, num_values u16), whose tensor has
+// `out_shape`: a blob of another shape is rejected before anything is written. Raises ValueError
+// on any inconsistency (out's contents are then unspecified); never reads outside the blob.
+void decode_into(const py::buffer& blob, const py::buffer& out, int threads, bool simd,
+                 const std::vector<uint64_t>& out_shape) {
   py::buffer_info info = blob.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
@@ -338,16 +354,10 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
   uint16_t* o = const_cast<uint16_t*>(u16_data(oinfo, "out"));
   Parsed p;
   parse(b, size, p);
+  check_shape(p, out_shape);
   if (uint64_t(oinfo.shape[0]) != p.h.num_values) throw std::invalid_argument("out has the wrong size");
   const int status = decode_parsed(b, size, p, o, threads, simd);
   if (status != kOk) fail(status);
-}
-
-// Text of a shape, as Python prints a tuple.
-std::string shape_text(const uint64_t* dims, size_t ndim) {
-  std::string t = "(";
-  for (size_t d = 0; d < ndim; ++d) t += std::to_string(dims[d]) + (ndim == 1 || d + 1 < ndim ? "," : "") + (d + 1 < ndim ? " " : "");
-  return t + ")";
 }
 
 // blob -> (new 1-D u16 array of its values, shape). Large outputs get their own huge-page mapping
@@ -359,10 +369,7 @@ py::tuple decode_new(const py::buffer& blob, int threads, bool simd, std::option
   const uint8_t* b = blob_data(info, size);
   Parsed p;
   parse(b, size, p);
-  if (expected_shape &&
-      (expected_shape->size() != p.h.ndim || !std::equal(expected_shape->begin(), expected_shape->end(), p.h.shape)))
-    throw std::invalid_argument("blob holds a tensor of shape " + shape_text(p.h.shape, p.h.ndim) + ", expected " +
-                                shape_text(expected_shape->data(), expected_shape->size()));
+  if (expected_shape) check_shape(p, *expected_shape);
   py::array_t<uint16_t> out = page_backed_array<uint16_t>(p.h.num_values);
   const int status = decode_parsed(b, size, p, out.mutable_data(), threads, simd);
   if (status != kOk) fail(status);
@@ -378,9 +385,10 @@ void register_lossless(py::module_& m) {
         "simd=False forces the portable core (the output is identical)");
   m.def("lossless_shape", &header_shape, py::arg("blob"),
         "validates a blob's header and table; returns the encoded tensor's shape");
-  m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("out"), py::arg("threads") = 0, py::arg("simd") = true,
-        "decodes a blob into out (1-D, 2-byte items, num_values long); ValueError on a bad blob;\n"
-        "simd=False forces the portable core (the AVX2 path is used where the CPU has it)");
+  m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("out"), py::arg("threads"), py::arg("simd"),
+        py::arg("out_shape"),
+        "decodes a blob into out (1-D, 2-byte items, num_values long) whose tensor has out_shape; ValueError\n"
+        "on a bad blob or another shape (checked before writing)");
   m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("threads") = 0, py::arg("simd") = true,
         py::arg("expected_shape") = py::none(),
         "blob -> (new 1-D uint16 array of its bit patterns, shape list); ValueError on a bad blob, or one\n"

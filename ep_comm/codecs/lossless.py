@@ -105,6 +105,32 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
 
 
+def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd: bool = True) -> torch.Tensor:
+    """Decompresses a blob from ``encode`` into ``out`` (no allocation, no copy).
+
+    Args:
+        blob: 1-D uint8 tensor; not modified.
+        out: contiguous bfloat16 CPU tensor of the blob's shape (a blob of another shape is
+            rejected before anything is written); e.g. a slice of rows of a receive buffer.
+        threads, simd: as in :func:`decode`.
+
+    Returns:
+        ``out``, bit-identical to the encoded tensor.
+
+    Raises:
+        ValueError: ``out`` is not a contiguous bf16 CPU tensor; the blob holds another shape, is
+            truncated, corrupted or not a lossless blob (``out``'s contents are then unspecified).
+    """
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.device.type != "cpu" \
+            or not out.is_contiguous():
+        got = f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}" if isinstance(out, torch.Tensor) \
+            else type(out).__name__
+        raise ValueError(f"out must be a contiguous bfloat16 CPU tensor, got {got}")
+    data = _blob_array(blob)
+    _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd, list(out.shape))
+    return out
+
+
 def wire_bytes(blob: torch.Tensor) -> int:
     """Bytes a blob (1-D uint8) occupies on the wire."""
     return int(blob.numel())
