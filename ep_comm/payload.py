@@ -150,7 +150,7 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
     decoded = None
     if codec == "lossless":
         spec = next(f for f in fmt.fields if f.name == payload_field)
-        decoded = torch.empty(total, spec.width, dtype=spec.dtype)
+        decoded = _lossless().empty((total, spec.width))
     offset = row = 0
     for n, nbytes in zip(rows_from, bytes_from):
         if nbytes == 0 and n == 0:  # a masked rank sends nothing at all

@@ -230,6 +230,14 @@ def test_decode_into_rows_of_a_buffer():
     for bad in (torch.empty(5, 96), dest.t()[:, :5].t().contiguous().float(), torch.empty(96, 5).bfloat16().t(), "x"):
         with pytest.raises(ValueError, match="out"):
             lossless.decode_into(blob, bad)
+    # lossless.empty: a destination of any size (huge-page backed from 2 MiB)
+    for shape in ((0, 96), (3, 7), (1536, 1024)):
+        out = lossless.empty(shape)
+        assert out.shape == shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+        x = torch.randn(shape, generator=g).bfloat16()
+        assert torch.equal(bits(lossless.decode_into(lossless.encode(x), out)), bits(x))
+    with pytest.raises(ValueError, match="shape"):
+        lossless.empty((-1, 3))
 
 
 def test_encode_rows_and_shape_of():

@@ -393,6 +393,8 @@ void register_lossless(py::module_& m) {
         py::arg("expected_shape") = py::none(),
         "blob -> (new 1-D uint16 array of its bit patterns, shape list); ValueError on a bad blob, or one\n"
         "declaring another shape than expected_shape (checked before allocating)");
+  m.def("lossless_empty_u16", [](uint64_t count) { return page_backed_array<uint16_t>(count); }, py::arg("count"),
+        "uninitialised 1-D uint16 array; from 2 MiB in its own huge-page mapping (see page_array.h)");
   m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv) {
     return max_blob_bytes(n, ndim, cv);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);

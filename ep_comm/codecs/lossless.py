@@ -105,6 +105,19 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
 
 
+def empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised bfloat16 CPU tensor of ``shape`` for :func:`decode_into`: from 2 MiB its
+    memory is its own mapping with transparent huge pages requested, the memory ``decode`` uses
+    (first-touch faults of 4 KiB pages cost about as much as decoding them)."""
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    values = _lib().lossless_empty_u16(count)
+    return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(tuple(shape))
+
+
 def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd: bool = True) -> torch.Tensor:
     """Decompresses a blob from ``encode`` into ``out`` (no allocation, no copy).
 
