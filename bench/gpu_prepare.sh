@@ -14,9 +14,10 @@ CARRY=.gpu_carry
 mkdir -p $CARRY/ep_comm_cuda
 [ -f $CARRY/tensors.pt ] || $PY bench/codec_bench.py --save-tensors $CARRY/tensors.pt --max-mb 10
 $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
-# tuning variants of the same kernels (gpu_check.sh tests and times each beside the default)
+# tuning variants of the same kernels (gpu_check.sh tests and times each beside the default); by
+# default the decoder's L1 prefetch distances not yet measured on a GPU (EP_CODEC_VARIANTS="" for none)
 rm -f $CARRY/libep_codec_*.so
-for variant in ${EP_CODEC_VARIANTS:-}; do  # e.g. "dec_w8:EP_LOSSLESS_DEC_WARPS=8 hist_atomic:EP_LOSSLESS_HIST_MATCH=0"
+for variant in ${EP_CODEC_VARIANTS-dec_pf256:EP_LOSSLESS_DEC_PREFETCH=256 dec_pf1k:EP_LOSSLESS_DEC_PREFETCH=1024}; do
   $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec_${variant%%:*}.so --arch 90 --define ${variant#*:}
 done
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} EP_COMM_CUDA=1 EP_COMM_CUDA_ARCHS=90 $PY setup.py build_ext --inplace > /dev/null

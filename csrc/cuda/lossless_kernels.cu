@@ -56,6 +56,18 @@ constexpr int kDecUnroll = EP_LOSSLESS_DEC_UNROLL;  // decoder steps unrolled
 #define EP_LOSSLESS_DEC_MIN_BLOCKS (EP_LOSSLESS_FULL_OCCUPANCY ? 64 / EP_LOSSLESS_DEC_WARPS : 1)
 #endif
 constexpr int kDecMinBlocks = EP_LOSSLESS_DEC_MIN_BLOCKS;  // decode
+// > 0: in every decode step, lanes 0 and 1 prefetch into L1 the byte this many bytes ahead of the
+// word and raw-field cursors. Why: a step's word and raw reads are dependent global loads (the
+// word feeds the next step's state), so a warp waits for memory about once per step; 1 GiB
+// decodes in 2.61 ms with every chunk's warp resident, about 2,500 cycles per step. Not yet
+// measured on a GPU (bench/gpu_prepare.sh builds it as a variant beside the default).
+#ifndef EP_LOSSLESS_DEC_PREFETCH
+#define EP_LOSSLESS_DEC_PREFETCH 0
+#endif
+constexpr uint32_t kDecPrefetch = EP_LOSSLESS_DEC_PREFETCH;
+
+// A hint: loads the line holding *p into L1 (generic address of global memory).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
 
 struct ShapeArg {
   uint64_t dims[kMaxDims];
@@ -617,6 +629,13 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
   for (uint32_t t = 0; t < steps; ++t) {
     const uint32_t i = t * kLanes + lane;
     const bool valid = i < cn;
+    if constexpr (kDecPrefetch > 0) {  // within the chunk's streams, so never past the blob
+      if (lane == 0 && num_words > 0) {
+        prefetch_l1(words + min(2u * wpos + kDecPrefetch, 2u * num_words - 1u));
+      } else if (lane == 1 && nraw_bytes > 0) {
+        prefetch_l1(raw + min(kRawBits * rpos / 8 + kDecPrefetch, nraw_bytes - 1u));
+      }
+    }
     const uint32_t slot = x & (kProbScale - 1);
     const uint32_t entry = table.entry[slot];
     uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
