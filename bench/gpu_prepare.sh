@@ -14,11 +14,20 @@ CARRY=.gpu_carry
 mkdir -p $CARRY/ep_comm_cuda
 [ -f $CARRY/tensors.pt ] || $PY bench/codec_bench.py --save-tensors $CARRY/tensors.pt --max-mb 10
 $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
-# tuning variants of the same kernels (gpu_check.sh tests and times each beside the default); by
-# default the decoder's L1 prefetch distances not yet measured on a GPU (EP_CODEC_VARIANTS="" for none)
+# tuning variants of the same kernels (gpu_check.sh tests and times each beside the default):
+# "name:MACRO=value[,MACRO=value...]" separated by spaces. By default the decoder options not yet
+# measured on a GPU: L1 prefetch 256 B / 1 KiB ahead (with L1 left beside shared memory), register windows at 48 and 64 registers
+# (EP_CODEC_VARIANTS="" for none).
 rm -f $CARRY/libep_codec_*.so
-for variant in ${EP_CODEC_VARIANTS-dec_pf256:EP_LOSSLESS_DEC_PREFETCH=256 dec_pf1k:EP_LOSSLESS_DEC_PREFETCH=1024}; do
-  $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec_${variant%%:*}.so --arch 90 --define ${variant#*:}
+default_variants="dec_pf256:EP_LOSSLESS_DEC_PREFETCH=256,EP_LOSSLESS_DEC_CARVEOUT=60"
+default_variants+=" dec_pf1k:EP_LOSSLESS_DEC_PREFETCH=1024,EP_LOSSLESS_DEC_CARVEOUT=60"
+default_variants+=" dec_win48:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
+default_variants+=" dec_win64:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_FULL_OCCUPANCY=0"
+for variant in ${EP_CODEC_VARIANTS-$default_variants}; do
+  defines=()
+  IFS=, read -ra macros <<< "${variant#*:}"
+  for m in "${macros[@]}"; do defines+=(--define "$m"); done
+  $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec_${variant%%:*}.so --arch 90 "${defines[@]}"
 done
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} EP_COMM_CUDA=1 EP_COMM_CUDA_ARCHS=90 $PY setup.py build_ext --inplace > /dev/null
 temp=build/$($PY -c 'import sys, sysconfig; print(f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")')/ep_comm_cuda

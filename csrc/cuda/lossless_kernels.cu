@@ -64,7 +64,20 @@ constexpr int kDecMinBlocks = EP_LOSSLESS_DEC_MIN_BLOCKS;  // decode
 #ifndef EP_LOSSLESS_DEC_PREFETCH
 #define EP_LOSSLESS_DEC_PREFETCH 0
 #endif
+// Shared-memory carveout (percent of the unified L1/shared array) requested for the decoder with
+// EP_LOSSLESS_FULL_OCCUPANCY; 100 (all shared) as measured. Prefetching into L1 needs L1 left: 16
+// resident blocks use 131 KB of shared memory, so 60 leaves about 100 KB of L1.
+#ifndef EP_LOSSLESS_DEC_CARVEOUT
+#define EP_LOSSLESS_DEC_CARVEOUT 100
+#endif
 constexpr uint32_t kDecPrefetch = EP_LOSSLESS_DEC_PREFETCH;
+// 1: the decoder keeps a window of each stream in registers (words: 96, raw fields: 384 bytes,
+// refilled 32 words / 128 bytes at a time with coalesced loads issued steps before use) and serves
+// each lane's word and field by shuffles, so no global load sits between two steps of a state.
+// Not yet run on a GPU (bench/gpu_prepare.sh builds it as a variant beside the default).
+#ifndef EP_LOSSLESS_DEC_WINDOW
+#define EP_LOSSLESS_DEC_WINDOW 0
+#endif
 
 // A hint: loads the line holding *p into L1 (generic address of global memory).
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
@@ -676,6 +689,109 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
+// Word w of a word stream of num_words words, 0 past its end.
+template <bool Aligned>
+__device__ uint32_t word_or_zero(const uint8_t* words, uint32_t num_words, uint32_t w) {
+  return w < num_words ? load_word<Aligned>(words, w) : 0u;
+}
+
+// Bytes [b, b + 4) of a raw-field stream of size bytes as a little-endian u32, zeros past its end.
+__device__ uint32_t raw4_or_zero(const uint8_t* raw, uint32_t size, uint32_t b) {
+  uint32_t v = 0;
+  for (uint32_t k = 0; k < 4; ++k)
+    if (b + k < size) v |= uint32_t(raw[b + k]) << (8 * k);
+  return v;
+}
+
+// Element k < 64 of a window held across the warp in two registers (lane l: elements l, 32 + l).
+// Every lane of the warp must call it.
+__device__ uint32_t window_at(uint32_t first, uint32_t second, uint32_t k) {
+  const uint32_t a = __shfl_sync(kFull, first, k & 31), b = __shfl_sync(kFull, second, k & 31);
+  return k < 32 ? a : b;
+}
+
+// decode_rans_warp with register windows of the two streams (EP_LOSSLESS_DEC_WINDOW): same
+// values, checks and statuses. Word window: words [wb, wb + 96), lane l holding wb + l,
+// wb + 32 + l, wb + 64 + l; wpos - wb < 32 when a step starts, so its words are in the first 64.
+// Raw window: bytes [rb, rb + 384) as u32s, lane l holding those at rb + 4l, + 128, + 256;
+// byte(rpos) - rb < 128 when a step starts, so its fields (<= 24 bytes on) are in the first 256.
+// A step consumes at most 32 words and 24 bytes, so one slide per step restores both bounds; the
+// slid-in registers are read only after the next slide, steps later.
+template <bool Aligned>
+__device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
+                                       const DecodeTable& table, uint16_t* dst, int lane) {
+  const unsigned below = (1u << lane) - 1u;
+  uint32_t x = load_le<uint32_t>(payload + 4 * lane);
+  if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
+  const uint8_t* words = payload + kStateBytes;
+  const uint8_t* raw = words + 2ull * e.num_words;
+  const uint32_t num_words = e.num_words, num_raw = e.num_raw;
+  const uint32_t nraw_bytes = static_cast<uint32_t>(raw_bytes(num_raw));
+  const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
+  const uint32_t l = static_cast<uint32_t>(lane);
+  uint32_t wb = 0, w0 = word_or_zero<Aligned>(words, num_words, l),
+           w1 = word_or_zero<Aligned>(words, num_words, 32 + l), w2 = word_or_zero<Aligned>(words, num_words, 64 + l);
+  uint32_t rb = 0, r0 = raw4_or_zero(raw, nraw_bytes, 4 * l), r1 = raw4_or_zero(raw, nraw_bytes, 128 + 4 * l),
+           r2 = raw4_or_zero(raw, nraw_bytes, 256 + 4 * l);
+  uint32_t wpos = 0, rpos = 0, checksum = 0;
+  bool bad = false;
+  const uint32_t steps = (cn + kLanes - 1) / kLanes;
+  for (uint32_t t = 0; t < steps; ++t) {
+    const uint32_t i = t * kLanes + l;
+    const bool valid = i < cn;
+    const uint32_t slot = x & (kProbScale - 1);
+    const uint32_t entry = table.entry[slot];
+    uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
+    const bool zero = slot - zero_start < zero_freq;
+    const bool need = valid && y < kStateLow;
+    const unsigned wmask = __ballot_sync(kFull, need);
+    const uint32_t wp = wpos + __popc(wmask & below);
+    const uint32_t word = window_at(w0, w1, wp - wb);
+    if (need) {
+      if (wp < num_words) y = (y << 16) | word;
+      else bad = true;
+    }
+    wpos += __popc(wmask);
+    const bool has_raw = valid && !zero;
+    const unsigned rmask = __ballot_sync(kFull, has_raw);
+    const uint32_t rp = rpos + __popc(rmask & below);
+    const uint32_t bit = kRawBits * rp - 8 * rb;  // from the window's start; < 1218
+    const uint32_t lo = window_at(r0, r1, bit >> 5), hi = window_at(r0, r1, (bit >> 5) + 1);
+    uint32_t v = 0;
+    if (has_raw) {
+      if (rp < num_raw) {  // read_raw_field, join_value
+        const uint64_t both = (uint64_t(hi) << 32) | lo;
+        v = (entry_hi10(entry) << kRawBits) | (static_cast<uint32_t>(both >> (bit & 31)) & kRawMask);
+      } else {
+        bad = true;
+      }
+    }
+    rpos += __popc(rmask);
+    if (valid) {
+      x = y;
+      dst[i] = static_cast<uint16_t>(v);
+      checksum += checksum_term(static_cast<uint16_t>(v), i);
+    }
+    if (wpos - wb >= 32) {  // warp-uniform
+      w0 = w1;
+      w1 = w2;
+      wb += 32;
+      w2 = word_or_zero<Aligned>(words, num_words, wb + 64 + l);
+    }
+    if ((kRawBits * rpos >> 3) - rb >= 128) {
+      r0 = r1;
+      r1 = r2;
+      rb += 128;
+      r2 = raw4_or_zero(raw, nraw_bytes, rb + 256 + 4 * l);
+    }
+  }
+  if (__any_sync(kFull, bad)) return kErrStream;
+  // finish_chunk's checks, in its order
+  if (wpos != num_words || rpos != num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
+  if (!raw_tail_zero(payload, e)) return kErrPadding;
+  return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+
 template <bool Aligned>
 __global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws,
                                                                const int* status) {
@@ -704,7 +820,8 @@ __global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel(c
     int st = kErrPadding;
     if (!__any_sync(kFull, bad))
       st = e.mode == kModeRaw ? decode_raw_warp(payload, e, cn, dst, lane)
-                              : decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane);
+                              : (EP_LOSSLESS_DEC_WINDOW ? decode_rans_warp_window<Aligned>(payload, e, cn, table, dst, lane)
+                                                        : decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane));
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }
 }
@@ -792,9 +909,9 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
     // payload offsets are multiples of 4: 2-byte word loads when the blob is 2-byte aligned
     if (EP_LOSSLESS_FULL_OCCUPANCY) {
       cudaFuncSetAttribute(decode_kernel<true>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared);
+                           EP_LOSSLESS_DEC_CARVEOUT);
       cudaFuncSetAttribute(decode_kernel<false>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared);
+                           EP_LOSSLESS_DEC_CARVEOUT);
     }
     if ((reinterpret_cast<uintptr_t>(blob) & 1) == 0)
       decode_kernel<true><<<grid, 32 * kDecWarps, 0, stream>>>(blob, out, ws, status);
