@@ -144,6 +144,31 @@ def test_large_output_owns_its_memory():
     assert torch.equal(bits(view), bits(x[5:9])), "a view keeps the mapping alive"
 
 
+def test_simd_and_portable_decoders_report_the_same_error():
+    """Corrupted blobs get the same ValueError message from the AVX2 and the portable decoder
+    (the GPU decoder mirrors the portable one, and the GPU tests compare its statuses with the
+    host's): single-byte damage anywhere past the header of a blob whose table has +0.0 while
+    most chunks have none (those take the AVX2 path without zero tests)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(8 * 1024, generator=g).bfloat16()
+    x[100:140] = 0  # zeros in the first chunk only: the table has the +0.0 symbol
+    blob = lossless.encode(x, chunk_values=1024)
+    header = 32 + 8 + 4 * (int(blob[6]) | int(blob[7]) << 8)
+    seen = set()
+    for trial in range(300):
+        bad = blob.clone()
+        pos = int(torch.randint(header, blob.numel(), (1,), generator=g))
+        bad[pos] ^= int(torch.randint(1, 256, (1,), generator=g))
+        messages = []
+        for simd in (True, False):
+            with pytest.raises(ValueError) as error:
+                lossless.decode(bad, simd=simd)
+            messages.append(str(error.value))
+        assert messages[0] == messages[1], (trial, pos, messages)
+        seen.add(messages[1])
+    assert len(seen) >= 3, seen
+
+
 def test_normal_data_compresses():
     x = (torch.randn(64, 7168, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     blob = assert_round_trip(x)

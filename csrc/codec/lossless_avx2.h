@@ -163,11 +163,14 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
 // Same result as decode_chunk (AVX2 steps, then the portable core for the rest and the checks).
 inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
                              uint16_t* out) {
-  // a chunk without +0.0 (every value has a raw field) takes the path without zero tests, also
-  // when other chunks of the blob hold zeros (the results are the same: no zero slot is decoded)
-  const bool chunk_has_zero = table.zero_freq != 0 && e.num_raw != n;
-  return chunk_has_zero ? decode_chunk_avx2_impl<true>(payload, e, n, table, out)
-                        : decode_chunk_avx2_impl<false>(payload, e, n, table, out);
+  if (table.zero_freq == 0) return decode_chunk_avx2_impl<false>(payload, e, n, table, out);  // no zero slot
+  if (e.num_raw != n) return decode_chunk_avx2_impl<true>(payload, e, n, table, out);
+  // A chunk without +0.0 (every value has a raw field) while other chunks hold some: the path
+  // without zero tests decodes it exactly unless the chunk is corrupted and a zero slot comes up,
+  // which that path cannot see; so a failure is decoded again with the zero tests, for the status
+  // the portable core (and the GPU decoder) reports.
+  const int status = decode_chunk_avx2_impl<false>(payload, e, n, table, out);
+  return status == kOk ? status : decode_chunk_avx2_impl<true>(payload, e, n, table, out);
 }
 
 // compress[mask][p]: source lane of output slot p when the lanes in mask are packed at the top
