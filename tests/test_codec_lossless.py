@@ -169,6 +169,34 @@ def test_simd_and_portable_decoders_report_the_same_error():
     assert len(seen) >= 3, seen
 
 
+def test_crafted_chunk_hiding_its_zeros_is_rejected():
+    """A chunk whose directory claims no +0.0 (a raw field per value, zeros given the field 0)
+    while its symbols include +0.0: every check but the raw-field count would pass on a decoder
+    that took the directory's word for it; both host decoders (and the GPU's, which mirrors the
+    portable one) report a corrupted stream."""
+    import struct
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g).bfloat16()
+    x[::7] = 0
+    blob = bytearray(lossless.encode(x, chunk_values=1024).numpy().tobytes())
+    entries = struct.unpack_from("<H", blob, 6)[0]
+    directory = (32 + 8 * blob[5] + 4 * entries + 3) & ~3
+    mode, num_words, num_raw, checksum = struct.unpack_from("<4I", blob, directory)
+    values = bits(x).numpy().astype("uint16")
+    assert mode == 0 and num_raw == int((values != 0).sum()) < 1024
+    packed = 0
+    for k, v in enumerate(values):
+        packed |= (int(v) & 63) << (6 * k)
+    start = directory + 16
+    payload = bytes(blob[start:start + 128 + 2 * num_words]) + packed.to_bytes(6 * 1024 // 8, "little")
+    payload += b"\0" * (-len(payload) % 4)
+    crafted = bytes(blob[:directory]) + struct.pack("<4I", 0, num_words, 1024, checksum) + payload
+    for simd in (True, False):
+        with pytest.raises(ValueError, match="corrupted entropy-coded stream"):
+            lossless.decode(torch.frombuffer(bytearray(crafted), dtype=torch.uint8), simd=simd)
+
+
 def test_normal_data_compresses():
     x = (torch.randn(64, 7168, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     blob = assert_round_trip(x)

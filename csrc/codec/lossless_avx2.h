@@ -81,10 +81,14 @@ struct StreamTail {
 // reports it.
 // kHasZero = false (the chunk holds no +0.0, as most activation and weight chunks) drops the zero
 // tests: every lane then takes the next raw field, 8 fields = 6 bytes per 8 lanes.
-template <bool kHasZero>
+// kFlagZeroHi (with kHasZero = false) sets saw_zero_hi when a SIMD step decoded a symbol whose top
+// 10 value bits are zero: a +0.0 slot, which that path cannot tell apart, or the subnormals
+// 0x0001-0x003F (one vector compare per 8 lanes).
+template <bool kHasZero, bool kFlagZeroHi = false>
 __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const uint8_t* payload, const ChunkEntry& e,
                                                                         uint32_t n, const DecodeTable& table,
-                                                                        uint16_t* out) {
+                                                                        uint16_t* out, bool* saw_zero_hi = nullptr) {
+  __m256i zero_hi = _mm256_setzero_si256();
   alignas(32) uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;
   const uint8_t* words = payload + kStateBytes;
@@ -148,6 +152,7 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
         const uint64_t fields = unpack6x8(load_le<uint64_t>(raw_src + (uint64_t(rpos) / 8 * 6 - raw_skip)));  // rpos % 8 == 0
         rpos += 8;
         value[j] = _mm256_or_si256(hi, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(fields))));
+        if constexpr (kFlagZeroHi) zero_hi = _mm256_or_si256(zero_hi, _mm256_cmpeq_epi32(hi, zero));
       }
     }
     for (int j = 0; j < 4; j += 2) {
@@ -156,6 +161,7 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
     }
   }
   for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(states + 8 * j), x[j]);
+  if constexpr (kFlagZeroHi) *saw_zero_hi = !_mm256_testz_si256(zero_hi, zero_hi);
   const int status = decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos, false);
   return status == kOk && chunk_checksum_avx2(out, n) != e.checksum ? int(kErrChecksum) : status;
 }
@@ -165,12 +171,15 @@ inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e, uint32
                              uint16_t* out) {
   if (table.zero_freq == 0) return decode_chunk_avx2_impl<false>(payload, e, n, table, out);  // no zero slot
   if (e.num_raw != n) return decode_chunk_avx2_impl<true>(payload, e, n, table, out);
-  // A chunk without +0.0 (every value has a raw field) while other chunks hold some: the path
-  // without zero tests decodes it exactly unless the chunk is corrupted and a zero slot comes up,
-  // which that path cannot see; so a failure is decoded again with the zero tests, for the status
-  // the portable core (and the GPU decoder) reports.
-  const int status = decode_chunk_avx2_impl<false>(payload, e, n, table, out);
-  return status == kOk ? status : decode_chunk_avx2_impl<true>(payload, e, n, table, out);
+  // The directory says the chunk has no +0.0 (a raw field per value) while other chunks have
+  // some: the path without zero tests is exact unless a +0.0 slot comes up, which only a corrupted
+  // or crafted chunk can produce and which that path would decode as a value with a raw field
+  // (a blob can even be crafted so that this passes every check). So it flags any decoded symbol
+  // with zero top bits, and a flagged or failed chunk is decoded again with the zero tests: the
+  // result and status are then the portable core's (and the GPU decoder's).
+  bool saw_zero_hi = false;
+  const int status = decode_chunk_avx2_impl<false, true>(payload, e, n, table, out, &saw_zero_hi);
+  return status == kOk && !saw_zero_hi ? status : decode_chunk_avx2_impl<true>(payload, e, n, table, out);
 }
 
 // compress[mask][p]: source lane of output slot p when the lanes in mask are packed at the top
