@@ -620,6 +620,46 @@ __device__ uint32_t load_word(const uint8_t* words, uint32_t w) {
   return load_le<uint16_t>(words + 2ull * w);
 }
 
+// The streams of a rANS chunk's payload (layout in lossless_core.h).
+struct RansStreams {
+  const uint8_t* words;
+  const uint8_t* raw;
+  uint32_t num_words, num_raw, nraw_bytes;
+  __device__ RansStreams(const uint8_t* payload, const ChunkEntry& e)
+      : words(payload + kStateBytes), raw(payload + kStateBytes + 2ull * e.num_words), num_words(e.num_words),
+        num_raw(e.num_raw), nraw_bytes(static_cast<uint32_t>(raw_bytes(e.num_raw))) {}
+};
+
+// One lane's decode step before renormalisation (dec_step): the slot's table entry, the new
+// state, and whether the slot is +0.0's.
+struct DecStep {
+  uint32_t entry;
+  uint32_t y;
+  bool zero;
+};
+__device__ DecStep dec_state_step(uint32_t x, const DecodeTable& table, uint32_t zero_start, uint32_t zero_freq) {
+  const uint32_t slot = x & (kProbScale - 1);
+  const uint32_t entry = table.entry[slot];
+  return DecStep{entry, entry_freq(entry) * (x >> kProbBits) + entry_bias(entry), slot - zero_start < zero_freq};
+}
+
+// A valid lane's end of step: the renormalised state y, value v stored at dst[i] and checksummed.
+__device__ void keep_value(uint32_t& x, uint32_t y, uint32_t v, uint32_t i, uint16_t* dst, uint32_t& checksum) {
+  x = y;
+  dst[i] = static_cast<uint16_t>(v);
+  checksum += checksum_term(static_cast<uint16_t>(v), i);
+}
+
+// The end of a warp-decoded rANS chunk: a read past a stream (bad), then finish_chunk's checks in
+// its order; the same status in every lane.
+__device__ int finish_rans_warp(const uint8_t* payload, const ChunkEntry& e, bool bad, uint32_t wpos, uint32_t rpos,
+                                uint32_t x, uint32_t checksum) {
+  if (__any_sync(kFull, bad)) return kErrStream;
+  if (wpos != e.num_words || rpos != e.num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
+  if (!raw_tail_zero(payload, e)) return kErrPadding;
+  return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+
 // A rANS chunk with the checks and statuses of decode_chunk (lane l holds state l; the words and
 // raw fields of a step go to its lanes in lane order, as in the sequential loop). Every read is
 // bounded by the chunk's counts; a read that would pass them marks the chunk bad (kErrStream,
@@ -630,10 +670,7 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
-  const uint8_t* words = payload + kStateBytes;
-  const uint8_t* raw = words + 2ull * e.num_words;
-  const uint32_t num_words = e.num_words, num_raw = e.num_raw;
-  const uint32_t nraw_bytes = static_cast<uint32_t>(raw_bytes(num_raw));
+  const RansStreams st(payload, e);
   const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
   uint32_t wpos = 0, rpos = 0, checksum = 0;
   bool bad = false;
@@ -643,21 +680,21 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
     const uint32_t i = t * kLanes + lane;
     const bool valid = i < cn;
     if constexpr (kDecPrefetch > 0) {  // within the chunk's streams, so never past the blob
-      if (lane == 0 && num_words > 0) {
-        prefetch_l1(words + min(2u * wpos + kDecPrefetch, 2u * num_words - 1u));
-      } else if (lane == 1 && nraw_bytes > 0) {
-        prefetch_l1(raw + min(kRawBits * rpos / 8 + kDecPrefetch, nraw_bytes - 1u));
+      if (lane == 0 && st.num_words > 0) {
+        prefetch_l1(st.words + min(2u * wpos + kDecPrefetch, 2u * st.num_words - 1u));
+      } else if (lane == 1 && st.nraw_bytes > 0) {
+        prefetch_l1(st.raw + min(kRawBits * rpos / 8 + kDecPrefetch, st.nraw_bytes - 1u));
       }
     }
-    const uint32_t slot = x & (kProbScale - 1);
-    const uint32_t entry = table.entry[slot];
-    uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
-    const bool zero = slot - zero_start < zero_freq;
+    const DecStep d = dec_state_step(x, table, zero_start, zero_freq);
+    const uint32_t entry = d.entry;
+    uint32_t y = d.y;
+    const bool zero = d.zero;
     const bool need = valid && y < kStateLow;
     const unsigned wmask = __ballot_sync(kFull, need);
     if (need) {
       const uint32_t p = wpos + __popc(wmask & below);
-      if (p < num_words) y = (y << 16) | load_word<Aligned>(words, p);
+      if (p < st.num_words) y = (y << 16) | load_word<Aligned>(st.words, p);
       else bad = true;
     }
     wpos += __popc(wmask);
@@ -666,27 +703,19 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
     uint32_t v = 0;
     if (has_raw) {
       const uint32_t p = rpos + __popc(rmask & below);
-      if (p < num_raw) {  // read_raw_field
+      if (p < st.num_raw) {  // read_raw_field
         const uint32_t bit = kRawBits * p, b = bit >> 3;
-        uint32_t w = raw[b];
-        if (b + 1 < nraw_bytes) w |= uint32_t(raw[b + 1]) << 8;
+        uint32_t w = st.raw[b];
+        if (b + 1 < st.nraw_bytes) w |= uint32_t(st.raw[b + 1]) << 8;
         v = (entry_hi10(entry) << kRawBits) | ((w >> (bit & 7)) & kRawMask);  // join_value
       } else {
         bad = true;
       }
     }
     rpos += __popc(rmask);
-    if (valid) {
-      x = y;
-      dst[i] = static_cast<uint16_t>(v);
-      checksum += checksum_term(static_cast<uint16_t>(v), i);
-    }
+    if (valid) keep_value(x, y, v, i, dst, checksum);
   }
-  if (__any_sync(kFull, bad)) return kErrStream;
-  // finish_chunk's checks, in its order
-  if (wpos != num_words || rpos != num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
-  if (!raw_tail_zero(payload, e)) return kErrPadding;
-  return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+  return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
 }
 
 // Word w of a word stream of num_words words, 0 past its end.
@@ -723,32 +752,29 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
-  const uint8_t* words = payload + kStateBytes;
-  const uint8_t* raw = words + 2ull * e.num_words;
-  const uint32_t num_words = e.num_words, num_raw = e.num_raw;
-  const uint32_t nraw_bytes = static_cast<uint32_t>(raw_bytes(num_raw));
+  const RansStreams st(payload, e);
   const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
   const uint32_t l = static_cast<uint32_t>(lane);
-  uint32_t wb = 0, w0 = word_or_zero<Aligned>(words, num_words, l),
-           w1 = word_or_zero<Aligned>(words, num_words, 32 + l), w2 = word_or_zero<Aligned>(words, num_words, 64 + l);
-  uint32_t rb = 0, r0 = raw4_or_zero(raw, nraw_bytes, 4 * l), r1 = raw4_or_zero(raw, nraw_bytes, 128 + 4 * l),
-           r2 = raw4_or_zero(raw, nraw_bytes, 256 + 4 * l);
+  uint32_t wb = 0, w0 = word_or_zero<Aligned>(st.words, st.num_words, l),
+           w1 = word_or_zero<Aligned>(st.words, st.num_words, 32 + l), w2 = word_or_zero<Aligned>(st.words, st.num_words, 64 + l);
+  uint32_t rb = 0, r0 = raw4_or_zero(st.raw, st.nraw_bytes, 4 * l), r1 = raw4_or_zero(st.raw, st.nraw_bytes, 128 + 4 * l),
+           r2 = raw4_or_zero(st.raw, st.nraw_bytes, 256 + 4 * l);
   uint32_t wpos = 0, rpos = 0, checksum = 0;
   bool bad = false;
   const uint32_t steps = (cn + kLanes - 1) / kLanes;
   for (uint32_t t = 0; t < steps; ++t) {
     const uint32_t i = t * kLanes + l;
     const bool valid = i < cn;
-    const uint32_t slot = x & (kProbScale - 1);
-    const uint32_t entry = table.entry[slot];
-    uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
-    const bool zero = slot - zero_start < zero_freq;
+    const DecStep d = dec_state_step(x, table, zero_start, zero_freq);
+    const uint32_t entry = d.entry;
+    uint32_t y = d.y;
+    const bool zero = d.zero;
     const bool need = valid && y < kStateLow;
     const unsigned wmask = __ballot_sync(kFull, need);
     const uint32_t wp = wpos + __popc(wmask & below);
     const uint32_t word = window_at(w0, w1, wp - wb);
     if (need) {
-      if (wp < num_words) y = (y << 16) | word;
+      if (wp < st.num_words) y = (y << 16) | word;
       else bad = true;
     }
     wpos += __popc(wmask);
@@ -759,7 +785,7 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
     const uint32_t lo = window_at(r0, r1, bit >> 5), hi = window_at(r0, r1, (bit >> 5) + 1);
     uint32_t v = 0;
     if (has_raw) {
-      if (rp < num_raw) {  // read_raw_field, join_value
+      if (rp < st.num_raw) {  // read_raw_field, join_value
         const uint64_t both = (uint64_t(hi) << 32) | lo;
         v = (entry_hi10(entry) << kRawBits) | (static_cast<uint32_t>(both >> (bit & 31)) & kRawMask);
       } else {
@@ -767,29 +793,21 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
       }
     }
     rpos += __popc(rmask);
-    if (valid) {
-      x = y;
-      dst[i] = static_cast<uint16_t>(v);
-      checksum += checksum_term(static_cast<uint16_t>(v), i);
-    }
+    if (valid) keep_value(x, y, v, i, dst, checksum);
     if (wpos - wb >= 32) {  // warp-uniform
       w0 = w1;
       w1 = w2;
       wb += 32;
-      w2 = word_or_zero<Aligned>(words, num_words, wb + 64 + l);
+      w2 = word_or_zero<Aligned>(st.words, st.num_words, wb + 64 + l);
     }
     if ((kRawBits * rpos >> 3) - rb >= 128) {
       r0 = r1;
       r1 = r2;
       rb += 128;
-      r2 = raw4_or_zero(raw, nraw_bytes, rb + 256 + 4 * l);
+      r2 = raw4_or_zero(st.raw, st.nraw_bytes, rb + 256 + 4 * l);
     }
   }
-  if (__any_sync(kFull, bad)) return kErrStream;
-  // finish_chunk's checks, in its order
-  if (wpos != num_words || rpos != num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
-  if (!raw_tail_zero(payload, e)) return kErrPadding;
-  return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+  return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
 }
 
 template <bool Aligned>
