@@ -289,8 +289,13 @@ def test_decode_into_rows_of_a_buffer():
         assert out.shape == shape and out.dtype == torch.bfloat16 and out.is_contiguous()
         x = torch.randn(shape, generator=g).bfloat16()
         assert torch.equal(bits(lossless.decode_into(lossless.encode(x), out)), bits(x))
-    with pytest.raises(ValueError, match="shape"):
-        lossless.empty((-1, 3))
+    for bad_shape in ((-1, 3), (2**64, 1), (2**49,), "3", (2.0,)):
+        with pytest.raises(ValueError, match="shape"):
+            lossless.empty(bad_shape)
+        with pytest.raises(ValueError, match="expected_shape"):
+            lossless.decode(blob, expected_shape=bad_shape)
+    with pytest.raises(ValueError, match="requires_grad"):
+        lossless.decode_into(blob, torch.zeros(5, 96, dtype=torch.bfloat16, requires_grad=True))
 
 
 def test_encode_rows_and_shape_of():

@@ -29,6 +29,12 @@ DEFAULT_CHUNK_VALUES = 65536
 MAX_DIMENSION = 1 << 48
 
 
+def _is_shape(shape: object) -> bool:
+    """A tuple/list/Size of ints in [0, MAX_DIMENSION] (what a blob header can hold)."""
+    return isinstance(shape, (tuple, list, torch.Size)) and all(
+        isinstance(d, int) and 0 <= d <= MAX_DIMENSION for d in shape)
+
+
 def _lib():
     if _host is None:
         raise RuntimeError("ep_comm._host is not built: run `python setup.py build_ext --inplace`")
@@ -96,9 +102,8 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
     """
     data = _blob_array(blob)
     if expected_shape is not None:
-        if not isinstance(expected_shape, (tuple, list, torch.Size)) or not all(
-                isinstance(d, int) and d >= 0 for d in expected_shape):
-            raise ValueError(f"expected_shape must be a tuple of non-negative ints, got {expected_shape!r}")
+        if not _is_shape(expected_shape):
+            raise ValueError(f"expected_shape must be a tuple of ints in [0, 2**48], got {expected_shape!r}")
         expected_shape = list(expected_shape)
     # one C++ call: parse, check the shape, allocate, decode
     values, shape = _lib().lossless_decode(data, threads, simd, expected_shape)  # 1-D uint16 bit patterns
@@ -109,8 +114,8 @@ def empty(shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised bfloat16 CPU tensor of ``shape`` for :func:`decode_into`: from 2 MiB its
     memory is its own mapping with transparent huge pages requested, the memory ``decode`` uses
     (first-touch faults of 4 KiB pages cost about as much as decoding them)."""
-    if not isinstance(shape, (tuple, list, torch.Size)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+    if not _is_shape(shape):
+        raise ValueError(f"shape must be a tuple of ints in [0, 2**48], got {shape!r}")
     count = 1
     for d in shape:
         count *= d
@@ -135,10 +140,10 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
             truncated, corrupted or not a lossless blob (``out``'s contents are then unspecified).
     """
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.device.type != "cpu" \
-            or not out.is_contiguous():
-        got = f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}" if isinstance(out, torch.Tensor) \
-            else type(out).__name__
-        raise ValueError(f"out must be a contiguous bfloat16 CPU tensor, got {got}")
+            or not out.is_contiguous() or out.requires_grad:
+        got = (f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}, requires_grad={out.requires_grad}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"out must be a contiguous bfloat16 CPU tensor that does not require grad, got {got}")
     data = _blob_array(blob)
     _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd, list(out.shape))
     return out
