@@ -631,16 +631,19 @@ struct RansStreams {
 };
 
 // One lane's decode step before renormalisation (dec_step): the slot's table entry, the new
-// state, and whether the slot is +0.0's.
+// state y, whether the slot is +0.0's, and whether a valid lane needs a word (renormalisation).
 struct DecStep {
   uint32_t entry;
   uint32_t y;
   bool zero;
+  bool need;
 };
-__device__ DecStep dec_state_step(uint32_t x, const DecodeTable& table, uint32_t zero_start, uint32_t zero_freq) {
+__device__ DecStep dec_state_step(uint32_t x, bool valid, const DecodeTable& table, uint32_t zero_start,
+                                  uint32_t zero_freq) {
   const uint32_t slot = x & (kProbScale - 1);
   const uint32_t entry = table.entry[slot];
-  return DecStep{entry, entry_freq(entry) * (x >> kProbBits) + entry_bias(entry), slot - zero_start < zero_freq};
+  const uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
+  return DecStep{entry, y, slot - zero_start < zero_freq, valid && y < kStateLow};
 }
 
 // A valid lane's end of step: the renormalised state y, value v stored at dst[i] and checksummed.
@@ -686,19 +689,15 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
         prefetch_l1(st.raw + min(kRawBits * rpos / 8 + kDecPrefetch, st.nraw_bytes - 1u));
       }
     }
-    const DecStep d = dec_state_step(x, table, zero_start, zero_freq);
-    const uint32_t entry = d.entry;
-    uint32_t y = d.y;
-    const bool zero = d.zero;
-    const bool need = valid && y < kStateLow;
-    const unsigned wmask = __ballot_sync(kFull, need);
-    if (need) {
+    DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq);
+    const unsigned wmask = __ballot_sync(kFull, d.need);
+    if (d.need) {
       const uint32_t p = wpos + __popc(wmask & below);
-      if (p < st.num_words) y = (y << 16) | load_word<Aligned>(st.words, p);
+      if (p < st.num_words) d.y = (d.y << 16) | load_word<Aligned>(st.words, p);
       else bad = true;
     }
     wpos += __popc(wmask);
-    const bool has_raw = valid && !zero;
+    const bool has_raw = valid && !d.zero;
     const unsigned rmask = __ballot_sync(kFull, has_raw);
     uint32_t v = 0;
     if (has_raw) {
@@ -707,13 +706,13 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
         const uint32_t bit = kRawBits * p, b = bit >> 3;
         uint32_t w = st.raw[b];
         if (b + 1 < st.nraw_bytes) w |= uint32_t(st.raw[b + 1]) << 8;
-        v = (entry_hi10(entry) << kRawBits) | ((w >> (bit & 7)) & kRawMask);  // join_value
+        v = (entry_hi10(d.entry) << kRawBits) | ((w >> (bit & 7)) & kRawMask);  // join_value
       } else {
         bad = true;
       }
     }
     rpos += __popc(rmask);
-    if (valid) keep_value(x, y, v, i, dst, checksum);
+    if (valid) keep_value(x, d.y, v, i, dst, checksum);
   }
   return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
 }
@@ -765,20 +764,16 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
   for (uint32_t t = 0; t < steps; ++t) {
     const uint32_t i = t * kLanes + l;
     const bool valid = i < cn;
-    const DecStep d = dec_state_step(x, table, zero_start, zero_freq);
-    const uint32_t entry = d.entry;
-    uint32_t y = d.y;
-    const bool zero = d.zero;
-    const bool need = valid && y < kStateLow;
-    const unsigned wmask = __ballot_sync(kFull, need);
+    DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq);
+    const unsigned wmask = __ballot_sync(kFull, d.need);
     const uint32_t wp = wpos + __popc(wmask & below);
     const uint32_t word = window_at(w0, w1, wp - wb);
-    if (need) {
-      if (wp < st.num_words) y = (y << 16) | word;
+    if (d.need) {
+      if (wp < st.num_words) d.y = (d.y << 16) | word;
       else bad = true;
     }
     wpos += __popc(wmask);
-    const bool has_raw = valid && !zero;
+    const bool has_raw = valid && !d.zero;
     const unsigned rmask = __ballot_sync(kFull, has_raw);
     const uint32_t rp = rpos + __popc(rmask & below);
     const uint32_t bit = kRawBits * rp - 8 * rb;  // from the window's start; < 1218
@@ -787,13 +782,13 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
     if (has_raw) {
       if (rp < st.num_raw) {  // read_raw_field, join_value
         const uint64_t both = (uint64_t(hi) << 32) | lo;
-        v = (entry_hi10(entry) << kRawBits) | (static_cast<uint32_t>(both >> (bit & 31)) & kRawMask);
+        v = (entry_hi10(d.entry) << kRawBits) | (static_cast<uint32_t>(both >> (bit & 31)) & kRawMask);
       } else {
         bad = true;
       }
     }
     rpos += __popc(rmask);
-    if (valid) keep_value(x, y, v, i, dst, checksum);
+    if (valid) keep_value(x, d.y, v, i, dst, checksum);
     if (wpos - wb >= 32) {  // warp-uniform
       w0 = w1;
       w1 = w2;
