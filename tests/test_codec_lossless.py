@@ -101,6 +101,25 @@ def test_long_zero_runs_compress():
     assert assert_round_trip(x).numel() < 0.80 * raw
 
 
+@pytest.mark.parametrize("chunk_values", [32, 96, 1024])
+def test_chunks_with_and_without_zeros_at_every_offset(chunk_values):
+    """The encoder's first pass counts each chunk's +0.0 values; chunks with none take the vector
+    field packer (32 values per step, then a scalar tail), the others the compacting one. Lengths
+    around multiples of 32 and one +0.0 at offsets across a chunk, on both sides of the paths:
+    same bytes as the portable core, values back exactly."""
+    g = torch.Generator().manual_seed(11)
+    for n in (31, 32, 33, 63, 64, 65, 95, 97, 1000, 1023, 1025, 3 * 1024 + 7):
+        x = torch.randn(n, generator=g).bfloat16()
+        x[x.view(torch.int16) == 0] = 1.0  # no +0.0: every chunk takes the packing path
+        assert_round_trip(x, chunk_values=chunk_values)
+        for pos in sorted({0, 1, 31, 32, n // 2, n - 33, n - 1} & set(range(n))):
+            y = x.clone()
+            y[pos] = 0.0
+            assert_round_trip(y, chunk_values=chunk_values)
+            y[pos] = -0.0  # a raw field like any other value
+            assert_round_trip(y, chunk_values=chunk_values)
+
+
 def test_short_streams_near_chunk_ends():
     """Chunks whose word or raw-field streams end early (all +0.0, a few non-zero values, zeros
     only at the start or end) are decoded by the SIMD decoder from padded stream tails: same

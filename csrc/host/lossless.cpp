@@ -63,21 +63,25 @@ uint64_t scratch_bytes(uint32_t cv) {
 
 // Codes chunk values v[0, n) in `scratch` (scratch_bytes(n) bytes); returns the payload's first
 // byte (payload_bytes(e, n) bytes: in scratch, or v itself for a chunk stored raw) and fills `e`.
+// AVX2 path: `simd_tables` is a SimdEncTables and `simd_survey` the chunk's ChunkSurvey from pass 1
+// (checksum, +0.0 count); the portable path (simd_survey == nullptr) computes them itself.
 const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms, const void* simd_tables,
-                               bool use_simd, uint8_t* scratch, ChunkEntry& e) {
+                               const void* simd_survey, uint8_t* scratch, ChunkEntry& e) {
   uint16_t* words_end = reinterpret_cast<uint16_t*>(scratch + kStateBytes) + kSlackWords + n;
   uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
   uint32_t states[kLanes];
   e.mode = kModeRans;
 #if defined(__x86_64__)
-  if (use_simd) {
-    e.checksum = split_chunk_avx2(v, n, raw, e.num_raw);
+  if (simd_survey != nullptr) {
+    const ChunkSurvey& survey = *static_cast<const ChunkSurvey*>(simd_survey);
+    e.checksum = survey.checksum;
+    e.num_raw = split_fields_avx2(v, n, survey.zeros, raw);
     e.num_words = rans_encode_chunk_avx2(v, n, syms, *static_cast<const SimdEncTables*>(simd_tables), states, words_end);
   } else
 #endif
   {
     (void)simd_tables;
-    (void)use_simd;
+    (void)simd_survey;
     encode_chunk(v, n, syms, states, words_end, raw, e);
   }
   if (payload_bytes(e, n) >= 2ull * n) {  // rANS does not shrink it: stored raw
@@ -131,9 +135,13 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       const uint64_t b = uint64_t(c) * cv;
       return static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
     };
-    // pass 1: the symbol histogram, per block of consecutive chunks (a few blocks per thread)
+    // pass 1: the symbol histogram (and, AVX2 path, each chunk's checksum and +0.0 count), per
+    // block of consecutive chunks (a few blocks per thread)
     const int64_t num_blocks = std::min<int64_t>(int64_t(num_chunks), 4 * int64_t(nt));
     std::vector<uint64_t> hist(uint64_t(num_blocks) * kNumSymbols, 0);
+#if defined(__x86_64__)
+    std::vector<ChunkSurvey> surveys(use_simd ? num_chunks : 0);
+#endif
     parallel_for(num_blocks, nt, [&](int64_t block) {
       uint64_t* h = hist.data() + uint64_t(block) * kNumSymbols;
 #if defined(__x86_64__)
@@ -145,7 +153,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         const uint32_t n = chunk_n(c);
 #if defined(__x86_64__)
         if (use_simd) {
-          count_symbols_avx2(cv_values, n, *simd_hist, h);
+          surveys[c] = survey_chunk_avx2(cv_values, n, *simd_hist, h);
           continue;
         }
 #endif
@@ -185,7 +193,11 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     parallel_for_workers(int64_t(num_chunks), nt, [&](int worker, int64_t c) {
       const uint32_t n = chunk_n(c);
       ChunkEntry& e = dir[c];
-      const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, use_simd,
+      const void* survey = nullptr;
+#if defined(__x86_64__)
+      if (use_simd) survey = &surveys[uint64_t(c)];
+#endif
+      const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, survey,
                                                scratch.data() + scratch_stride * uint64_t(worker), e);
       uint64_t begin = data_off;
       if (c > 0)
