@@ -101,6 +101,24 @@ def test_long_zero_runs_compress():
     assert assert_round_trip(x).numel() < 0.80 * raw
 
 
+def test_zero_runs_of_every_length_and_alignment():
+    """Runs of +0.0 from 1 to 20,000 values (long enough that states renormalise inside a run) at
+    every alignment to the 32-value SIMD step, between dense stretches: the decoder's all-zero step
+    and its general step hand over in both directions; same bytes and values as the portable core."""
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for k in range(120):
+        run = int(torch.randint(1, 20_000 if k % 3 == 0 else 100, (1,), generator=g))
+        dense = torch.randn(int(torch.randint(1, 70, (1,), generator=g)), generator=g).bfloat16()
+        dense[dense.view(torch.int16) == 0] = 1.0
+        parts += [torch.zeros(run, dtype=torch.bfloat16), dense]
+    x = torch.cat(parts)
+    assert (x.view(torch.int16) == 0).float().mean() > 0.9
+    for chunk_values in (4096, 65536):
+        assert_round_trip(x, chunk_values=chunk_values)
+        assert_round_trip(x[7:], chunk_values=chunk_values)  # every run shifted against the steps
+
+
 @pytest.mark.parametrize("chunk_values", [32, 96, 1024])
 def test_chunks_with_and_without_zeros_at_every_offset(chunk_values):
     """The encoder's first pass counts each chunk's +0.0 values; chunks with none take the vector
