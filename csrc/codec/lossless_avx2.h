@@ -350,7 +350,8 @@ struct ChunkSurvey {
 
 // Symbol histogram of chunk v[0, n) (the counts of symbol_of over every value), counted into `h`
 // (`hist` [1025] receives a fold when h's tables run full): four interleaved u32 tables of v >> 6,
-// zeros counted 16 at a time with a vector compare. The chunk's checksum comes with it: its vector
+// zeros counted 16 at a time with a vector compare (16 +0.0 in a row: one add, not 16 increments
+// of one counter, whose store-to-load chain made gradients' zero runs the slowest). The chunk's checksum comes with it: its vector
 // multiplies run beside the table increments (measured: no slower than the counts alone).
 __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(const uint16_t* v, uint32_t n,
                                                                            SymbolHistogram& h, uint64_t* hist) {
@@ -361,7 +362,12 @@ __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(cons
   for (; i + 16 <= n; i += 16) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
     checksum.add(x);
-    zero_bytes += uint32_t(_mm_popcnt_u32(uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, zero)))));
+    const uint32_t zero_mask = uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, zero)));
+    zero_bytes += uint32_t(_mm_popcnt_u32(zero_mask));
+    if (zero_mask == 0xFFFFFFFFu) {  // 16 x +0.0 (v >> 6 = 0): one add instead of 16 increments of one counter
+      local[0][0] += 16;
+      continue;
+    }
     for (int j = 0; j < 16; j += 4) {
       ++local[0][v[i + j] >> kRawBits];
       ++local[1][v[i + j + 1] >> kRawBits];
@@ -454,19 +460,33 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
   const __m256d bias = _mm256_set1_pd(2147483648.5);  // undoes the sign flip, adds 0.5
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(st + 8 * j));
+  // a step of 32 +0.0 values (gradients' zero runs) takes the zero symbol's entries without loads
+  const __m256i zero_fs = _mm256_set1_epi32(int(tab.freq_start[kZeroSymbol]));
+  const __m256d zero_rcp = _mm256_set1_pd(tab.rcp[kZeroSymbol]);
   for (uint32_t t = full_steps; t-- > 0;) {
+    const __m256i* step = reinterpret_cast<const __m256i*>(v + t * kLanes);
+    const __m256i any = _mm256_or_si256(_mm256_loadu_si256(step), _mm256_loadu_si256(step + 1));
+    const bool all_zero = _mm256_testz_si256(any, any);
     for (int j = 3; j >= 0; --j) {
-      const __m256i val =
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * kLanes + 8 * j)));
-      const __m256i sym = _mm256_or_si256(_mm256_srli_epi32(val, kRawBits),
-                                          _mm256_and_si256(_mm256_cmpeq_epi32(val, zero), zero_sym));
       // per-lane table loads: faster than vpgatherdd / vgatherdpd here (measured: the rANS pass
       // took 15-30% less time on Zen 3 than with gathers)
       alignas(32) uint32_t k[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(k), sym);
-      const __m256i fs = _mm256_setr_epi32(tab.freq_start[k[0]], tab.freq_start[k[1]], tab.freq_start[k[2]],
-                                           tab.freq_start[k[3]], tab.freq_start[k[4]], tab.freq_start[k[5]],
-                                           tab.freq_start[k[6]], tab.freq_start[k[7]]);
+      __m256i fs;
+      __m256d r0, r1;
+      if (all_zero) {
+        fs = zero_fs;
+        r0 = r1 = zero_rcp;
+      } else {
+        const __m256i val =
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * kLanes + 8 * j)));
+        const __m256i sym = _mm256_or_si256(_mm256_srli_epi32(val, kRawBits),
+                                            _mm256_and_si256(_mm256_cmpeq_epi32(val, zero), zero_sym));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(k), sym);
+        fs = _mm256_setr_epi32(tab.freq_start[k[0]], tab.freq_start[k[1]], tab.freq_start[k[2]], tab.freq_start[k[3]],
+                               tab.freq_start[k[4]], tab.freq_start[k[5]], tab.freq_start[k[6]], tab.freq_start[k[7]]);
+        r0 = _mm256_setr_pd(tab.rcp[k[0]], tab.rcp[k[1]], tab.rcp[k[2]], tab.rcp[k[3]]);
+        r1 = _mm256_setr_pd(tab.rcp[k[4]], tab.rcp[k[5]], tab.rcp[k[6]], tab.rcp[k[7]]);
+      }
       const __m256i freq = _mm256_and_si256(fs, low12);
       const __m256i start = _mm256_srli_epi32(fs, 12);
       // need: x >= freq << 21, i.e. (x >> 21) >= freq
@@ -479,8 +499,6 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
       cursor -= _mm_popcnt_u32(uint32_t(mask));
       const __m256i y = _mm256_blendv_epi8(x[j], _mm256_srli_epi32(x[j], 16), need);
       const __m256i ys = _mm256_xor_si256(y, sign);
-      const __m256d r0 = _mm256_setr_pd(tab.rcp[k[0]], tab.rcp[k[1]], tab.rcp[k[2]], tab.rcp[k[3]]);
-      const __m256d r1 = _mm256_setr_pd(tab.rcp[k[4]], tab.rcp[k[5]], tab.rcp[k[6]], tab.rcp[k[7]]);
       const __m256d xd0 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(ys)), bias);
       const __m256d xd1 = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(ys, 1)), bias);
       const __m256i q = _mm256_set_m128i(_mm256_cvttpd_epi32(_mm256_mul_pd(xd1, r1)),
