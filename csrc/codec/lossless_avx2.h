@@ -98,15 +98,21 @@ __attribute__((target("avx2"))) inline __m256i lookup_entries(const DecodeTable&
                            int(t[uint32_t(c)]), int(t[c >> 32]), int(t[uint32_t(d)]), int(t[d >> 32]));
 }
 
-// 32 packed 6-bit fields (24 bytes at p; 28 bytes readable) -> one field per byte, in order.
-// Each 32-bit lane takes 3 bytes (4 fields) and moves field k to byte k by shifting it 2k bits up.
-__attribute__((target("avx2"))) inline __m256i unpack_fields32(const uint8_t* p) {
+// 32 packed 6-bit fields starting `shift` bits (0, 2, 4 or 6) into byte p (28 bytes readable)
+// -> one field per byte, in order. Each 128-bit half (bytes p and p + 12) is first shifted down by
+// `shift` bits; then each 32-bit lane takes 3 bytes (4 fields) and moves field k to byte k by
+// shifting it 2k bits up.
+__attribute__((target("avx2"))) inline __m256i unpack_fields32(const uint8_t* p, uint32_t shift) {
   const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
                                           0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-  const __m256i w = _mm256_shuffle_epi8(
+  __m256i bytes =
       _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), 1),
-      spread);
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), 1);
+  if (shift != 0) {  // bytes 0-12 of each half hold its 12 bytes of fields
+    bytes = _mm256_or_si256(_mm256_srl_epi64(bytes, _mm_cvtsi32_si128(int(shift))),
+                            _mm256_sll_epi64(_mm256_srli_si256(bytes, 8), _mm_cvtsi32_si128(int(64 - shift))));
+  }
+  const __m256i w = _mm256_shuffle_epi8(bytes, spread);
   const __m256i f01 = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi32(0x3F)),
                                       _mm256_and_si256(_mm256_slli_epi32(w, 2), _mm256_set1_epi32(0x3F00)));
   const __m256i f23 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(w, 4), _mm256_set1_epi32(0x3F0000)),
@@ -114,24 +120,27 @@ __attribute__((target("avx2"))) inline __m256i unpack_fields32(const uint8_t* p)
   return _mm256_or_si256(f01, f23);
 }
 
-// One SIMD step of 32 values +0.0 that renormalise no state, if that is what the step at states x
-// decodes: every slot in the zero symbol's range [zero_start, zero_start + zero_freq) (which must
-// not be empty) and every next state at least kStateLow. Then advances x and returns true;
-// otherwise leaves x as it was and returns false. The zero runs of gradients take this path: no
-// table loads and no stream reads (measured in the closing note of the commit that added it).
-__attribute__((target("avx2"))) inline bool try_zero_step(__m256i x[4], const DecodeTable& table) {
-  const __m256i low11 = _mm256_set1_epi32(int(kProbScale - 1)), zero = _mm256_setzero_si256();
-  const __m256i start = _mm256_set1_epi32(int(table.zero_start));
-  const __m256i last = _mm256_set1_epi32(int(table.zero_freq - 1)), freq = _mm256_set1_epi32(int(table.zero_freq));
-  __m256i d[4], in_range = _mm256_set1_epi32(-1);
+// +0.0 is the table's last symbol and the frequencies sum to kProbScale (checked when the table
+// is read), so its slots are [zero_start, kProbScale): a lane decodes +0.0 iff its slot is above
+// zero_start - 1 (one signed compare).
+
+// The SIMD step at states x, if it decodes 32 +0.0 (every slot above `last_nonzero_slot`) without
+// renormalising a state: then advances x and returns true; otherwise leaves x as it was and
+// returns false. The zero runs of gradients take this path: no table loads and no stream reads.
+__attribute__((target("avx2"))) inline bool zero_step_in_place(__m256i x[4], __m256i last_nonzero_slot,
+                                                               const DecodeTable& table) {
+  const __m256i zero = _mm256_setzero_si256(), low11 = _mm256_set1_epi32(int(kProbScale - 1));
+  const __m256i start = _mm256_set1_epi32(int(table.zero_start)), freq = _mm256_set1_epi32(int(table.zero_freq));
+  __m256i slot[4], all = _mm256_set1_epi32(-1);
   for (int j = 0; j < 4; ++j) {
-    d[j] = _mm256_sub_epi32(_mm256_and_si256(x[j], low11), start);  // slot - zero_start, unsigned
-    in_range = _mm256_and_si256(in_range, _mm256_cmpeq_epi32(_mm256_min_epu32(d[j], last), d[j]));
+    slot[j] = _mm256_and_si256(x[j], low11);
+    all = _mm256_and_si256(all, _mm256_cmpgt_epi32(slot[j], last_nonzero_slot));
   }
-  if (_mm256_movemask_ps(_mm256_castsi256_ps(in_range)) != 0xFF) return false;
+  if (_mm256_movemask_ps(_mm256_castsi256_ps(all)) != 0xFF) return false;
   __m256i y[4], low = zero;
   for (int j = 0; j < 4; ++j) {
-    y[j] = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)), d[j]);
+    y[j] = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)),
+                            _mm256_sub_epi32(slot[j], start));
     low = _mm256_or_si256(low, _mm256_cmpeq_epi32(_mm256_srli_epi32(y[j], 16), zero));
   }
   if (!_mm256_testz_si256(low, low)) return false;
@@ -140,15 +149,19 @@ __attribute__((target("avx2"))) inline bool try_zero_step(__m256i x[4], const De
 }
 
 // Same result as decode_chunk. A SIMD step (32 values: 4 x 8 lanes) reads, per 8 lanes, 16 bytes
-// of words at word wpos; its raw fields are read 8 bytes per 8 lanes at the byte holding field
-// rpos (kHasZero) or 28 bytes at once (24 used) for the whole step. Steps read the streams in
+// of words at word wpos; its raw fields are read 28 bytes at once (24 used) at the byte holding
+// field rpos when every lane takes one, or else 8 bytes per 8 lanes. Steps read the streams in
 // place while the whole step stays inside them, and from zero-padded copies of the streams' last
 // 64 bytes near their ends (so short streams, e.g. of chunks of +0.0, decode in SIMD too). A
 // stream consumed past its end is corrupted: the step loop stops and the portable core reports it.
 // kHasZero = false (the chunk holds no +0.0, as most activation and weight chunks) drops the zero
 // tests: every lane then takes the next raw field, 32 fields = 24 bytes per step.
-// kHasZero (only when the table has a +0.0 slot range) first tries each step as 32 +0.0 values
-// (try_zero_step), the steps of gradients' zero runs.
+// kHasZero (only when the table has a +0.0 slot range) tests each step's slots: after a step of 32
+// +0.0, the next is tried as 32 +0.0 without renormalisation, which only updates the states
+// (zero_step_in_place); a step without +0.0 takes
+// its 32 fields at once, as without kHasZero; only a step that mixes the two compacts fields per
+// 8 lanes (so chunks with a few scattered +0.0, as gradients have, decode nearly as fast as
+// chunks without).
 // kFlagZeroHi (with kHasZero = false) sets saw_zero_hi when a SIMD step decoded a symbol whose top
 // 10 value bits are zero: a +0.0 slot, which that path cannot tell apart, or the subnormals
 // 0x0001-0x003F (one vector compare per 16 values).
@@ -166,8 +179,9 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   const __m256i low11 = _mm256_set1_epi32(int(kProbScale - 1));
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i hi_mask = _mm256_set1_epi16(int16_t(0xFFC0));
-  const __m256i zero_start = _mm256_set1_epi32(int(table.zero_start));
-  const __m256i zero_freq = _mm256_set1_epi32(int(table.zero_freq));
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i last_nonzero_slot = _mm256_set1_epi32(int(table.zero_start) - 1);
+  bool try_zero_step = kHasZero;  // kHasZero: the previous step decoded 32 +0.0 (or this is the first)
   const __m256i zero = _mm256_setzero_si256();
   uint32_t wpos = 0, rpos = 0, t = 0;
   const uint32_t full_steps = n / kLanes;
@@ -176,18 +190,19 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   const uint64_t nword_bytes = 2ull * e.num_words;
   const StreamTail word_tail(words, nword_bytes), raw_tail(raw, nraw_bytes);
   // A step reads word bytes [2 wpos, 2 wpos + 64) (8 lanes read 16 bytes at 2 wpos_j, wpos_j <=
-  // wpos + 24) and raw bytes [6 rpos / 8, 6 (rpos + 24) / 8 + 8) (kHasZero) or [6 rpos / 8,
-  // 6 rpos / 8 + 28). Out of place, wpos <= num_words and rpos <= num_raw keep both within the
-  // tails' 128 bytes.
-  constexpr uint64_t kRawReach = kHasZero ? (24 * kRawBits / 8 + 8) : 28;
+  // wpos + 24) and raw bytes [6 rpos / 8, 6 rpos / 8 + 28) (per 8 lanes: 8 bytes from the byte of
+  // field rpos_j <= rpos + 24). Out of place, wpos <= num_words and rpos <= num_raw keep both
+  // within the tails' 128 bytes.
+  constexpr uint64_t kRawReach = 28;
   for (; t < full_steps && wpos <= e.num_words && rpos <= e.num_raw; ++t) {
     if constexpr (kHasZero) {
-      if (try_zero_step(x, table)) {
+      if (try_zero_step && zero_step_in_place(x, last_nonzero_slot, table)) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * kLanes), zero);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * kLanes + 16), zero);
         continue;
       }
     }
+    uint32_t zero_bits = 0;  // kHasZero: bit 8 j + i set when lane i of group j decodes +0.0
     const bool words_in_place = 2ull * wpos + 64 <= nword_bytes;
     const bool raw_in_place = uint64_t(rpos) * kRawBits / 8 + kRawReach <= nraw_bytes;
     // stream byte b is at src + (b - skip)
@@ -195,8 +210,6 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
     const uint64_t word_skip = words_in_place ? 0 : word_tail.first;
     const uint8_t* raw_src = raw_in_place ? raw : raw_tail.bytes;
     const uint64_t raw_skip = raw_in_place ? 0 : raw_tail.first;
-    __m256i fields;  // !kHasZero: the step's 32 raw fields, one per byte
-    if constexpr (!kHasZero) fields = unpack_fields32(raw_src + (uint64_t(rpos) / 8 * 6 - raw_skip));  // rpos % 8 == 0
     __m256i hi[4];
     for (int j = 0; j < 4; ++j) {
       const __m256i slot = _mm256_and_si256(x[j], low11);
@@ -211,24 +224,33 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
       x[j] = _mm256_blendv_epi8(y, _mm256_or_si256(_mm256_slli_epi32(y, 16), w), need);
       wpos += uint32_t(_mm_popcnt_u32(uint32_t(mask)));
       hi[j] = _mm256_srli_epi32(ent, 16);  // the symbol's top 10 value bits at bits 6-15, freq bits below
-      if constexpr (kHasZero) {
-        // +0.0 lanes: slot - zero_start in [0, zero_freq); their value is 0 (hi and field dropped)
-        const __m256i d = _mm256_sub_epi32(slot, zero_start);
-        const __m256i is_zero = _mm256_andnot_si256(_mm256_cmpgt_epi32(zero, d), _mm256_cmpgt_epi32(zero_freq, d));
-        const int nz = ~_mm256_movemask_ps(_mm256_castsi256_ps(is_zero)) & 0xFF;
+      if constexpr (kHasZero)
+        zero_bits |= uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(slot, last_nonzero_slot)))) << (8 * j);
+    }
+    try_zero_step = zero_bits == 0xFFFFFFFFu;  // zero runs are long: try the next step as one
+    const bool field_per_lane = zero_bits == 0;
+    __m256i fields = zero;  // field_per_lane: the step's 32 raw fields, one per byte
+    if (field_per_lane) {
+      const uint64_t bit = uint64_t(rpos) * kRawBits;  // a multiple of 8 bits without kHasZero
+      fields = unpack_fields32(raw_src + ((bit >> 3) - raw_skip), kHasZero ? uint32_t(bit & 7) : 0u);
+      rpos += kLanes;
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        // the +0.0 lanes' value is 0 (hi and field dropped); the others take the next fields in order
+        const int nonzero = int(~(zero_bits >> (8 * j)) & 0xFF);
+        const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(nonzero), lane_bit), lane_bit);
         const uint64_t bit = uint64_t(rpos) * kRawBits;
         const uint64_t f8 = unpack6x8(load_le<uint64_t>(raw_src + ((bit >> 3) - raw_skip)) >> (bit & 7));
         __m256i r = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(f8)));
-        r = _mm256_permutevar8x32_epi32(r, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[nz])));
-        rpos += uint32_t(_mm_popcnt_u32(uint32_t(nz)));
-        hi[j] = _mm256_andnot_si256(is_zero, _mm256_or_si256(_mm256_and_si256(hi[j], _mm256_set1_epi32(0xFFC0)), r));
+        r = _mm256_permutevar8x32_epi32(r, _mm256_load_si256(reinterpret_cast<const __m256i*>(ex.idx[nonzero])));
+        rpos += uint32_t(_mm_popcnt_u32(uint32_t(nonzero)));
+        hi[j] = _mm256_and_si256(keep, _mm256_or_si256(_mm256_and_si256(hi[j], _mm256_set1_epi32(0xFFC0)), r));
       }
     }
-    if constexpr (!kHasZero) rpos += kLanes;
     for (int j = 0; j < 4; j += 2) {
       // 16 values: the pairs' hi bits packed to 16-bit lanes (in order), then their raw fields
       __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi[j], hi[j + 1]), 0xD8);
-      if constexpr (!kHasZero) {
+      if (field_per_lane) {
         v = _mm256_and_si256(v, hi_mask);
         if constexpr (kFlagZeroHi) zero_hi = _mm256_or_si256(zero_hi, _mm256_cmpeq_epi16(v, zero));
         const __m128i f = j == 0 ? _mm256_castsi256_si128(fields) : _mm256_extracti128_si256(fields, 1);
