@@ -120,10 +120,6 @@ __attribute__((target("avx2"))) inline __m256i unpack_fields32(const uint8_t* p,
   return _mm256_or_si256(f01, f23);
 }
 
-// +0.0 is the table's last symbol and the frequencies sum to kProbScale (checked when the table
-// is read), so its slots are [zero_start, kProbScale): a lane decodes +0.0 iff its slot is above
-// zero_start - 1 (one signed compare).
-
 // The SIMD step at states x, if it decodes 32 +0.0 (every slot above `last_nonzero_slot`) without
 // renormalising a state: then advances x and returns true; otherwise leaves x as it was and
 // returns false. The zero runs of gradients take this path: no table loads and no stream reads.
@@ -180,6 +176,9 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i hi_mask = _mm256_set1_epi16(int16_t(0xFFC0));
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  // +0.0 is the table's last symbol and the frequencies sum to kProbScale (checked when the table
+  // is read), so its slots are [zero_start, kProbScale): a lane decodes +0.0 iff its slot is above
+  // zero_start - 1 (one signed compare)
   const __m256i last_nonzero_slot = _mm256_set1_epi32(int(table.zero_start) - 1);
   bool try_zero_step = kHasZero;  // kHasZero: the previous step decoded 32 +0.0 (or this is the first)
   const __m256i zero = _mm256_setzero_si256();
