@@ -146,11 +146,15 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
     align = _align(fmt)
     order = _layout_order(fmt, codec, payload_field)
     blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in fmt.fields}
-    # lossless payload rows are decoded straight into their place (CPU), then moved once
+    # lossless payload rows are decoded straight into their place: on the GPU that received them
+    # when the CUDA codec kernels are built, else on the CPU (then moved once)
     decoded = None
     if codec == "lossless":
         spec = next(f for f in fmt.fields if f.name == payload_field)
-        decoded = _lossless().empty((total, spec.width))
+        if _lossless().lossless_device.available(received.device):
+            decoded = torch.empty((total, spec.width), dtype=torch.bfloat16, device=received.device)
+        else:
+            decoded = _lossless().empty((total, spec.width))
     offset = row = 0
     for n, nbytes in zip(rows_from, bytes_from):
         if nbytes == 0 and n == 0:  # a masked rank sends nothing at all

@@ -480,3 +480,57 @@ def test_small_chunks_match_large_chunk_statistics():
     table = slice(40, 40 + 4 * entries)  # header 32 bytes + one u64 dimension
     assert torch.equal(small[table], large[table])
     assert torch.equal(bits(lossless.decode(small)), bits(x))
+
+
+# ---- what the device path reads on the host: the fixed header, and the error texts
+
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 0, 2), (70, 3), (2, 3, 4, 5, 1, 1, 1, 2)])
+def test_header_fields_give_shape_and_chunk_size(shape):
+    from ep_comm.codecs import lossless_device
+
+    x = torch.randn(shape).to(torch.bfloat16)
+    blob = lossless.encode(x, chunk_values=64)
+    assert lossless_device.header(blob) == (tuple(shape), 64)
+
+
+def test_header_fields_reject_what_the_decoder_rejects():
+    from ep_comm import _host
+    from ep_comm.codecs import lossless_device
+
+    blob = lossless.encode(torch.randn(300, 7).to(torch.bfloat16), chunk_values=64)
+    with pytest.raises(ValueError, match="prefix must hold the blob's first 96 bytes, got 10"):
+        _host.lossless_header_fields(blob[:10].numpy(), blob.numel())
+    for cut in range(0, 48):  # shorter than header + shape + table + directory
+        with pytest.raises(ValueError, match="truncated"):
+            lossless_device.header(blob[:cut])
+    for position, message in [(0, "bad magic"), (4, "version"), (5, "corrupted header"), (8, "corrupted header"),
+                              (16, "corrupted header"), (33, "shape does not match")]:
+        bad = blob.clone()
+        bad[position] ^= 0x41
+        with pytest.raises(ValueError, match=message):
+            lossless_device.header(bad)
+        with pytest.raises(ValueError, match=message):
+            lossless.decode(bad)
+
+
+def test_error_messages_are_the_decoders():
+    from ep_comm import _host
+
+    texts = [_host.lossless_error_message(s) for s in range(12)]
+    assert texts[0] == "ok" and len(set(texts)) == 12
+    assert _host.lossless_error_message(99) == "unknown error"
+    blob = lossless.encode(torch.randn(4096).to(torch.bfloat16))
+    blob[-3] ^= 0x10  # the last chunk's payload
+    with pytest.raises(ValueError) as error:
+        lossless.decode(blob)
+    assert str(error.value) in {f"lossless blob: {t}" for t in texts[1:]}
+
+
+def test_chunk_values_is_checked_by_name():
+    import numpy as np
+
+    x = torch.randn(100).to(torch.bfloat16)
+    for bad in (0, 16, 33, 1 << 25, 64.0, "64", None):
+        with pytest.raises(ValueError, match="chunk_values must be a multiple of 32"):
+            lossless.encode(x, chunk_values=bad)
+    assert torch.equal(lossless.encode(x, chunk_values=np.int64(64)), lossless.encode(x, chunk_values=64))

@@ -16,6 +16,7 @@ using namespace ep_comm::cuda;
 
 namespace ep_comm::cuda {
 void register_two_hop(py::module_& m);  // two_hop.cpp
+void register_codecs(py::module_& m);   // codecs.cpp
 }
 
 namespace {
@@ -117,6 +118,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("max_ranks_per_launch") = kMaxRanks;
   m.attr("timeout_record_words") = static_cast<int>(ep_comm::kRecordWords);
   register_two_hop(m);
+  register_codecs(m);
 #if defined(EP_COMM_CUDA_ARCHS)
   m.attr("archs") = std::string(EP_COMM_CUDA_ARCHS);
   m.attr("nvshmem") = static_cast<bool>(EP_COMM_NVSHMEM);

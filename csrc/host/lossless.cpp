@@ -297,6 +297,28 @@ std::vector<int64_t> header_shape(const py::buffer& blob) {
   return std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim);
 }
 
+// Bytes of a blob's fixed header plus the largest shape: all that header_fields reads.
+constexpr uint64_t kHeaderPrefixBytes = kHeaderBytes + 8ull * kMaxDims;
+
+// A blob's shape and chunk size from its first min(blob_bytes, kHeaderPrefixBytes) bytes and its
+// size: the fixed header's checks only (parse_header_fields; not the table, directory or
+// checksums). What the device decoder's caller needs to size its output and workspace; the
+// device validates the whole blob. Raises ValueError on a bad header.
+py::tuple header_fields(const py::buffer& prefix, uint64_t blob_bytes) {
+  py::buffer_info info = prefix.request();
+  uint64_t size = 0;
+  const uint8_t* b = blob_data(info, size);
+  const uint64_t expected = blob_bytes < kHeaderPrefixBytes ? blob_bytes : kHeaderPrefixBytes;
+  if (size != expected)
+    throw std::invalid_argument("prefix must hold the blob's first " + std::to_string(expected) + " bytes, got " +
+                                std::to_string(size));
+  // every read of parse_header_fields below byte `blob_bytes` is below kHeaderPrefixBytes
+  Header h;
+  const int st = parse_header_fields(b, blob_bytes, h);
+  if (st != kOk) fail(st);
+  return py::make_tuple(std::vector<int64_t>(h.shape, h.shape + h.ndim), h.chunk_values);
+}
+
 // Decodes a parsed blob `b` (size bytes) into o[num_values]; returns a Status. Releases the GIL.
 int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, bool simd) {
   const Header& h = p.h;
@@ -411,6 +433,12 @@ void register_lossless(py::module_& m) {
     return max_blob_bytes(n, ndim, cv);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);
   m.attr("LOSSLESS_DEFAULT_CHUNK_VALUES") = kDefaultChunkValues;
+  m.def("lossless_header_fields", &header_fields, py::arg("prefix"), py::arg("blob_bytes"),
+        "(shape list, chunk_values) from a blob's first min(blob_bytes, LOSSLESS_HEADER_PREFIX_BYTES) bytes\n"
+        "and its size; checks the fixed header only; ValueError on a bad one");
+  m.def("lossless_error_message", [](int status) { return std::string(error_message(status)); }, py::arg("status"),
+        "text of a lossless::Status code (as in the ValueError of a failed decode)");
+  m.attr("LOSSLESS_HEADER_PREFIX_BYTES") = kHeaderPrefixBytes;
 }
 
 }  // namespace ep_comm::host

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .device_kernels import codec_kernels
+
 try:
     from ep_comm import _host
 except ImportError:  # pragma: no cover - the host build is part of every install
@@ -42,7 +44,34 @@ def quantize(x: torch.Tensor, round_scale: bool = False,
     _check_flags(x, round_scale, use_ue8m0)
     if _host is not None and x.device.type == "cpu":
         return _quantize_host(x, round_scale, use_ue8m0)
+    if x.dtype == torch.bfloat16 and codec_kernels(x.device) is not None:
+        return _quantize_device(x, round_scale, use_ue8m0)
     return quantize_reference(x, round_scale, use_ue8m0)
+
+
+def _scales_like(x: torch.Tensor, use_ue8m0: bool) -> torch.Tensor:
+    """Uninitialised scales for ``x [..., H]``: ``[..., H // 128]`` float32, or with ``use_ue8m0``
+    ``[..., H // 512]`` int32, on ``x``'s device."""
+    hidden = x.shape[-1]
+    if use_ue8m0:
+        return torch.empty((*x.shape[:-1], hidden // (4 * GROUP)), dtype=torch.int32, device=x.device)
+    return torch.empty((*x.shape[:-1], hidden // GROUP), dtype=torch.float32, device=x.device)
+
+
+def _quantize_device(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` of a bf16 CUDA tensor by the CUDA kernel (csrc/cuda/fp8_kernels.cu, the same
+    core as the host build); bit-identical to ``quantize_reference``."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    src = x.detach().contiguous()
+    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = _scales_like(x, use_ue8m0)
+    if rows:
+        with torch.cuda.device(x.device):
+            codec_kernels(x.device).fp8_quantize(src.data_ptr(), rows, hidden, round_scale, use_ue8m0,
+                                                   q.data_ptr(), scales.data_ptr(),
+                                                   torch.cuda.current_stream(x.device).cuda_stream)
+    return q.view(torch.float8_e4m3fn), scales
 
 
 def _check_flags(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> None:
@@ -63,10 +92,7 @@ def _quantize_host(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tuple
     else:
         src = x.detach().float().contiguous().reshape(-1).numpy()  # fp16 -> fp32 is exact
     q = torch.empty(x.shape, dtype=torch.uint8)
-    if use_ue8m0:
-        scales = torch.empty((*x.shape[:-1], hidden // (4 * GROUP)), dtype=torch.int32)
-    else:
-        scales = torch.empty((*x.shape[:-1], hidden // GROUP), dtype=torch.float32)
+    scales = _scales_like(x, use_ue8m0)
     _host.fp8_quantize(src, rows, hidden, round_scale, use_ue8m0, q.reshape(-1).numpy(),
                        scales.reshape(-1).numpy())
     return q.view(torch.float8_e4m3fn), scales

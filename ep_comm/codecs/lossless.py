@@ -18,7 +18,11 @@ one table per blob (per destination message on the dispatch path) amortises the 
 """
 from __future__ import annotations
 
+import operator
+
 import torch
+
+from . import lossless_device
 
 try:
     from ep_comm import _host
@@ -26,6 +30,8 @@ except ImportError:  # pragma: no cover - the host build is part of every instal
     _host = None
 
 DEFAULT_CHUNK_VALUES = 65536
+MIN_CHUNK_VALUES = 32
+MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 
 
@@ -47,21 +53,37 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
 
     Args:
         x: bf16 tensor of any shape; not modified.
-        chunk_values: values per independently coded chunk (multiple of 32).
-        threads: CPU threads (0 = every hardware thread).
+        chunk_values: values per independently coded chunk (multiple of 32 in [32, 2**24]).
+        threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: use the AVX2 coder where the CPU has it (False: the portable core; same bytes).
 
     Returns:
-        1-D uint8 CPU tensor, self-describing (``decode`` needs nothing else).
+        1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when
+        ``x`` is a CUDA tensor and ``ep_comm._cuda`` is built (coded there by the CUDA kernels),
+        else on the CPU. The bytes are the same either way.
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a bfloat16 tensor, got {got}")
     if any(d > MAX_DIMENSION for d in x.shape):
         raise ValueError(f"x has a dimension above 2**48 (shape {tuple(x.shape)}), which blobs cannot describe")
+    chunk_values = _chunk_values(chunk_values)
+    if lossless_device.available(x.device):
+        return lossless_device.encode(x, chunk_values)
     bits = x.detach().to("cpu").contiguous().view(torch.int16).reshape(-1).numpy()
     blob = _lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd)
     return torch.from_numpy(blob)
+
+
+def _chunk_values(chunk_values: object) -> int:
+    """``chunk_values`` as an int, or ValueError unless it is a multiple of 32 in [32, 2**24]."""
+    try:
+        value = operator.index(chunk_values)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if not MIN_CHUNK_VALUES <= value <= MAX_CHUNK_VALUES or value % 32:
+        raise ValueError(f"chunk_values must be a multiple of 32 in [32, 2^24], got {chunk_values!r}")
+    return value
 
 
 def encode_rows(x: torch.Tensor, **kwargs: int) -> torch.Tensor:
@@ -71,10 +93,20 @@ def encode_rows(x: torch.Tensor, **kwargs: int) -> torch.Tensor:
     return encode(x, **kwargs)
 
 
-def _blob_array(blob: torch.Tensor):
+def _check_blob(blob: torch.Tensor) -> None:
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
         raise ValueError("blob must be a 1-D uint8 tensor")
+
+
+def _blob_array(blob: torch.Tensor):
+    _check_blob(blob)
     return blob.detach().to("cpu").contiguous().numpy()
+
+
+def _check_shape(shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    """The ValueError of the host decoder for a blob of another shape than expected."""
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"blob holds a tensor of shape {tuple(shape)}, expected {tuple(expected)}")
 
 
 def shape_of(blob: torch.Tensor) -> tuple[int, ...]:
@@ -88,23 +120,32 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
 
     Args:
         blob: 1-D uint8 tensor; not modified.
-        threads: CPU threads (0 = every hardware thread).
+        threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: use the AVX2 decoder where the CPU has it (False: the portable core).
         expected_shape: when given, a blob declaring another shape is rejected before anything is
             allocated. Receivers should pass it: runs of +0.0 legitimately compress about
             100,000-fold, so a small valid blob can declare a very large tensor.
 
     Returns:
-        bf16 CPU tensor of the encoded shape, bit-identical to the encoded tensor.
+        bf16 tensor of the encoded shape, bit-identical to the encoded tensor: on the blob's GPU
+        when the blob is a CUDA tensor and ``ep_comm._cuda`` is built, else on the CPU.
 
     Raises:
         ValueError: the blob is truncated, corrupted or not a lossless blob.
     """
-    data = _blob_array(blob)
+    _check_blob(blob)
     if expected_shape is not None:
         if not _is_shape(expected_shape):
             raise ValueError(f"expected_shape must be a tuple of ints in [0, 2**48], got {expected_shape!r}")
         expected_shape = list(expected_shape)
+    if lossless_device.available(blob.device):
+        shape, chunk_values = lossless_device.header(blob)
+        if expected_shape is not None:
+            _check_shape(shape, tuple(expected_shape))
+        out = torch.empty(shape, dtype=torch.bfloat16, device=blob.device)
+        lossless_device.decode_into(blob, out, chunk_values)
+        return out
+    data = _blob_array(blob)
     # one C++ call: parse, check the shape, allocate, decode
     values, shape = _lib().lossless_decode(data, threads, simd, expected_shape)  # 1-D uint16 bit patterns
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
@@ -128,22 +169,33 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
 
     Args:
         blob: 1-D uint8 tensor; not modified.
-        out: contiguous bfloat16 CPU tensor of the blob's shape (a blob of another shape is
-            rejected before anything is written); e.g. a slice of rows of a receive buffer.
+        out: contiguous bfloat16 tensor of the blob's shape (a blob of another shape is rejected
+            before anything is written); e.g. a slice of rows of a receive buffer. A CUDA ``out``
+            is decoded on its GPU when ``ep_comm._cuda`` is built (the blob moved there if it is
+            elsewhere), else on the CPU and copied.
         threads, simd: as in :func:`decode`.
 
     Returns:
         ``out``, bit-identical to the encoded tensor.
 
     Raises:
-        ValueError: ``out`` is not a contiguous bf16 CPU tensor; the blob holds another shape, is
+        ValueError: ``out`` is not a contiguous bf16 tensor; the blob holds another shape, is
             truncated, corrupted or not a lossless blob (``out``'s contents are then unspecified).
     """
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.device.type != "cpu" \
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 \
             or not out.is_contiguous() or out.requires_grad:
         got = (f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}, requires_grad={out.requires_grad}"
                if isinstance(out, torch.Tensor) else type(out).__name__)
-        raise ValueError(f"out must be a contiguous bfloat16 CPU tensor that does not require grad, got {got}")
+        raise ValueError(f"out must be a contiguous bfloat16 tensor that does not require grad, got {got}")
+    _check_blob(blob)
+    if lossless_device.available(out.device):
+        blob = blob.to(out.device)
+        shape, chunk_values = lossless_device.header(blob)
+        _check_shape(shape, tuple(out.shape))
+        lossless_device.decode_into(blob, out, chunk_values)
+        return out
+    if out.device.type != "cpu":
+        return out.copy_(decode(blob, threads=threads, simd=simd, expected_shape=tuple(out.shape)))
     data = _blob_array(blob)
     _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd, list(out.shape))
     return out
