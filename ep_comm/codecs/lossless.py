@@ -139,6 +139,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
             raise ValueError(f"expected_shape must be a tuple of ints in [0, 2**48], got {expected_shape!r}")
         expected_shape = list(expected_shape)
     if lossless_device.available(blob.device):
+        blob = blob.detach().contiguous()
         shape, chunk_values = lossless_device.header(blob)
         if expected_shape is not None:
             _check_shape(shape, tuple(expected_shape))
@@ -189,7 +190,7 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
         raise ValueError(f"out must be a contiguous bfloat16 tensor that does not require grad, got {got}")
     _check_blob(blob)
     if lossless_device.available(out.device):
-        blob = blob.to(out.device)
+        blob = blob.detach().to(out.device).contiguous()
         shape, chunk_values = lossless_device.header(blob)
         _check_shape(shape, tuple(out.shape))
         lossless_device.decode_into(blob, out, chunk_values)
