@@ -105,6 +105,13 @@ timeout 170 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests
 say "GPU tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests.log" | cut -c1-300 >> "$LOG"
 
+say "codecs through the public API on CUDA tensors (per-message cost)"
+tensors_arg=""; [ -f $CARRY/tensors.pt ] && tensors_arg="--tensors $CARRY/tensors.pt"
+timeout 60 $PY bench/codec_device_api.py $tensors_arg --json "$OUT/codec_device_api.json" \
+  > "$OUT/codec_device_api.log" 2>&1
+say "codec_device_api rc=$?"
+cat "$OUT/codec_device_api.log" | cut -c1-300 >> "$LOG"
+
 say "dispatch/combine benchmark"
 for channels in 8 24; do  # intranode channels (two SMs each): DeepEP's default uses about 24 SMs
   timeout 40 $PY bench/gpu_bench.py --channels $channels >> "$OUT/gpu_bench.log" 2>&1
