@@ -48,31 +48,35 @@ def message(values: torch.Tensor | None, tokens: int) -> torch.Tensor:
     return values.repeat(reps)[:n].cuda().view(tokens, HIDDEN)
 
 
-def measure_message(x: torch.Tensor, reps: int) -> dict:
+def measure_message(x: torch.Tensor, chunk_values: int, reps: int) -> dict:
     """Checks one message's device round trip against the host codec, then times it."""
     raw, shape = x.numel() * 2, tuple(x.shape)
-    blob = lossless.encode(x)
-    if not (blob.is_cuda and torch.equal(blob.cpu(), lossless.encode(x.cpu()))):
+    blob = lossless.encode(x, chunk_values=chunk_values)
+    if not (blob.is_cuda and torch.equal(blob.cpu(), lossless.encode(x.cpu(), chunk_values=chunk_values))):
         raise RuntimeError("the device blob is not the host blob")
     if not torch.equal(lossless.decode(blob, expected_shape=shape).view(torch.int16), x.view(torch.int16)):
         raise RuntimeError("the device round trip is not exact")
     times = {"copy_us": wall_us(x.clone, reps),
-             "encode_us": wall_us(lambda: lossless.encode(x), reps),
+             "encode_us": wall_us(lambda: lossless.encode(x, chunk_values=chunk_values), reps),
              "decode_us": wall_us(lambda: lossless.decode(blob, expected_shape=shape), reps),
              "fp8_us": wall_us(lambda: fp8.quantize(x), reps)}
     return {"raw_mb": raw / 1e6, "ratio": blob.numel() / raw, **times,
             "encode_gbs": raw / times["encode_us"] / 1e3, "decode_gbs": raw / times["decode_us"] / 1e3}
 
 
-def measure(kinds: dict[str, torch.Tensor | None], token_counts: list[int], reps: int) -> list[dict]:
-    return [{"kind": kind, "tokens": tokens, **measure_message(message(values, tokens), reps)}
-            for kind, values in kinds.items() for tokens in token_counts]
+def measure(kinds: dict[str, torch.Tensor | None], token_counts: list[int], chunk_sizes: list[int],
+            reps: int) -> list[dict]:
+    return [{"kind": kind, "tokens": tokens, "chunk_values": cv,
+             **measure_message(message(values, tokens), cv, reps)}
+            for kind, values in kinds.items() for tokens in token_counts for cv in chunk_sizes]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=Path, help="real tensors from bench/codec_bench.py --save-tensors")
     parser.add_argument("--tokens", default="64,1024,8192", help="comma-separated message sizes in rows of 7168")
+    parser.add_argument("--chunk-values", default="65536,8192,2048",
+                        help="comma-separated chunk sizes (values per independently coded chunk: one GPU warp each)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -84,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {k: v.reshape(-1).to(torch.bfloat16) for k, v in data.items()}
     else:
         kinds = {"gaussian": None}
-    rows = measure(kinds, [int(t) for t in args.tokens.split(",")], args.reps)
-    print(f"{'kind':12} {'tokens':>6} {'MB':>7} {'ratio':>6} {'copy us':>8} {'enc us':>8} {'dec us':>8} "
+    rows = measure(kinds, [int(t) for t in args.tokens.split(",")], [int(c) for c in args.chunk_values.split(",")],
+                   args.reps)
+    print(f"{'kind':12} {'tokens':>6} {'chunk':>6} {'MB':>7} {'ratio':>6} {'copy us':>8} {'enc us':>8} {'dec us':>8} "
           f"{'fp8 us':>8} {'enc GB/s':>9} {'dec GB/s':>9}")
     for r in rows:
-        print(f"{r['kind']:12} {r['tokens']:6d} {r['raw_mb']:7.2f} {r['ratio']:6.4f} {r['copy_us']:8.1f} "
-              f"{r['encode_us']:8.1f} {r['decode_us']:8.1f} {r['fp8_us']:8.1f} {r['encode_gbs']:9.1f} "
-              f"{r['decode_gbs']:9.1f}")
+        print(f"{r['kind']:12} {r['tokens']:6d} {r['chunk_values']:6d} {r['raw_mb']:7.2f} {r['ratio']:6.4f} "
+              f"{r['copy_us']:8.1f} {r['encode_us']:8.1f} {r['decode_us']:8.1f} {r['fp8_us']:8.1f} "
+              f"{r['encode_gbs']:9.1f} {r['decode_gbs']:9.1f}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
     return 0
