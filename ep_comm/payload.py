@@ -89,7 +89,8 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
                          if (blob is not None and f.name == payload_field)
                          else _round(n * f.nbytes, align) for f in fmt.fields))
         start += n
-    data = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(values))
+    # zeros: the padding after blocks and blobs goes on the wire too (no stale memory sent)
+    data = torch.zeros(sum(sizes), dtype=torch.uint8, device=_device(values))
     offset = start = 0
     for n, blob, size in zip(row_splits, blobs, sizes):
         position = offset

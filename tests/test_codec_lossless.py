@@ -457,6 +457,9 @@ def test_forged_headers_are_rejected_before_allocating(shape, chunk_values, num_
 def test_dimensions_beyond_the_format_are_rejected_by_encode():
     with pytest.raises(ValueError, match="x"):
         lossless.encode(torch.empty(0, 2**49, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x has 9 dimensions; blobs hold at most 8"):
+        lossless.encode(torch.zeros((1,) * 9, dtype=torch.bfloat16))
+    assert_round_trip(torch.randn((2, 1, 3, 1, 1, 2, 1, 2)).to(torch.bfloat16))
 
 
 def test_expected_shape_is_checked_before_allocating():
@@ -499,18 +502,36 @@ def test_header_fields_reject_what_the_decoder_rejects():
 
     blob = lossless.encode(torch.randn(300, 7).to(torch.bfloat16), chunk_values=64)
     with pytest.raises(ValueError, match="prefix must hold the blob's first 96 bytes, got 10"):
-        _host.lossless_header_fields(blob[:10].numpy(), blob.numel())
-    for cut in range(0, 48):  # shorter than header + shape + table + directory
-        with pytest.raises(ValueError, match="truncated"):
-            lossless_device.header(blob[:cut])
+        _host.lossless_metadata_bytes(blob[:10].numpy(), blob.numel())
+    with pytest.raises(ValueError, match="metadata must hold at least the blob's first 48 bytes, got 40"):
+        _host.lossless_parse_metadata(blob[:40].numpy(), blob.numel())
+    data_offset = _host.lossless_metadata_bytes(blob[:96].numpy(), blob.numel())
+    with pytest.raises(ValueError, match=f"metadata must hold the blob's first {data_offset} bytes"):
+        _host.lossless_parse_metadata(blob[:data_offset + 1].numpy(), blob.numel())
+
+    def outcome(f, b):
+        try:
+            return f(b)
+        except ValueError as error:
+            return str(error)
+
+    # what the device path checks before allocating = what the host decoder checks (parse), for
+    # every 1-byte corruption of the metadata, a few of the payload, and every truncation
+    positions = list(range(data_offset)) + [data_offset, blob.numel() // 2, blob.numel() - 1]
+    for p in positions:
+        bad = blob.clone()
+        bad[p] ^= 0x41
+        want = outcome(lambda b: (lossless.shape_of(b), 64), bad)
+        assert outcome(lossless_device.header, bad) == want, f"byte {p}"
+    for cut in list(range(0, data_offset + 2)) + [blob.numel() - 1]:
+        want = outcome(lossless.shape_of, blob[:cut])
+        assert isinstance(want, str) and outcome(lossless_device.header, blob[:cut]) == want, f"{cut} bytes"
     for position, message in [(0, "bad magic"), (4, "version"), (5, "corrupted header"), (8, "corrupted header"),
                               (16, "corrupted header"), (33, "shape does not match")]:
         bad = blob.clone()
         bad[position] ^= 0x41
         with pytest.raises(ValueError, match=message):
             lossless_device.header(bad)
-        with pytest.raises(ValueError, match=message):
-            lossless.decode(bad)
 
 
 def test_error_messages_are_the_decoders():

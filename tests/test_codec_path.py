@@ -91,6 +91,8 @@ def test_auto_rule():
     measured = AutoCodecPolicy(link_gbps=1.0)
     enc, dec = measured.throughputs()
     assert enc > 0 and dec > 0
+    assert list(measured._measured) == ["cpu"]  # a CPU payload is coded on the CPU
+    assert measured.throughputs("cpu") == (enc, dec)  # measured once per place
 
 
 def _auto_with_diverging_data(rank, world, group):
@@ -174,3 +176,32 @@ def test_lossless_after_masking_a_rank(ranks):
         for codec in ("lossless", "auto"):
             for a, b in zip(outs["none"], outs[codec]):
                 assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_lossless_message_padding_is_zero():
+    """Every byte of a packed message is defined: the padding after each blob is zero, so the
+    same rows always give the same message (and no stale memory goes on the wire)."""
+    from ep_comm.payload import BLOB_LENGTH_BYTES, RowSource, pack
+    from ep_comm.wire import FieldSpec, RowFormat
+
+    fmt = RowFormat((FieldSpec("x", torch.bfloat16, 200), FieldSpec("w", torch.float32, 3)))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 200, generator=g).to(torch.bfloat16)
+    w = torch.rand(40, 3, generator=g)
+    splits = [7, 0, 13, 20]
+    garbage = torch.full((1 << 20,), 0xAB, dtype=torch.uint8)  # freed memory the allocator may reuse
+    del garbage
+    out = pack(fmt, {"x": RowSource(x), "w": RowSource(w)}, splits, "lossless")
+    offset = 0
+    for n, size in zip(splits, out.byte_splits):
+        chunk = out.data[offset:offset + size]
+        blob_start = ((n * 12 + 7) // 8) * 8  # the w block (n rows of 3 float32), padded to 8
+        length = int(chunk[blob_start:blob_start + BLOB_LENGTH_BYTES].clone().view(torch.int64)[0])
+        end = blob_start + BLOB_LENGTH_BYTES + length
+        assert size == (end + 7) // 8 * 8
+        assert bool((chunk[end:] == 0).all()), f"padding of the {n}-row chunk"
+        if n * 12 % 8:
+            assert bool((chunk[n * 12:blob_start] == 0).all())
+        offset += size
+    again = pack(fmt, {"x": RowSource(x), "w": RowSource(w)}, splits, "lossless")
+    assert torch.equal(again.data, out.data)

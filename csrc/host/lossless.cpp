@@ -297,14 +297,17 @@ std::vector<int64_t> header_shape(const py::buffer& blob) {
   return std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim);
 }
 
-// Bytes of a blob's fixed header plus the largest shape: all that header_fields reads.
+// Bytes of a blob's fixed header plus the largest shape: all that metadata_bytes reads.
 constexpr uint64_t kHeaderPrefixBytes = kHeaderBytes + 8ull * kMaxDims;
 
-// A blob's shape and chunk size from its first min(blob_bytes, kHeaderPrefixBytes) bytes and its
-// size: the fixed header's checks only (parse_header_fields; not the table, directory or
-// checksums). What the device decoder's caller needs to size its output and workspace; the
-// device validates the whole blob. Raises ValueError on a bad header.
-py::tuple header_fields(const py::buffer& prefix, uint64_t blob_bytes) {
+// The device decoder's caller validates a blob's metadata on the host, as decode does, before it
+// allocates anything: first metadata_bytes on the blob's first min(blob_bytes, kHeaderPrefixBytes)
+// bytes, then parse_metadata on its first metadata_bytes bytes (both copied from the device).
+
+// The bytes of header, shape, table and chunk directory (the offset of the first payload), from
+// the blob's first min(blob_bytes, kHeaderPrefixBytes) bytes and its size; checks the fixed header
+// (parse_header_fields). Raises ValueError on a bad header.
+uint64_t metadata_bytes(const py::buffer& prefix, uint64_t blob_bytes) {
   py::buffer_info info = prefix.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
@@ -316,7 +319,34 @@ py::tuple header_fields(const py::buffer& prefix, uint64_t blob_bytes) {
   Header h;
   const int st = parse_header_fields(b, blob_bytes, h);
   if (st != kOk) fail(st);
-  return py::make_tuple(std::vector<int64_t>(h.shape, h.shape + h.ndim), h.chunk_values);
+  return h.data_offset;
+}
+
+// (shape list, chunk_values) from a blob's first metadata_bytes bytes and its size: every check
+// decode makes before it allocates (parse: header, table, metadata checksum, each directory entry,
+// payload sizes adding up to the blob's size). Raises ValueError on a bad blob.
+py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
+  py::buffer_info info = metadata.request();
+  uint64_t size = 0;
+  const uint8_t* b = blob_data(info, size);
+  // parse_header_fields reads the fixed header, then (ndim <= kMaxDims) the shape: bytes below
+  // min(blob_bytes, table_offset_for(ndim))
+  uint64_t fixed = blob_bytes < kHeaderBytes ? blob_bytes : kHeaderBytes;
+  if (size >= kHeaderBytes && b[5] <= kMaxDims && blob_bytes >= kHeaderBytes)
+    fixed = std::min<uint64_t>(blob_bytes, table_offset_for(b[5]));
+  if (size < fixed)
+    throw std::invalid_argument("metadata must hold at least the blob's first " + std::to_string(fixed) +
+                                " bytes, got " + std::to_string(size));
+  Header h;
+  // parse reads bytes [0, data_offset) only; data_offset itself comes from the fixed fields
+  int st = parse_header_fields(b, blob_bytes, h);
+  if (st != kOk) fail(st);
+  if (size != h.data_offset)
+    throw std::invalid_argument("metadata must hold the blob's first " + std::to_string(h.data_offset) +
+                                " bytes, got " + std::to_string(size));
+  Parsed p;
+  parse(b, blob_bytes, p);
+  return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values);
 }
 
 // Decodes a parsed blob `b` (size bytes) into o[num_values]; returns a Status. Releases the GIL.
@@ -433,9 +463,12 @@ void register_lossless(py::module_& m) {
     return max_blob_bytes(n, ndim, cv);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);
   m.attr("LOSSLESS_DEFAULT_CHUNK_VALUES") = kDefaultChunkValues;
-  m.def("lossless_header_fields", &header_fields, py::arg("prefix"), py::arg("blob_bytes"),
-        "(shape list, chunk_values) from a blob's first min(blob_bytes, LOSSLESS_HEADER_PREFIX_BYTES) bytes\n"
-        "and its size; checks the fixed header only; ValueError on a bad one");
+  m.def("lossless_metadata_bytes", &metadata_bytes, py::arg("prefix"), py::arg("blob_bytes"),
+        "bytes of a blob's header, table and directory, from its first min(blob_bytes,\n"
+        "LOSSLESS_HEADER_PREFIX_BYTES) bytes and its size; checks the fixed header; ValueError on a bad one");
+  m.def("lossless_parse_metadata", &parse_metadata, py::arg("metadata"), py::arg("blob_bytes"),
+        "(shape list, chunk_values) from a blob's first lossless_metadata_bytes bytes and its size, with\n"
+        "every check decode makes before allocating; ValueError on a bad blob");
   m.def("lossless_error_message", [](int status) { return std::string(error_message(status)); }, py::arg("status"),
         "text of a lossless::Status code (as in the ValueError of a failed decode)");
   m.attr("LOSSLESS_HEADER_PREFIX_BYTES") = kHeaderPrefixBytes;

@@ -7,8 +7,9 @@ receiver, not overlapped with the transfer on this path), so lossless compressio
     B / L  >  rho * B / L + B / enc + B / dec      <=>      (1 - rho) / L  >  1 / enc + 1 / dec
 
 ``rho`` is the compression ratio observed on this buffer's earlier lossless messages (0.7 before
-any); ``enc`` and ``dec`` are the codec's throughputs, measured once per process on a 1 MiB bf16
-sample unless configured; ``L`` is the link bandwidth, configured per Buffer (the defaults below
+any); ``enc`` and ``dec`` are the codec's throughputs where it runs for the payload (its GPU when
+the CUDA codec kernels are built for it, else the CPU), measured once per policy and place on a
+1 MiB bf16 sample unless configured; ``L`` is the link bandwidth, configured per Buffer (the defaults below
 are typical figures for each transport, not measurements). Lossy FP8 is never chosen by ``auto``.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class AutoCodecPolicy:
     decode_gbps: float | None = None
     expected_ratio: float = 0.7
     observed_ratio: float | None = None
-    _measured: dict[str, float] = field(default_factory=dict, repr=False)
+    _measured: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
     def ratio(self) -> float:
         return self.observed_ratio if self.observed_ratio is not None else self.expected_ratio
@@ -50,29 +51,36 @@ class AutoCodecPolicy:
         r = wire_bytes / raw_bytes
         self.observed_ratio = r if self.observed_ratio is None else 0.8 * self.observed_ratio + 0.2 * r
 
-    def throughputs(self) -> tuple[float, float]:
-        """``(encode, decode)`` GB/s: configured, else measured once on a 1 MiB sample."""
+    def throughputs(self, device: torch.device | str = "cpu") -> tuple[float, float]:
+        """``(encode, decode)`` GB/s: configured, else measured once per place the codec runs for
+        payloads on ``device`` (its GPU when the CUDA codec kernels are built for it, else the
+        CPU), on a 1 MiB sample."""
         if self.encode_gbps is not None and self.decode_gbps is not None:
             return self.encode_gbps, self.decode_gbps
-        if not self._measured:
-            from . import lossless
+        from . import lossless, lossless_device
 
-            sample = (torch.randn(512, 1024) * 0.05).to(torch.bfloat16)
-            lossless.decode(lossless.encode(sample))  # warm up
+        device = torch.device(device)
+        where = device if lossless_device.available(device) else torch.device("cpu")
+        key = str(where)
+        if key not in self._measured:
+            sample = (torch.randn(512, 1024) * 0.05).to(torch.bfloat16).to(where)
+            lossless.decode(lossless.encode(sample))  # warm up (each device call ends synchronised)
             start = time.perf_counter()
             blob = lossless.encode(sample)
             middle = time.perf_counter()
             lossless.decode(blob)
             end = time.perf_counter()
             nbytes = sample.numel() * 2
-            self._measured = {"encode": nbytes / max(middle - start, 1e-9) / 1e9,
-                              "decode": nbytes / max(end - middle, 1e-9) / 1e9}
-        return (self.encode_gbps or self._measured["encode"], self.decode_gbps or self._measured["decode"])
+            self._measured[key] = {"encode": nbytes / max(middle - start, 1e-9) / 1e9,
+                                   "decode": nbytes / max(end - middle, 1e-9) / 1e9}
+        measured = self._measured[key]
+        return (self.encode_gbps or measured["encode"], self.decode_gbps or measured["decode"])
 
-    def pays(self, transport_kind: str) -> bool:
-        """Whether lossless compression is expected to shorten a transfer on this link."""
+    def pays(self, transport_kind: str, device: torch.device | str = "cpu") -> bool:
+        """Whether lossless compression is expected to shorten a transfer on this link, for a
+        payload on ``device``."""
         link = self.link_gbps or DEFAULT_LINK_GBPS.get(transport_kind, 50.0)
-        enc, dec = self.throughputs()
+        enc, dec = self.throughputs(device)
         return (1.0 - self.ratio()) / link > 1.0 / enc + 1.0 / dec
 
 
@@ -81,6 +89,6 @@ def choose_codec(x: object, policy: AutoCodecPolicy, transport_kind: str) -> str
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         return "none"
     try:
-        return "lossless" if policy.pays(transport_kind) else "none"
+        return "lossless" if policy.pays(transport_kind, x.device) else "none"
     except RuntimeError:  # the C++ codec is not built
         return "none"

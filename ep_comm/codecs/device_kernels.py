@@ -5,12 +5,17 @@ import torch
 
 
 def codec_kernels(device: torch.device):
-    """``ep_comm._cuda`` when ``device`` is a GPU and that module is built with the codec kernels;
-    else None (the codecs then run on the CPU, or as torch operations)."""
+    """``ep_comm._cuda`` when ``device`` is a GPU that module has code for (its compute
+    capability among the built ``archs``) and the module holds the codec kernels; else None (the
+    codecs then run on the CPU, or as torch operations)."""
     if device.type != "cuda":
         return None
     try:
         from ep_comm import _cuda
     except ImportError:
         return None
-    return _cuda if hasattr(_cuda, "lossless_encode") and hasattr(_cuda, "fp8_quantize") else None
+    if not (hasattr(_cuda, "lossless_encode") and hasattr(_cuda, "fp8_quantize")):
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    built = str(getattr(_cuda, "archs", "")).split(";")
+    return _cuda if f"{major}{minor}" in built else None

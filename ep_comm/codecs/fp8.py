@@ -62,7 +62,7 @@ def _quantize_device(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tup
     """``quantize`` of a bf16 CUDA tensor by the CUDA kernel (csrc/cuda/fp8_kernels.cu, the same
     core as the host build); bit-identical to ``quantize_reference``."""
     hidden = x.shape[-1]
-    rows = x.numel() // hidden
+    rows = x.numel() // hidden if hidden else 0
     src = x.detach().contiguous()
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = _scales_like(x, use_ue8m0)

@@ -33,6 +33,7 @@ DEFAULT_CHUNK_VALUES = 65536
 MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
+MAX_DIMS = 8
 
 
 def _is_shape(shape: object) -> bool:
@@ -65,6 +66,8 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a bfloat16 tensor, got {got}")
+    if x.dim() > MAX_DIMS:
+        raise ValueError(f"x has {x.dim()} dimensions; blobs hold at most {MAX_DIMS}")
     if any(d > MAX_DIMENSION for d in x.shape):
         raise ValueError(f"x has a dimension above 2**48 (shape {tuple(x.shape)}), which blobs cannot describe")
     chunk_values = _chunk_values(chunk_values)

@@ -52,11 +52,16 @@ def encode(x: torch.Tensor, chunk_values: int) -> torch.Tensor:
 
 
 def header(blob: torch.Tensor) -> tuple[tuple[int, ...], int]:
-    """``(shape, chunk_values)`` that a blob (1-D uint8, any device) declares: its fixed header
-    only (one copy of at most 96 bytes to the host); ``ValueError`` if that header is bad."""
+    """``(shape, chunk_values)`` that a blob (1-D uint8, any device) declares, after every check
+    the host decoder makes before it allocates (header, table, metadata checksum, chunk
+    directory, sizes): its metadata is copied to the host (two small copies: the fixed header,
+    then header, table and directory, about 16 bytes per chunk). ``ValueError`` if it is bad."""
     host = _host()
-    prefix = blob[: min(blob.numel(), host.LOSSLESS_HEADER_PREFIX_BYTES)].to("cpu").contiguous()
-    shape, chunk_values = host.lossless_header_fields(prefix.numpy(), blob.numel())
+    size = blob.numel()
+    prefix = blob[: min(size, host.LOSSLESS_HEADER_PREFIX_BYTES)].to("cpu").contiguous()
+    metadata_bytes = host.lossless_metadata_bytes(prefix.numpy(), size)
+    metadata = blob[:metadata_bytes].to("cpu").contiguous()
+    shape, chunk_values = host.lossless_parse_metadata(metadata.numpy(), size)
     return tuple(shape), int(chunk_values)
 
 

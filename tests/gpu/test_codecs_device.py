@@ -144,3 +144,20 @@ def test_lossless_message_packed_on_the_device_is_the_host_message():
     assert received["x"].is_cuda
     assert torch.equal(_bits(received["x"]), _bits(x[index]))
     assert torch.equal(received["w"].cpu(), w[index])
+
+
+def test_edge_inputs_on_the_device():
+    with pytest.raises(ValueError, match="at most 8"):
+        lossless.encode(torch.zeros((1,) * 9, dtype=torch.bfloat16, device="cuda"))
+    q, s = fp8.quantize(torch.empty(4, 0, dtype=torch.bfloat16, device="cuda"))
+    assert q.shape == (4, 0) and s.shape == (4, 0) and q.is_cuda
+    strided = lossless.encode(_tensor("odd")).cuda().repeat_interleave(2)[::2]  # a non-contiguous blob
+    assert torch.equal(_bits(lossless.decode(strided)), _bits(_tensor("odd")))
+
+
+def test_auto_rule_measures_the_device_codec():
+    from ep_comm.codecs.auto import AutoCodecPolicy
+
+    policy = AutoCodecPolicy(link_gbps=50.0)
+    enc, dec = policy.throughputs(torch.device("cuda"))
+    assert enc > 0 and dec > 0 and list(policy._measured) == ["cuda"]
