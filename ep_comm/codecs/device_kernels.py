@@ -1,4 +1,5 @@
-"""Access to the codecs' CUDA kernels (``ep_comm._cuda``, bound in csrc/cuda_bindings/codecs.cpp)."""
+"""Access to the codecs' CUDA kernels (``ep_comm._cuda``, bound in csrc/cuda_bindings/codecs.cpp):
+which module holds them for a device, and the device context and stream their launches use."""
 from __future__ import annotations
 
 import torch
@@ -19,3 +20,13 @@ def codec_kernels(device: torch.device):
     major, minor = torch.cuda.get_device_capability(device)
     built = str(getattr(_cuda, "archs", "")).split(";")
     return _cuda if f"{major}{minor}" in built else None
+
+
+def launch_context(device: torch.device):
+    """Context in which ``device`` is the current CUDA device (allocations and launches)."""
+    return torch.cuda.device(device)
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream, which the kernels are launched on."""
+    return torch.cuda.current_stream(device).cuda_stream

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .device_kernels import codec_kernels
+from . import device_kernels
 
 try:
     from ep_comm import _host
@@ -44,7 +44,7 @@ def quantize(x: torch.Tensor, round_scale: bool = False,
     _check_flags(x, round_scale, use_ue8m0)
     if _host is not None and x.device.type == "cpu":
         return _quantize_host(x, round_scale, use_ue8m0)
-    if x.dtype == torch.bfloat16 and codec_kernels(x.device) is not None:
+    if x.dtype == torch.bfloat16 and device_kernels.codec_kernels(x.device) is not None:
         return _quantize_device(x, round_scale, use_ue8m0)
     return quantize_reference(x, round_scale, use_ue8m0)
 
@@ -67,10 +67,10 @@ def _quantize_device(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tup
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = _scales_like(x, use_ue8m0)
     if rows:
-        with torch.cuda.device(x.device):
-            codec_kernels(x.device).fp8_quantize(src.data_ptr(), rows, hidden, round_scale, use_ue8m0,
-                                                   q.data_ptr(), scales.data_ptr(),
-                                                   torch.cuda.current_stream(x.device).cuda_stream)
+        with device_kernels.launch_context(x.device):
+            device_kernels.codec_kernels(x.device).fp8_quantize(
+                src.data_ptr(), rows, hidden, round_scale, use_ue8m0, q.data_ptr(), scales.data_ptr(),
+                device_kernels.current_stream(x.device))
     return q.view(torch.float8_e4m3fn), scales
 
 

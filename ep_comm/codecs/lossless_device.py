@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .device_kernels import codec_kernels
+from . import device_kernels
 
 
 def _host():
@@ -24,28 +24,24 @@ def _host():
 def available(device: torch.device) -> bool:
     """True when tensors on ``device`` are coded by the CUDA kernels (a CUDA device, and
     ``ep_comm._cuda`` built with them); otherwise :mod:`lossless` codes on the CPU."""
-    return codec_kernels(device) is not None
-
-
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return device_kernels.codec_kernels(device) is not None
 
 
 def encode(x: torch.Tensor, chunk_values: int) -> torch.Tensor:
     """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob on ``x``'s device.
 
     ``chunk_values`` is checked by the caller (a multiple of 32 in [32, 2**24])."""
-    kernels = codec_kernels(x.device)
+    kernels = device_kernels.codec_kernels(x.device)
     values = x.detach().contiguous().view(torch.int16).reshape(-1)
     n, shape, device = values.numel(), [int(d) for d in x.shape], x.device
-    with torch.cuda.device(device):
+    with device_kernels.launch_context(device):
         workspace = torch.empty(kernels.lossless_encode_workspace_bytes(n, chunk_values), dtype=torch.uint8,
                                 device=device)
         out = torch.empty(kernels.lossless_max_blob_bytes(n, len(shape), chunk_values), dtype=torch.uint8,
                           device=device)
         size = torch.zeros(1, dtype=torch.int64, device=device)
         kernels.lossless_encode(values.data_ptr(), n, shape, chunk_values, out.data_ptr(), size.data_ptr(),
-                                workspace.data_ptr(), workspace.numel(), _stream(device))
+                                workspace.data_ptr(), workspace.numel(), device_kernels.current_stream(device))
         blob_bytes = int(size.item())
     # an exact-size copy: the capacity-sized buffer goes back to the allocator
     return out[:blob_bytes].clone()
@@ -73,16 +69,16 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, chunk_values: int) -> Non
         ValueError: the blob is corrupted (the host decoder's message); ``out`` is then
             unspecified.
     """
-    kernels = codec_kernels(out.device)
+    kernels = device_kernels.codec_kernels(out.device)
     device = out.device
     flat = out.view(torch.int16).reshape(-1)
     n = flat.numel()
-    with torch.cuda.device(device):
+    with device_kernels.launch_context(device):
         workspace = torch.empty(kernels.lossless_decode_workspace_bytes(n, chunk_values), dtype=torch.uint8,
                                 device=device)
         status = torch.zeros(1, dtype=torch.int32, device=device)
         kernels.lossless_decode(blob.data_ptr(), blob.numel(), flat.data_ptr(), n, chunk_values, status.data_ptr(),
-                                workspace.data_ptr(), workspace.numel(), _stream(device))
+                                workspace.data_ptr(), workspace.numel(), device_kernels.current_stream(device))
         code = int(status.item())
     if code != 0:
         raise ValueError(f"lossless blob: {_host().lossless_error_message(code)}")

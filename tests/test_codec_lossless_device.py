@@ -1,0 +1,177 @@
+"""ep_comm.codecs.lossless_device (and fp8's device path) without a GPU: the Python side (workspace
+and output sizing, the arguments handed to each kernel binding and their order, the blob-size and
+status read-backs, error texts), run against a stand-in for the ``ep_comm._cuda`` codec bindings
+that has their signatures and does their work with the host codecs on CPU memory. The CUDA kernels
+themselves are tested on a GPU by tests/gpu/test_codecs_device.py."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from ep_comm import _host
+from ep_comm.codecs import device_kernels, fp8, lossless, lossless_device
+
+
+class HostKernels:
+    """The codec bindings of csrc/cuda_bindings/codecs.cpp (same names, parameters and order),
+    done by the host codec on the memory the pointers name. Records every call."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def lossless_encode_workspace_bytes(self, num_values, chunk_values):
+        return 64 + num_values // 7
+
+    def lossless_decode_workspace_bytes(self, num_values, chunk_values):
+        return 32 + num_values // 9
+
+    def lossless_max_blob_bytes(self, num_values, ndim, chunk_values):
+        return _host.lossless_max_blob_bytes(num_values, ndim, chunk_values)
+
+    def lossless_encode(self, values, num_values, shape, chunk_values, out, out_size, workspace, workspace_bytes,
+                        stream):
+        self.calls.append("encode")
+        assert workspace_bytes == self.lossless_encode_workspace_bytes(num_values, chunk_values) and stream == 0
+        ctypes.memset(workspace, 0xEE, workspace_bytes)  # the workspace is the callee's to scribble on
+        bits = np.ctypeslib.as_array((ctypes.c_int16 * num_values).from_address(values)) if num_values else \
+            np.empty(0, np.int16)
+        blob = _host.lossless_encode(bits.copy(), list(shape), chunk_values, 1, True)
+        assert blob.size <= self.lossless_max_blob_bytes(num_values, len(shape), chunk_values)
+        ctypes.memmove(out, blob.ctypes.data, blob.size)
+        ctypes.c_int64.from_address(out_size).value = blob.size
+
+    def lossless_decode(self, blob, blob_bytes, out, num_values, min_chunk_values, status, workspace,
+                        workspace_bytes, stream):
+        self.calls.append("decode")
+        assert workspace_bytes == self.lossless_decode_workspace_bytes(num_values, min_chunk_values) and stream == 0
+        data = np.frombuffer(ctypes.string_at(blob, blob_bytes), dtype=np.uint8)
+        code = 0
+        try:
+            values, _ = _host.lossless_decode(data, 1, True, None)
+            if values.size != num_values:
+                raise ValueError("lossless blob: shape does not match the number of values")
+            ctypes.memmove(out, values.ctypes.data, 2 * num_values)
+        except ValueError as error:
+            text = str(error).removeprefix("lossless blob: ")
+            code = next(c for c in range(1, 12) if _host.lossless_error_message(c) == text)
+        ctypes.c_int32.from_address(status).value = code
+
+    def fp8_quantize(self, x, rows, hidden, round_scale, use_ue8m0, q, scales, stream):
+        self.calls.append("fp8")
+        assert stream == 0
+        n = rows * hidden
+        src = np.ctypeslib.as_array((ctypes.c_int16 * n).from_address(x)).copy()
+        q_out = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(q))
+        if use_ue8m0:
+            s_out = np.ctypeslib.as_array((ctypes.c_int32 * (n // 512)).from_address(scales))
+        else:
+            s_out = np.ctypeslib.as_array((ctypes.c_float * (n // 128)).from_address(scales))
+        _host.fp8_quantize(src, rows, hidden, round_scale, use_ue8m0, q_out, s_out)
+
+
+@pytest.fixture()
+def kernels(monkeypatch) -> HostKernels:
+    """CPU tensors routed through lossless_device, with HostKernels in place of ep_comm._cuda."""
+    fake = HostKernels()
+    monkeypatch.setattr(device_kernels, "codec_kernels", lambda device: fake)
+    monkeypatch.setattr(device_kernels, "launch_context", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(device_kernels, "current_stream", lambda device: 0)
+    return fake
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16)
+
+
+def _host_encode(x: torch.Tensor, chunk_values: int = lossless.DEFAULT_CHUNK_VALUES) -> torch.Tensor:
+    flat = x.contiguous().view(torch.int16).reshape(-1).numpy()
+    return torch.from_numpy(_host.lossless_encode(flat, list(x.shape), chunk_values, 1, True))
+
+
+SHAPES = [(), (0,), (1,), (7, 3), (64, 7168), (3, 0, 5), (2, 1, 3, 1, 1, 2, 1, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_device_path_round_trip_gives_the_host_blob(kernels, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    if x.numel() > 100:
+        x.view(-1)[100:5000] = 0
+    blob = lossless.encode(x, chunk_values=4096)  # through lossless_device
+    assert kernels.calls == ["encode"]
+    assert torch.equal(blob, _host_encode(x, 4096))
+    y = lossless.decode(blob, expected_shape=tuple(shape))
+    assert y.shape == x.shape and torch.equal(_bits(y), _bits(x))
+    out = torch.full(x.shape, 3.0, dtype=torch.bfloat16)
+    assert lossless.decode_into(blob, out) is out and torch.equal(_bits(out), _bits(x))
+    assert kernels.calls == ["encode", "decode", "decode"]
+
+
+def test_device_path_rejects_bad_blobs_before_the_kernel(kernels):
+    x = torch.randn(300, 7).to(torch.bfloat16)
+    blob = lossless.encode(x, chunk_values=64)
+    with pytest.raises(ValueError, match=r"shape \(300, 7\), expected \(7, 300\)"):
+        lossless.decode(blob, expected_shape=(7, 300))
+    with pytest.raises(ValueError, match="expected"):
+        lossless.decode_into(blob, torch.empty(299, 7, dtype=torch.bfloat16))
+    bad = blob.clone()
+    bad[0] ^= 1
+    with pytest.raises(ValueError, match="bad magic"):
+        lossless.decode(bad)
+    assert kernels.calls == ["encode"]  # none of these reached the decoder kernel
+
+
+def test_device_path_reports_the_kernel_status(kernels):
+    x = torch.randn(300, 7).to(torch.bfloat16)
+    blob = lossless.encode(x, chunk_values=64)
+    bad = blob.clone()
+    bad[-2] ^= 0x10  # the last chunk's payload: found by the decoder, not the metadata checks
+    with pytest.raises(ValueError) as host_error:
+        lossless.shape_of(bad), _host.lossless_decode(bad.numpy(), 1, True, None)
+    with pytest.raises(ValueError) as device_error:
+        lossless.decode(bad)
+    assert str(device_error.value) == str(host_error.value)
+    assert kernels.calls == ["encode", "decode"]
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("shape", [(5, 1024), (2, 3, 512), (4, 0)])
+def test_fp8_device_path_matches_the_reference(kernels, shape, round_scale, use_ue8m0):
+    if use_ue8m0 and shape[-1] % 512:
+        pytest.skip("UE8M0 packs 4 groups")
+    x = (torch.randn(shape) * torch.logspace(-3, 2, shape[-1])).to(torch.bfloat16)
+    q, scales = fp8._quantize_device(x, round_scale, use_ue8m0)
+    q_ref, scales_ref = fp8.quantize_reference(x, round_scale, use_ue8m0)
+    assert q.dtype == q_ref.dtype and scales.dtype == scales_ref.dtype and scales.shape == scales_ref.shape
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8), scales_ref.contiguous().view(torch.uint8))
+    assert kernels.calls == (["fp8"] if x.numel() else [])
+
+
+def test_without_codec_kernels_cuda_tensors_are_not_routed_to_them():
+    assert not lossless_device.available(torch.device("cpu"))
+    assert lossless_device.available(torch.device("meta")) is False
+
+
+def test_payload_path_through_the_device_codec(kernels, monkeypatch):
+    from ep_comm.payload import RowSource, pack, unpack
+    from ep_comm.wire import FieldSpec, RowFormat
+
+    fmt = RowFormat((FieldSpec("x", torch.bfloat16, 256), FieldSpec("w", torch.float32, 2)))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(30, 256, generator=g).to(torch.bfloat16)
+    w = torch.rand(30, 2, generator=g)
+    index = torch.randperm(30, generator=g)[:25]
+    splits = [10, 0, 15]
+    values = {"x": RowSource(x, index), "w": RowSource(w, index)}
+    message = pack(fmt, values, splits, "lossless")
+    assert kernels.calls == ["encode"] * 3  # one blob per destination (an empty one too)
+    received = unpack(fmt, message.data, splits, message.byte_splits, "lossless")
+    assert kernels.calls == ["encode"] * 3 + ["decode"] * 3
+    assert torch.equal(_bits(received["x"]), _bits(x[index])) and torch.equal(received["w"], w[index])
+    monkeypatch.setattr(device_kernels, "codec_kernels", lambda device: None)  # the host path
+    assert torch.equal(pack(fmt, values, splits, "lossless").data, message.data)
