@@ -83,7 +83,8 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
     for n in row_splits:
         blob = None
         if codec == "lossless":
-            blob = _lossless().encode(_rows(values[payload_field], start, n))
+            rows = _rows(values[payload_field], start, n)
+            blob = _lossless().encode(rows, chunk_values=_lossless().message_chunk_values(rows.device))
         blobs.append(blob)
         sizes.append(sum(_round(BLOB_LENGTH_BYTES + blob.numel(), align)
                          if (blob is not None and f.name == payload_field)

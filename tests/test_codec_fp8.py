@@ -129,3 +129,10 @@ def test_input_unmodified_and_errors():
         fp8.quantize(torch.randn(4, 100))
     with pytest.raises(ValueError):
         fp8.quantize(torch.randn(4, 256), round_scale=True, use_ue8m0=True)  # 256 % 512 != 0
+
+
+def test_zero_hidden_is_rejected_by_name():
+    with pytest.raises(ValueError, match="x's last dimension must be a positive multiple of 128"):
+        fp8.quantize(torch.empty(4, 0, dtype=torch.bfloat16))
+    q, scales = fp8.quantize(torch.empty(0, 256, dtype=torch.bfloat16))
+    assert q.shape == (0, 256) and scales.shape == (0, 2)

@@ -64,9 +64,10 @@ class AutoCodecPolicy:
         key = str(where)
         if key not in self._measured:
             sample = (torch.randn(512, 1024) * 0.05).to(torch.bfloat16).to(where)
-            lossless.decode(lossless.encode(sample))  # warm up (each device call ends synchronised)
+            chunk_values = lossless.message_chunk_values(where)  # as the transport codes messages
+            lossless.decode(lossless.encode(sample, chunk_values=chunk_values))  # warm up (synchronised)
             start = time.perf_counter()
-            blob = lossless.encode(sample)
+            blob = lossless.encode(sample, chunk_values=chunk_values)
             middle = time.perf_counter()
             lossless.decode(blob)
             end = time.perf_counter()

@@ -27,8 +27,8 @@ def _check(x: torch.Tensor, name: str = "x") -> None:
         raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{name} must be bf16, fp16 or fp32, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] % GROUP != 0:
-        raise ValueError(f"{name}'s last dimension must be a multiple of {GROUP}, got shape "
+    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % GROUP != 0:
+        raise ValueError(f"{name}'s last dimension must be a positive multiple of {GROUP}, got shape "
                          f"{tuple(x.shape)}")
 
 

@@ -30,6 +30,13 @@ except ImportError:  # pragma: no cover - the host build is part of every instal
     _host = None
 
 DEFAULT_CHUNK_VALUES = 65536
+# Chunk size for messages coded on a GPU (the dispatch/combine path, codec="auto"'s measurement).
+# One warp codes a chunk, sequentially: on an H200 a full wave of 64K-value chunks took 2.6 ms to
+# decode (bench/codec_gpu.py, 2026-11-30), so a message of fewer chunks than a wave (8,448 warps)
+# takes about that long whatever its size. 8K-value chunks cut that 8-fold (estimated; not yet
+# measured: bench/codec_device_api.py sweeps it) for 0.9% more bytes on real activations and
+# weights (5.6% on gradients' much smaller blobs; 64x7168 messages, measured on the CPU).
+DEVICE_MESSAGE_CHUNK_VALUES = 8192
 MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
@@ -76,6 +83,12 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
     bits = x.detach().to("cpu").contiguous().view(torch.int16).reshape(-1).numpy()
     blob = _lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd)
     return torch.from_numpy(blob)
+
+
+def message_chunk_values(device: torch.device) -> int:
+    """Chunk size the transport codes a message on ``device`` with: DEVICE_MESSAGE_CHUNK_VALUES
+    where the CUDA kernels code it, else DEFAULT_CHUNK_VALUES (on the CPU, a chunk is a task)."""
+    return DEVICE_MESSAGE_CHUNK_VALUES if lossless_device.available(device) else DEFAULT_CHUNK_VALUES
 
 
 def _chunk_values(chunk_values: object) -> int:

@@ -125,22 +125,26 @@ def test_fp8_on_the_device_is_the_reference(round_scale, use_ue8m0):
     assert torch.equal(s.cpu().contiguous().view(torch.uint8), s_ref.contiguous().view(torch.uint8))
 
 
-def test_lossless_message_packed_on_the_device_is_the_host_message():
+def test_lossless_message_packed_on_the_device_holds_the_host_blobs():
+    """A message packed from GPU rows: each destination's blob is the host encoder's blob of those
+    rows at the device message chunk size, and the message unpacks exactly on the GPU."""
     fmt = RowFormat((FieldSpec("x", torch.bfloat16, 7168), FieldSpec("w", torch.float32, 2)))
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(150, 7168, generator=g) * 0.05).to(torch.bfloat16)
     w = torch.rand(150, 2, generator=g)
     index = torch.randperm(150, generator=g)[:120]
     splits = [50, 0, 70]
-
-    def message(device: str):
-        values = {"x": RowSource(x.to(device), index.to(device)), "w": RowSource(w.to(device), index.to(device))}
-        return pack(fmt, values, splits, "lossless")
-
-    host, device = message("cpu"), message("cuda")
-    assert device.data.is_cuda and device.byte_splits == host.byte_splits
-    assert torch.equal(device.data.cpu(), host.data)
-    received = unpack(fmt, device.data, splits, device.byte_splits, "lossless")
+    values = {"x": RowSource(x.cuda(), index.cuda()), "w": RowSource(w.cuda(), index.cuda())}
+    message = pack(fmt, values, splits, "lossless")
+    assert message.data.is_cuda
+    data, offset, row = message.data.cpu(), 0, 0
+    for n, size in zip(splits, message.byte_splits):
+        length = int(data[offset + 8 * n:offset + 8 * n + 8].clone().view(torch.int64)[0])  # after n x 8 B of w
+        blob = data[offset + 8 * n + 8:offset + 8 * n + 8 + length]
+        rows = x[index[row:row + n]]
+        assert torch.equal(blob, lossless.encode(rows, chunk_values=lossless.DEVICE_MESSAGE_CHUNK_VALUES))
+        offset, row = offset + size, row + n
+    received = unpack(fmt, message.data, splits, message.byte_splits, "lossless")
     assert received["x"].is_cuda
     assert torch.equal(_bits(received["x"]), _bits(x[index]))
     assert torch.equal(received["w"].cpu(), w[index])
@@ -149,8 +153,10 @@ def test_lossless_message_packed_on_the_device_is_the_host_message():
 def test_edge_inputs_on_the_device():
     with pytest.raises(ValueError, match="at most 8"):
         lossless.encode(torch.zeros((1,) * 9, dtype=torch.bfloat16, device="cuda"))
-    q, s = fp8.quantize(torch.empty(4, 0, dtype=torch.bfloat16, device="cuda"))
-    assert q.shape == (4, 0) and s.shape == (4, 0) and q.is_cuda
+    with pytest.raises(ValueError, match="positive multiple of 128"):  # as on the CPU
+        fp8.quantize(torch.empty(4, 0, dtype=torch.bfloat16, device="cuda"))
+    q, s = fp8.quantize(torch.empty(0, 256, dtype=torch.bfloat16, device="cuda"))
+    assert q.shape == (0, 256) and s.shape == (0, 2) and q.is_cuda
     strided = lossless.encode(_tensor("odd")).cuda().repeat_interleave(2)[::2]  # a non-contiguous blob
     assert torch.equal(_bits(lossless.decode(strided)), _bits(_tensor("odd")))
 
