@@ -74,7 +74,7 @@ def measure(kinds: dict[str, torch.Tensor | None], token_counts: list[int], chun
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=Path, help="real tensors from bench/codec_bench.py --save-tensors")
-    parser.add_argument("--tokens", default="64,1024,8192", help="comma-separated message sizes in rows of 7168")
+    parser.add_argument("--tokens", default="64,1024", help="comma-separated message sizes in rows of 7168")
     parser.add_argument("--chunk-values", default="65536,8192,2048",
                         help="comma-separated chunk sizes (values per independently coded chunk: one GPU warp each)")
     parser.add_argument("--reps", type=int, default=20)
