@@ -77,19 +77,16 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
         return Outbox(rows.contiguous().view(torch.uint8).reshape(-1), raw, raw)
     align = _align(fmt)
     order = _layout_order(fmt, codec, payload_field)
-    blobs: list[torch.Tensor | None] = []
-    sizes: list[int] = []
-    start = 0
-    for n in row_splits:
-        blob = None
-        if codec == "lossless":
-            rows = _rows(values[payload_field], start, n)
-            blob = _lossless().encode(rows, chunk_values=_lossless().message_chunk_values(rows.device))
-        blobs.append(blob)
-        sizes.append(sum(_round(BLOB_LENGTH_BYTES + blob.numel(), align)
-                         if (blob is not None and f.name == payload_field)
-                         else _round(n * f.nbytes, align) for f in fmt.fields))
-        start += n
+    blobs: list[torch.Tensor | None] = [None] * len(row_splits)
+    if codec == "lossless":  # one blob per destination, coded together (one sync on a GPU)
+        starts = [sum(row_splits[:i]) for i in range(len(row_splits))]
+        rows = [_rows(values[payload_field], start, n) for start, n in zip(starts, row_splits)]
+        chunk_values = _lossless().message_chunk_values(_device(values))
+        blobs = list(_lossless().encode_many(rows, chunk_values=chunk_values))
+    sizes = [sum(_round(BLOB_LENGTH_BYTES + blob.numel(), align)
+                 if (blob is not None and f.name == payload_field)
+                 else _round(n * f.nbytes, align) for f in fmt.fields)
+             for n, blob in zip(row_splits, blobs)]
     # zeros: the padding after blocks and blobs goes on the wire too (no stale memory sent)
     data = torch.zeros(sum(sizes), dtype=torch.uint8, device=_device(values))
     offset = start = 0
@@ -157,22 +154,18 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
             decoded = torch.empty((total, spec.width), dtype=torch.bfloat16, device=received.device)
         else:
             decoded = _lossless().empty((total, spec.width))
+    coded: list[_CodedChunk] = []  # lossless: each chunk's blob, checked once all lengths are read
     offset = row = 0
     for n, nbytes in zip(rows_from, bytes_from):
         if nbytes == 0 and n == 0:  # a masked rank sends nothing at all
             continue
         position = offset
         for f in order:
-            if codec == "lossless" and f.name == payload_field:
+            if codec == "lossless" and f.name == payload_field:  # last in the chunk
                 if offset + nbytes - position < BLOB_LENGTH_BYTES:
                     raise ValueError("a lossless chunk is too short to hold its blob length")
-                length = int(received[position:position + BLOB_LENGTH_BYTES].cpu().clone().view(torch.int64)[0])
-                if not 0 <= length <= offset + nbytes - position - BLOB_LENGTH_BYTES:
-                    raise ValueError(f"a lossless chunk names a blob of {length} bytes that it does not hold")
-                start = position + BLOB_LENGTH_BYTES
-                # the blob must hold exactly these n rows (checked before anything is written)
-                _lossless().decode_into(received[start:start + length], decoded[row:row + n])
-                position += _round(BLOB_LENGTH_BYTES + length, align)
+                coded.append(_CodedChunk(position, offset + nbytes, row, n))
+                position = offset + nbytes
                 continue
             if n:
                 blocks[f.name].append(received[position:position + n * f.nbytes].view(f.dtype).view(n, f.width))
@@ -181,6 +174,17 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
             raise ValueError(f"a chunk of {nbytes} bytes does not match its {n} rows")
         offset += nbytes
         row += n
+    if coded:
+        blobs = []
+        for chunk, length in zip(coded, _blob_lengths(received, coded)):
+            room = chunk.end - chunk.length_at - BLOB_LENGTH_BYTES
+            if not 0 <= length <= room:
+                raise ValueError(f"a lossless chunk names a blob of {length} bytes that it does not hold")
+            if _round(BLOB_LENGTH_BYTES + length, align) != room + BLOB_LENGTH_BYTES:
+                raise ValueError(f"a lossless chunk's blob of {length} bytes does not fill its {room} bytes")
+            blobs.append(received[chunk.length_at + BLOB_LENGTH_BYTES:chunk.length_at + BLOB_LENGTH_BYTES + length])
+        # each blob must hold exactly its rows (checked before anything is written)
+        _lossless().decode_into_many(blobs, [decoded[c.first_row:c.first_row + c.rows] for c in coded])
     out = {}
     for f in fmt.fields:
         parts = blocks[f.name]
@@ -193,6 +197,24 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
         else:
             out[f.name] = _cat_rows(parts)
     return out
+
+
+@dataclass(frozen=True)
+class _CodedChunk:
+    """Where a received chunk's lossless blob lies: its 8-byte length at ``length_at``, the blob
+    after it up to at most ``end``; its rows are ``first_row .. first_row + rows`` of the output."""
+
+    length_at: int
+    end: int
+    first_row: int
+    rows: int
+
+
+def _blob_lengths(received: torch.Tensor, coded: list[_CodedChunk]) -> list[int]:
+    """The 8-byte blob lengths of ``coded`` chunks in ``received`` (1-D uint8), in one copy."""
+    at = torch.tensor([c.length_at for c in coded], dtype=torch.int64, device=received.device)
+    fields = received[at[:, None] + torch.arange(BLOB_LENGTH_BYTES, device=received.device)]
+    return fields.to("cpu").contiguous().view(torch.int64).reshape(-1).tolist()
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -555,3 +555,35 @@ def test_chunk_values_is_checked_by_name():
         with pytest.raises(ValueError, match="chunk_values must be a multiple of 32"):
             lossless.encode(x, chunk_values=bad)
     assert torch.equal(lossless.encode(x, chunk_values=np.int64(64)), lossless.encode(x, chunk_values=64))
+
+
+# ---- several blobs per call (one per message)
+
+def test_encode_many_and_decode_into_many_match_single_calls():
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape in [(3, 7), (0, 5), (1,), (200, 33)]]
+    blobs = lossless.encode_many(xs, chunk_values=256)
+    assert len(blobs) == len(xs)
+    for x, blob in zip(xs, blobs):
+        assert torch.equal(blob, lossless.encode(x, chunk_values=256))
+    outs = [torch.empty(x.shape, dtype=torch.bfloat16) for x in xs]
+    lossless.decode_into_many(blobs, outs)
+    for x, out in zip(xs, outs):
+        assert torch.equal(bits(out), bits(x))
+    assert lossless.encode_many([]) == []
+    lossless.decode_into_many([], [])
+
+
+def test_many_calls_name_the_bad_argument():
+    x = torch.randn(4, 4).to(torch.bfloat16)
+    blob = lossless.encode(x)
+    with pytest.raises(ValueError, match=r"xs\[1\] must be a bfloat16 tensor"):
+        lossless.encode_many([x, x.float()])
+    with pytest.raises(ValueError, match="xs must be a list"):
+        lossless.encode_many(x)
+    with pytest.raises(ValueError, match="same length"):
+        lossless.decode_into_many([blob, blob], [torch.empty(4, 4, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"outs\[1\] must be a contiguous bfloat16 tensor"):
+        lossless.decode_into_many([blob, blob], [torch.empty(4, 4, dtype=torch.bfloat16), torch.empty(4, 4).t()])
+    with pytest.raises(ValueError, match="expected"):
+        lossless.decode_into_many([blob], [torch.empty(2, 8, dtype=torch.bfloat16)])

@@ -205,3 +205,41 @@ def test_lossless_message_padding_is_zero():
         offset += size
     again = pack(fmt, {"x": RowSource(x), "w": RowSource(w)}, splits, "lossless")
     assert torch.equal(again.data, out.data)
+
+
+def test_lossless_message_damage_is_a_value_error():
+    """A received lossless message whose chunk sizes, blob lengths or blobs are wrong raises
+    ValueError, never reads past a chunk or writes a wrong row."""
+    from ep_comm.payload import RowSource, pack, unpack
+    from ep_comm.wire import FieldSpec, RowFormat
+
+    fmt = RowFormat((FieldSpec("x", torch.bfloat16, 64), FieldSpec("w", torch.float32, 2)))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 64, generator=g).to(torch.bfloat16)
+    w = torch.rand(12, 2, generator=g)
+    splits = [5, 7]
+    message = pack(fmt, {"x": RowSource(x), "w": RowSource(w)}, splits, "lossless")
+    first = message.byte_splits[0]
+    good = unpack(fmt, message.data, splits, message.byte_splits, "lossless")
+    assert torch.equal(good["x"].view(torch.int16), x.view(torch.int16))
+
+    def with_length(chunk_start: int, rows: int, length: int) -> torch.Tensor:
+        data = message.data.clone()
+        at = chunk_start + rows * 8  # after the w block (rows x 8 bytes)
+        data[at:at + 8] = torch.tensor([length], dtype=torch.int64).view(torch.uint8)
+        return data
+
+    with pytest.raises(ValueError, match="too short to hold its blob length"):
+        unpack(fmt, message.data[:5 * 8 + 4], [5], [5 * 8 + 4], "lossless")
+    with pytest.raises(ValueError, match="names a blob of 100000 bytes that it does not hold"):
+        unpack(fmt, with_length(0, 5, 100000), splits, message.byte_splits, "lossless")
+    with pytest.raises(ValueError, match="names a blob of -1 bytes"):
+        unpack(fmt, with_length(first, 7, -1), splits, message.byte_splits, "lossless")
+    with pytest.raises(ValueError, match="does not fill"):
+        unpack(fmt, with_length(0, 5, 20), splits, message.byte_splits, "lossless")
+    damaged = message.data.clone()
+    damaged[first - 9] ^= 0x08  # inside the first chunk's blob
+    with pytest.raises(ValueError, match="lossless blob"):
+        unpack(fmt, damaged, splits, message.byte_splits, "lossless")
+    with pytest.raises(ValueError):  # row counts that do not match the chunks
+        unpack(fmt, message.data, [6, 6], message.byte_splits, "lossless")

@@ -70,19 +70,50 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
         ``x`` is a CUDA tensor and ``ep_comm._cuda`` is built (coded there by the CUDA kernels),
         else on the CPU. The bytes are the same either way.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a bfloat16 tensor, got {got}")
-    if x.dim() > MAX_DIMS:
-        raise ValueError(f"x has {x.dim()} dimensions; blobs hold at most {MAX_DIMS}")
-    if any(d > MAX_DIMENSION for d in x.shape):
-        raise ValueError(f"x has a dimension above 2**48 (shape {tuple(x.shape)}), which blobs cannot describe")
+    _check_input(x, "x")
     chunk_values = _chunk_values(chunk_values)
     if lossless_device.available(x.device):
         return lossless_device.encode(x, chunk_values)
+    return _encode_host(x, chunk_values, threads, simd)
+
+
+def encode_many(xs: list[torch.Tensor], *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads: int = 0,
+                simd: bool = True) -> list[torch.Tensor]:
+    """Blobs of several tensors (e.g. one message per destination rank), each as :func:`encode`
+    would code it. Tensors on one GPU are coded there one after another with one
+    synchronisation for all (their blobs are views into one buffer); others one by one.
+
+    Args:
+        xs: bf16 tensors of any shapes; not modified.
+        chunk_values, threads, simd: as in :func:`encode`.
+
+    Returns:
+        One 1-D uint8 blob per tensor, in order.
+    """
+    if not isinstance(xs, (list, tuple)):
+        raise ValueError(f"xs must be a list of tensors, got {type(xs).__name__}")
+    for i, x in enumerate(xs):
+        _check_input(x, f"xs[{i}]")
+    chunk_values = _chunk_values(chunk_values)
+    if xs and len({x.device for x in xs}) == 1 and lossless_device.available(xs[0].device):
+        return lossless_device.encode_many(list(xs), chunk_values)
+    return [encode(x, chunk_values=chunk_values, threads=threads, simd=simd) for x in xs]
+
+
+def _check_input(x: object, name: str) -> None:
+    """ValueError naming ``name`` unless ``x`` is a bf16 tensor a blob can describe."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a bfloat16 tensor, got {got}")
+    if x.dim() > MAX_DIMS:
+        raise ValueError(f"{name} has {x.dim()} dimensions; blobs hold at most {MAX_DIMS}")
+    if any(d > MAX_DIMENSION for d in x.shape):
+        raise ValueError(f"{name} has a dimension above 2**48 (shape {tuple(x.shape)}), which blobs cannot describe")
+
+
+def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: bool) -> torch.Tensor:
     bits = x.detach().to("cpu").contiguous().view(torch.int16).reshape(-1).numpy()
-    blob = _lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd)
-    return torch.from_numpy(blob)
+    return torch.from_numpy(_lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd))
 
 
 def message_chunk_values(device: torch.device) -> int:
@@ -117,6 +148,15 @@ def _check_blob(blob: torch.Tensor) -> None:
 def _blob_array(blob: torch.Tensor):
     _check_blob(blob)
     return blob.detach().to("cpu").contiguous().numpy()
+
+
+def _check_out(out: object, name: str) -> None:
+    """ValueError naming ``name`` unless ``out`` is a contiguous bf16 tensor without grad."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 \
+            or not out.is_contiguous() or out.requires_grad:
+        got = (f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}, requires_grad={out.requires_grad}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"{name} must be a contiguous bfloat16 tensor that does not require grad, got {got}")
 
 
 def _check_shape(shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -199,11 +239,7 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
         ValueError: ``out`` is not a contiguous bf16 tensor; the blob holds another shape, is
             truncated, corrupted or not a lossless blob (``out``'s contents are then unspecified).
     """
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 \
-            or not out.is_contiguous() or out.requires_grad:
-        got = (f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}, requires_grad={out.requires_grad}"
-               if isinstance(out, torch.Tensor) else type(out).__name__)
-        raise ValueError(f"out must be a contiguous bfloat16 tensor that does not require grad, got {got}")
+    _check_out(out, "out")
     _check_blob(blob)
     if lossless_device.available(out.device):
         blob = blob.detach().to(out.device).contiguous()
@@ -216,6 +252,34 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
     data = _blob_array(blob)
     _lib().lossless_decode_into(data, out.view(torch.int16).reshape(-1).numpy(), threads, simd, list(out.shape))
     return out
+
+
+def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, threads: int = 0,
+                     simd: bool = True) -> None:
+    """:func:`decode_into` of several blobs (e.g. one message per source rank) into their
+    outputs. Outputs on one GPU are decoded there one after another, with their metadata checks
+    and the decoders' statuses each read back once for all; others one by one.
+
+    Raises:
+        ValueError: ``blobs`` and ``outs`` differ in length, an ``out`` is not a contiguous bf16
+            tensor, or a blob holds another shape than its ``out`` or is corrupted (checked for
+            every blob before anything is written on the GPU path).
+    """
+    if not isinstance(blobs, (list, tuple)) or not isinstance(outs, (list, tuple)) or len(blobs) != len(outs):
+        raise ValueError("blobs and outs must be lists of the same length")
+    for i, (blob, out) in enumerate(zip(blobs, outs)):
+        _check_out(out, f"outs[{i}]")
+        _check_blob(blob)
+    if outs and len({out.device for out in outs}) == 1 and lossless_device.available(outs[0].device):
+        device = outs[0].device
+        blobs = [blob.detach().to(device).contiguous() for blob in blobs]
+        found = lossless_device.headers(blobs)
+        for (shape, _), out in zip(found, outs):
+            _check_shape(shape, tuple(out.shape))
+        lossless_device.decode_many(blobs, list(outs), [chunk_values for _, chunk_values in found])
+        return
+    for blob, out in zip(blobs, outs):
+        decode_into(blob, out, threads=threads, simd=simd)
 
 
 def wire_bytes(blob: torch.Tensor) -> int:

@@ -27,38 +27,78 @@ def available(device: torch.device) -> bool:
     return device_kernels.codec_kernels(device) is not None
 
 
+_BLOB_ALIGN = 16  # blobs coded into one buffer start 16-byte aligned (the encoder's aligned stores)
+
+
 def encode(x: torch.Tensor, chunk_values: int) -> torch.Tensor:
     """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob on ``x``'s device.
 
     ``chunk_values`` is checked by the caller (a multiple of 32 in [32, 2**24])."""
-    kernels = device_kernels.codec_kernels(x.device)
-    values = x.detach().contiguous().view(torch.int16).reshape(-1)
-    n, shape, device = values.numel(), [int(d) for d in x.shape], x.device
-    with device_kernels.launch_context(device):
-        workspace = torch.empty(kernels.lossless_encode_workspace_bytes(n, chunk_values), dtype=torch.uint8,
-                                device=device)
-        out = torch.empty(kernels.lossless_max_blob_bytes(n, len(shape), chunk_values), dtype=torch.uint8,
-                          device=device)
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-        kernels.lossless_encode(values.data_ptr(), n, shape, chunk_values, out.data_ptr(), size.data_ptr(),
-                                workspace.data_ptr(), workspace.numel(), device_kernels.current_stream(device))
-        blob_bytes = int(size.item())
     # an exact-size copy: the capacity-sized buffer goes back to the allocator
-    return out[:blob_bytes].clone()
+    return encode_many([x], chunk_values)[0].clone()
+
+
+def encode_many(xs: list[torch.Tensor], chunk_values: int) -> list[torch.Tensor]:
+    """Blobs of several bf16 CUDA tensors on one device (e.g. one message per destination),
+    coded one after another on the current stream with one synchronisation for all.
+
+    Returns:
+        1-D uint8 blobs, in order: views into one buffer of their capacities (a blob keeps that
+        buffer alive; copy it to keep it alone).
+    """
+    if not xs:
+        return []
+    device = xs[0].device
+    kernels = device_kernels.codec_kernels(device)
+    flats = [x.detach().contiguous().view(torch.int16).reshape(-1) for x in xs]
+    shapes = [[int(d) for d in x.shape] for x in xs]
+    starts = [0]
+    for flat, shape in zip(flats, shapes):
+        capacity = kernels.lossless_max_blob_bytes(flat.numel(), len(shape), chunk_values)
+        starts.append(starts[-1] + (capacity + _BLOB_ALIGN - 1) // _BLOB_ALIGN * _BLOB_ALIGN)
+    with device_kernels.launch_context(device):
+        # one workspace for all: the launches run in stream order, each done before the next starts
+        workspace = torch.empty(max(kernels.lossless_encode_workspace_bytes(f.numel(), chunk_values) for f in flats),
+                                dtype=torch.uint8, device=device)
+        out = torch.empty(starts[-1], dtype=torch.uint8, device=device)
+        sizes = torch.zeros(len(xs), dtype=torch.int64, device=device)
+        stream = device_kernels.current_stream(device)
+        for i, (flat, shape) in enumerate(zip(flats, shapes)):
+            kernels.lossless_encode(flat.data_ptr(), flat.numel(), shape, chunk_values, out.data_ptr() + starts[i],
+                                    sizes.data_ptr() + 8 * i, workspace.data_ptr(), workspace.numel(), stream)
+        blob_bytes = sizes.tolist()  # the one synchronisation
+    return [out[start:start + size] for start, size in zip(starts, blob_bytes)]
 
 
 def header(blob: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """``(shape, chunk_values)`` that a blob (1-D uint8, any device) declares, after every check
     the host decoder makes before it allocates (header, table, metadata checksum, chunk
-    directory, sizes): its metadata is copied to the host (two small copies: the fixed header,
-    then header, table and directory, about 16 bytes per chunk). ``ValueError`` if it is bad."""
+    directory, sizes). ``ValueError`` if it is bad. See :func:`headers`."""
+    return headers([blob])[0]
+
+
+def headers(blobs: list[torch.Tensor]) -> list[tuple[tuple[int, ...], int]]:
+    """:func:`header` of several blobs on one device: their metadata comes to the host in two
+    copies for all (the fixed headers, then header, table and directory: about 16 bytes per
+    chunk). Raises the ValueError of the first bad blob."""
     host = _host()
-    size = blob.numel()
-    prefix = blob[: min(size, host.LOSSLESS_HEADER_PREFIX_BYTES)].to("cpu").contiguous()
-    metadata_bytes = host.lossless_metadata_bytes(prefix.numpy(), size)
-    metadata = blob[:metadata_bytes].to("cpu").contiguous()
-    shape, chunk_values = host.lossless_parse_metadata(metadata.numpy(), size)
-    return tuple(shape), int(chunk_values)
+    sizes = [b.numel() for b in blobs]
+    prefixes = _to_host([b[: min(n, host.LOSSLESS_HEADER_PREFIX_BYTES)] for b, n in zip(blobs, sizes)])
+    metadata_bytes = [host.lossless_metadata_bytes(p.numpy(), n) for p, n in zip(prefixes, sizes)]
+    metadata = _to_host([b[:m] for b, m in zip(blobs, metadata_bytes)])
+    result = []
+    for m, n in zip(metadata, sizes):
+        shape, chunk_values = host.lossless_parse_metadata(m.numpy(), n)
+        result.append((tuple(shape), int(chunk_values)))
+    return result
+
+
+def _to_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D uint8 slices (one device) -> their CPU copies, in one device-to-host copy."""
+    if not parts:
+        return []
+    joined = torch.cat([p.reshape(-1) for p in parts]).to("cpu")
+    return list(joined.split([p.numel() for p in parts]))
 
 
 def decode_into(blob: torch.Tensor, out: torch.Tensor, chunk_values: int) -> None:
@@ -69,16 +109,32 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, chunk_values: int) -> Non
         ValueError: the blob is corrupted (the host decoder's message); ``out`` is then
             unspecified.
     """
-    kernels = device_kernels.codec_kernels(out.device)
-    device = out.device
-    flat = out.view(torch.int16).reshape(-1)
-    n = flat.numel()
+    decode_many([blob], [out], [chunk_values])
+
+
+def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], chunk_values: list[int]) -> None:
+    """:func:`decode_into` of several blobs into their outputs (all on one device), decoded one
+    after another on the current stream with one synchronisation for all.
+
+    Raises:
+        ValueError: a blob is corrupted (the host decoder's message for the first such blob);
+            the outputs are then unspecified.
+    """
+    if not blobs:
+        return
+    device = outs[0].device
+    kernels = device_kernels.codec_kernels(device)
+    flats = [out.view(torch.int16).reshape(-1) for out in outs]
     with device_kernels.launch_context(device):
-        workspace = torch.empty(kernels.lossless_decode_workspace_bytes(n, chunk_values), dtype=torch.uint8,
-                                device=device)
-        status = torch.zeros(1, dtype=torch.int32, device=device)
-        kernels.lossless_decode(blob.data_ptr(), blob.numel(), flat.data_ptr(), n, chunk_values, status.data_ptr(),
-                                workspace.data_ptr(), workspace.numel(), device_kernels.current_stream(device))
-        code = int(status.item())
-    if code != 0:
-        raise ValueError(f"lossless blob: {_host().lossless_error_message(code)}")
+        # one workspace for all: the launches run in stream order, each done before the next starts
+        workspace = torch.empty(max(kernels.lossless_decode_workspace_bytes(f.numel(), cv)
+                                    for f, cv in zip(flats, chunk_values)), dtype=torch.uint8, device=device)
+        status = torch.zeros(len(blobs), dtype=torch.int32, device=device)
+        stream = device_kernels.current_stream(device)
+        for i, (blob, flat, cv) in enumerate(zip(blobs, flats, chunk_values)):
+            kernels.lossless_decode(blob.data_ptr(), blob.numel(), flat.data_ptr(), flat.numel(), cv,
+                                    status.data_ptr() + 4 * i, workspace.data_ptr(), workspace.numel(), stream)
+        codes = status.tolist()  # the one synchronisation
+    for code in codes:
+        if code != 0:
+            raise ValueError(f"lossless blob: {_host().lossless_error_message(code)}")
