@@ -167,3 +167,15 @@ def test_auto_rule_measures_the_device_codec():
     policy = AutoCodecPolicy(link_gbps=50.0)
     enc, dec = policy.throughputs(torch.device("cuda"))
     assert enc > 0 and dec > 0 and list(policy._measured) == ["cuda"]
+
+
+def test_many_messages_in_one_call_on_the_device():
+    xs = [_tensor(case) for case in ("tokens", "empty", "odd", "one")]
+    blobs = lossless.encode_many([x.cuda() for x in xs], chunk_values=4096)
+    assert all(b.is_cuda for b in blobs)
+    for x, blob in zip(xs, blobs):
+        assert torch.equal(blob.cpu(), lossless.encode(x, chunk_values=4096))
+    outs = [torch.empty(x.shape, dtype=torch.bfloat16, device="cuda") for x in xs]
+    lossless.decode_into_many(blobs, outs)
+    for x, out in zip(xs, outs):
+        assert torch.equal(_bits(out), _bits(x))
