@@ -81,7 +81,7 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
     if codec == "lossless":  # one blob per destination, coded together (one sync on a GPU)
         starts = [sum(row_splits[:i]) for i in range(len(row_splits))]
         rows = [_rows(values[payload_field], start, n) for start, n in zip(starts, row_splits)]
-        chunk_values = _lossless().message_chunk_values(_device(values))
+        chunk_values = _lossless().message_chunk_values(values[payload_field].tensor.device)
         blobs = list(_lossless().encode_many(rows, chunk_values=chunk_values))
     sizes = [sum(_round(BLOB_LENGTH_BYTES + blob.numel(), align)
                  if (blob is not None and f.name == payload_field)
@@ -137,6 +137,10 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
            codec: str, payload_field: str = "x") -> dict[str, torch.Tensor]:
     """Inverse of :func:`pack` on the receiver: ``{name: [M, width]}`` ordered by source rank."""
     total = sum(rows_from)
+    if len(rows_from) != len(bytes_from) or any(n < 0 for n in rows_from) or any(b < 0 for b in bytes_from):
+        raise ValueError(f"rows_from {rows_from} and bytes_from {bytes_from} must be non-negative, one per source")
+    if sum(bytes_from) > received.numel():
+        raise ValueError(f"the chunks' {sum(bytes_from)} bytes exceed the {received.numel()} bytes received")
     if len(fmt.fields) == 1 and codec != "lossless":
         (spec,) = fmt.fields
         if total == 0:

@@ -243,3 +243,17 @@ def test_lossless_message_damage_is_a_value_error():
         unpack(fmt, damaged, splits, message.byte_splits, "lossless")
     with pytest.raises(ValueError):  # row counts that do not match the chunks
         unpack(fmt, message.data, [6, 6], message.byte_splits, "lossless")
+
+
+def test_unpack_checks_the_chunk_sizes_against_what_was_received():
+    from ep_comm.payload import unpack
+    from ep_comm.wire import FieldSpec, RowFormat
+
+    fmt = RowFormat((FieldSpec("x", torch.bfloat16, 64), FieldSpec("w", torch.float32, 2)))
+    received = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="exceed the 100 bytes received"):
+        unpack(fmt, received, [1, 1], [60, 60], "lossless")
+    with pytest.raises(ValueError, match="non-negative, one per source"):
+        unpack(fmt, received, [1, -1], [50, 50], "lossless")
+    with pytest.raises(ValueError, match="non-negative, one per source"):
+        unpack(fmt, received, [1], [50, 50], "none")

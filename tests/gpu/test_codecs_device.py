@@ -2,7 +2,8 @@
 ``fp8.quantize`` on CUDA tensors run the kernels of ``ep_comm._cuda`` (csrc/cuda_bindings/codecs.cpp).
 Checked against the host build: device blobs are byte-identical to host blobs, each side decodes
 the other's exactly, corrupted blobs raise the host's ValueError, FP8 is bit-identical to the
-reference, and a lossless message packed on the GPU is byte-identical to one packed on the CPU."""
+reference, and each blob of a lossless message packed on the GPU is the host encoder's blob of its
+rows (at the GPU message chunk size)."""
 from __future__ import annotations
 
 import pytest
@@ -179,3 +180,8 @@ def test_many_messages_in_one_call_on_the_device():
     lossless.decode_into_many(blobs, outs)
     for x, out in zip(xs, outs):
         assert torch.equal(_bits(out), _bits(x))
+    bad = blobs[2].clone()  # a corrupted blob third of four: its own status slot reports it
+    bad[-3] ^= 0x20
+    with pytest.raises(ValueError) as error:
+        lossless.decode_into_many([blobs[0], blobs[1], bad, blobs[3]], outs)
+    assert str(error.value) == _host_error(bad.cpu())
