@@ -587,3 +587,10 @@ def test_many_calls_name_the_bad_argument():
         lossless.decode_into_many([blob, blob], [torch.empty(4, 4, dtype=torch.bfloat16), torch.empty(4, 4).t()])
     with pytest.raises(ValueError, match="expected"):
         lossless.decode_into_many([blob], [torch.empty(2, 8, dtype=torch.bfloat16)])
+
+
+def test_message_chunk_values_by_device():
+    assert lossless.message_chunk_values("cpu") == lossless.DEFAULT_CHUNK_VALUES
+    assert lossless.message_chunk_values(torch.device("cpu")) == lossless.DEFAULT_CHUNK_VALUES
+    with pytest.raises(ValueError, match="device must be a torch.device"):
+        lossless.message_chunk_values(3.5)

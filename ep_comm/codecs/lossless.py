@@ -116,9 +116,13 @@ def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: bool) -
     return torch.from_numpy(_lib().lossless_encode(bits, list(x.shape), chunk_values, threads, simd))
 
 
-def message_chunk_values(device: torch.device) -> int:
+def message_chunk_values(device: torch.device | str) -> int:
     """Chunk size the transport codes a message on ``device`` with: DEVICE_MESSAGE_CHUNK_VALUES
     where the CUDA kernels code it, else DEFAULT_CHUNK_VALUES (on the CPU, a chunk is a task)."""
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as error:
+        raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from error
     return DEVICE_MESSAGE_CHUNK_VALUES if lossless_device.available(device) else DEFAULT_CHUNK_VALUES
 
 
