@@ -93,6 +93,8 @@ def test_auto_rule():
     assert enc > 0 and dec > 0
     assert list(measured._measured) == ["cpu"]  # a CPU payload is coded on the CPU
     assert measured.throughputs("cpu") == (enc, dec)  # measured once per place
+    with pytest.raises(ValueError, match="device must be a torch.device"):
+        measured.throughputs(3.5)
 
 
 def _auto_with_diverging_data(rank, world, group):

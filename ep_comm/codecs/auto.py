@@ -59,7 +59,10 @@ class AutoCodecPolicy:
             return self.encode_gbps, self.decode_gbps
         from . import lossless, lossless_device
 
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from error
         where = device if lossless_device.available(device) else torch.device("cpu")
         key = str(where)
         if key not in self._measured:
