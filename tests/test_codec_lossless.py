@@ -181,6 +181,39 @@ def test_large_output_owns_its_memory():
     assert torch.equal(bits(view), bits(x[5:9])), "a view keeps the mapping alive"
 
 
+def test_freed_large_outputs_are_reused_within_bounds():
+    """A freed output of 2 MiB or more keeps its mapping for the next output of about its size
+    (no page faults again): the next decode lands in the same memory and is still exact, over
+    old contents; the cache stays within its bound and releases everything on request."""
+    import gc
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1536, 1024, generator=g).bfloat16()  # 3 MiB
+    z = torch.randn(1500, 1024, generator=g).bfloat16()
+    blob_x, blob_z = lossless.encode(x), lossless.encode(z)
+    lossless.release_cached_outputs()
+    assert lossless.cached_output_bytes() == 0
+    y = lossless.decode(blob_x)
+    address = y.data_ptr()
+    del y
+    gc.collect()
+    assert lossless.cached_output_bytes() >= 3 << 20
+    y = lossless.decode(blob_z)
+    assert y.data_ptr() == address, "the freed mapping was not reused"
+    assert torch.equal(bits(y), bits(z))
+    del y
+    gc.collect()
+    held = []  # 100 live 3 MiB outputs, then all freed: the cache keeps at most 256 MiB of them
+    for _ in range(100):
+        held.append(lossless.decode(blob_x))
+    assert all(torch.equal(bits(h), bits(x)) for h in held[::33])
+    del held
+    gc.collect()
+    assert 0 < lossless.cached_output_bytes() <= 256 << 20
+    lossless.release_cached_outputs()
+    assert lossless.cached_output_bytes() == 0
+
+
 def test_simd_and_portable_decoders_report_the_same_error():
     """Corrupted blobs get the same ValueError message from the AVX2 and the portable decoder
     (the GPU decoder mirrors the portable one, and the GPU tests compare its statuses with the
@@ -301,6 +334,23 @@ def test_threads_place_mixed_chunks_identically(threads):
     raw_blob = assert_round_trip(noise, chunk_values=cv, threads=1)
     assert int(raw_blob[6]) | int(raw_blob[7]) << 8 == 0
     assert torch.equal(lossless.encode(noise, chunk_values=cv, threads=threads), raw_blob)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_survey_chunks_in_pieces(threads):
+    """With fewer chunks than a few per thread, the encoder's first pass cuts each chunk into
+    pieces (checksum and +0.0 count summed over them): the blob is still the single-thread and
+    portable-core bytes, for chunks with +0.0 runs, scattered +0.0 and a short last chunk."""
+    g = torch.Generator().manual_seed(12)
+    cv = 65536
+    x = torch.randn(3 * cv + 1000, generator=g).bfloat16()
+    x[5000:40000] = 0  # a run of +0.0 across piece boundaries
+    x[cv + 7::97] = 0  # scattered +0.0
+    x[2 * cv + 3] = float("nan")
+    single = assert_round_trip(x, chunk_values=cv, threads=1)
+    assert torch.equal(lossless.encode(x, chunk_values=cv, threads=threads), single)
+    assert torch.equal(lossless.encode(x, chunk_values=cv, threads=threads, simd=False), single)
+    assert torch.equal(bits(lossless.decode(single, threads=threads)), bits(x))
 
 
 def test_decode_into_rows_of_a_buffer():

@@ -6,7 +6,9 @@
 #pragma once
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -17,28 +19,79 @@ inline int hardware_threads() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
+// Calls fn(worker) once on each of `threads` threads (worker in [0, threads); the calling thread
+// is worker 0, the others are started for this call and joined before it returns). fn must not
+// throw.
+template <typename F>
+void run_workers(int threads, F&& fn) {
+  if (threads <= 1) {
+    fn(0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) pool.emplace_back([&fn, t] { fn(t); });
+  fn(0);
+  for (auto& th : pool) th.join();
+}
+
+// Hands out the indices [0, n) in runs of `grain` consecutive indices, in increasing order, to
+// whichever thread asks next.
+class WorkCounter {
+ public:
+  WorkCounter(int64_t n, int64_t grain) : n_(n), grain_(grain < 1 ? 1 : grain) {}
+  int64_t runs() const { return (n_ + grain_ - 1) / grain_; }
+  // The next run [begin, end); false when none is left.
+  bool claim(int64_t& begin, int64_t& end) {
+    const int64_t r = next_.fetch_add(1, std::memory_order_relaxed);
+    if (r >= runs()) return false;
+    begin = r * grain_;
+    end = std::min(n_, begin + grain_);
+    return true;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t n_, grain_;
+};
+
+// One-use barrier of `count` threads: the last to arrive runs `completion`, then all return.
+// Waiting threads block (no spinning: on a loaded 2-core host a spinning thread takes the core
+// that the thread being waited for needs).
+class BlockingBarrier {
+ public:
+  explicit BlockingBarrier(int count) : left_(count) {}
+  template <typename F>
+  void arrive_and_wait(F&& completion) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (--left_ == 0) {
+      completion();
+      done_ = true;
+      lock.unlock();
+      released_.notify_all();
+      return;
+    }
+    released_.wait(lock, [this] { return done_; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable released_;
+  int left_;
+  bool done_ = false;
+};
+
 // Calls fn(worker, i) for i in [0, n), on up to `threads` threads (worker in [0, threads): the
 // calling thread is worker 0), which claim runs of `grain` consecutive indices in increasing
 // order. fn must not throw.
 template <typename F>
 void parallel_for_workers(int64_t n, int threads, F&& fn, int64_t grain = 1) {
-  if (grain < 1) grain = 1;
-  const int64_t runs = (n + grain - 1) / grain;
-  if (threads > runs) threads = static_cast<int>(runs);
-  if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(0, i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto work = [&](int worker) {
-    for (int64_t r = next.fetch_add(1); r < runs; r = next.fetch_add(1))
-      for (int64_t i = r * grain, end = std::min(n, i + grain); i < end; ++i) fn(worker, i);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (auto& th : pool) th.join();
+  WorkCounter work(n, grain);
+  if (threads > work.runs()) threads = static_cast<int>(work.runs());
+  run_workers(threads, [&](int worker) {
+    for (int64_t begin, end; work.claim(begin, end);)
+      for (int64_t i = begin; i < end; ++i) fn(worker, i);
+  });
 }
 
 // Calls fn(i) for i in [0, n), as parallel_for_workers.

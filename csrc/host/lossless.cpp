@@ -94,8 +94,9 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
 }
 
 // bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
-// Chunks are coded in work areas inside one over-sized output allocation (no separate scratch to
-// page in), then moved down into place; the returned array views the first blob-size bytes.
+// Two passes: the symbol histogram, then each chunk coded in its worker's scratch and copied to
+// its place in an output allocated for the largest possible blob; large outputs are returned as a
+// view of its first blob-size bytes, small ones as an exact-size copy.
 py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, bool simd) {
   py::buffer_info info = values.request();
@@ -135,77 +136,104 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       const uint64_t b = uint64_t(c) * cv;
       return static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
     };
-    // pass 1: the symbol histogram (and, AVX2 path, each chunk's checksum and +0.0 count), per
-    // block of consecutive chunks (a few blocks per thread)
-    const int64_t num_blocks = std::min<int64_t>(int64_t(num_chunks), 4 * int64_t(nt));
-    std::vector<uint64_t> hist(uint64_t(num_blocks) * kNumSymbols, 0);
+    // Both passes run in one team of threads (one thread start per call, not two):
+    // pass 1: the symbol histogram (and, AVX2 path, each chunk's checksum and +0.0 count), over
+    //   pieces of chunks (a chunk is cut in parts so that every thread gets several pieces even
+    //   when a message has few chunks), counted per thread;
+    // the last thread to finish it builds the tables (BlockingBarrier);
+    // pass 2, per chunk, claimed in order: split and rANS in the worker's scratch, then the
+    //   payload is copied to its place, which follows the previous chunk's (published through
+    //   chunk_end: a worker waits, yielding, for its predecessor's size; the lowest unfinished
+    //   chunk never waits, so the loop always progresses).
+    constexpr uint32_t kMinPieceValues = 4096;
+    const uint64_t first_n = num_chunks > 0 ? chunk_n(0) : 0;
+    uint64_t parts = nt > 1 && num_chunks > 0 ? (8 * uint64_t(nt) + num_chunks - 1) / num_chunks : 1;
+    parts = std::max<uint64_t>(1, std::min<uint64_t>(parts, first_n / kMinPieceValues));
+    // piece p of chunk c: values [piece_begin(c, p), piece_begin(c, p + 1)) of the chunk
+    const auto piece_begin = [&](int64_t c, uint64_t p) -> uint32_t {
+      const uint64_t n = chunk_n(c);
+      return p >= parts ? static_cast<uint32_t>(n) : static_cast<uint32_t>(n * p / parts / 16 * 16);
+    };
+    std::vector<uint64_t> hist(uint64_t(nt) * kNumSymbols, 0);
 #if defined(__x86_64__)
-    std::vector<ChunkSurvey> surveys(use_simd ? num_chunks : 0);
+    std::vector<ChunkSurvey> piece_surveys(use_simd ? num_chunks * parts : 0), surveys(use_simd ? num_chunks : 0);
 #endif
-    parallel_for(num_blocks, nt, [&](int64_t block) {
-      uint64_t* h = hist.data() + uint64_t(block) * kNumSymbols;
-#if defined(__x86_64__)
-      std::unique_ptr<SymbolHistogram> simd_hist(use_simd ? new SymbolHistogram() : nullptr);
-#endif
-      const int64_t first = int64_t(num_chunks) * block / num_blocks, last = int64_t(num_chunks) * (block + 1) / num_blocks;
-      for (int64_t c = first; c < last; ++c) {
-        const uint16_t* cv_values = v + uint64_t(c) * cv;
-        const uint32_t n = chunk_n(c);
-#if defined(__x86_64__)
-        if (use_simd) {
-          surveys[c] = survey_chunk_avx2(cv_values, n, *simd_hist, h);
-          continue;
-        }
-#endif
-        for (uint32_t i = 0; i < n; ++i) ++h[symbol_of(cv_values[i])];
-      }
-#if defined(__x86_64__)
-      if (simd_hist) simd_hist->fold_into(h);
-#endif
-    });
-    if (num_values > 0) {
-      uint64_t counts[kNumSymbols] = {};
-      for (int64_t b = 0; b < num_blocks; ++b)
-        for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(b) * kNumSymbols + s];
-      normalize_counts(counts, num_values, freq);
-      cumulative(freq, start);
-      for (int s = 0; s < kNumSymbols; ++s) {
-        entries += freq[s] != 0;
-        syms[s] = make_enc_sym(start[s], freq[s]);
-      }
-    }
     const void* simd_tables = nullptr;
 #if defined(__x86_64__)
     std::unique_ptr<SimdEncTables> simd_table_storage(new SimdEncTables());
-    make_simd_enc_tables(syms.data(), *simd_table_storage);
     simd_tables = simd_table_storage.get();
 #endif
-    // pass 2, per chunk, claimed in order: split and rANS in the worker's scratch, then the
-    // payload is copied to its place, which follows the previous chunk's (published through
-    // chunk_end: a worker waits, yielding, for its predecessor's size; the lowest unfinished
-    // chunk never waits, so the loop always progresses)
-    const uint64_t data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
+    const auto build_tables = [&] {
+      if (num_values > 0) {
+        uint64_t counts[kNumSymbols] = {};
+        for (int w = 0; w < nt; ++w)
+          for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(w) * kNumSymbols + s];
+        normalize_counts(counts, num_values, freq);
+        cumulative(freq, start);
+        for (int s = 0; s < kNumSymbols; ++s) {
+          entries += freq[s] != 0;
+          syms[s] = make_enc_sym(start[s], freq[s]);
+        }
+      }
+#if defined(__x86_64__)
+      make_simd_enc_tables(syms.data(), *simd_table_storage);
+      for (uint64_t c = 0; c < surveys.size(); ++c)
+        for (uint64_t p = 0; p < parts; ++p) {
+          surveys[c].checksum += piece_surveys[c * parts + p].checksum;
+          surveys[c].zeros += piece_surveys[c * parts + p].zeros;
+        }
+#endif
+    };
     constexpr uint64_t kNotReady = ~0ull;
     std::unique_ptr<std::atomic<uint64_t>[]> chunk_end(new std::atomic<uint64_t>[num_chunks]);
     for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
     const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
-    std::vector<uint8_t> scratch(scratch_stride * uint64_t(nt));
-    parallel_for_workers(int64_t(num_chunks), nt, [&](int worker, int64_t c) {
-      const uint32_t n = chunk_n(c);
-      ChunkEntry& e = dir[c];
-      const void* survey = nullptr;
+    // uninitialised (every byte a payload uses is written first)
+    std::unique_ptr<uint8_t[]> scratch(new uint8_t[scratch_stride * uint64_t(nt)]);
+    uint64_t data_off = 0;
+    WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), 1);
+    BlockingBarrier tables_ready(nt);
+    run_workers(nt, [&](int worker) {
+      uint64_t* h = hist.data() + uint64_t(worker) * kNumSymbols;
 #if defined(__x86_64__)
-      if (use_simd) survey = &surveys[uint64_t(c)];
+      std::unique_ptr<SymbolHistogram> simd_hist(use_simd ? new SymbolHistogram() : nullptr);
 #endif
-      const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, survey,
-                                               scratch.data() + scratch_stride * uint64_t(worker), e);
-      uint64_t begin = data_off;
-      if (c > 0)
-        while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();
-      const uint64_t used = payload_bytes(e, n), end = begin + align4(used);
-      chunk_end[c].store(end, std::memory_order_release);
-      std::memcpy(o + begin, payload, used);
-      std::memset(o + begin + used, 0, end - begin - used);
+      for (int64_t piece, unused; pieces.claim(piece, unused);) {
+        const int64_t c = piece / int64_t(parts);
+        const uint32_t first = piece_begin(c, uint64_t(piece) % parts), last = piece_begin(c, uint64_t(piece) % parts + 1);
+        const uint16_t* values = v + uint64_t(c) * cv + first;
+#if defined(__x86_64__)
+        if (use_simd) {
+          piece_surveys[uint64_t(piece)] = survey_chunk_avx2(values, last - first, first, *simd_hist, h);
+          continue;
+        }
+#endif
+        for (uint32_t i = 0; i < last - first; ++i) ++h[symbol_of(values[i])];
+      }
+#if defined(__x86_64__)
+      if (simd_hist) simd_hist->fold_into(h);
+#endif
+      tables_ready.arrive_and_wait([&] {
+        build_tables();
+        data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
+      });
+      uint8_t* my_scratch = scratch.get() + scratch_stride * uint64_t(worker);
+      for (int64_t c, unused; chunks.claim(c, unused);) {
+        const uint32_t n = chunk_n(c);
+        ChunkEntry& e = dir[c];
+        const void* survey = nullptr;
+#if defined(__x86_64__)
+        if (use_simd) survey = &surveys[uint64_t(c)];
+#endif
+        const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, survey, my_scratch, e);
+        uint64_t begin = data_off;
+        if (c > 0)
+          while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();
+        const uint64_t used = payload_bytes(e, n), end = begin + align4(used);
+        chunk_end[c].store(end, std::memory_order_release);
+        std::memcpy(o + begin, payload, used);
+        std::memset(o + begin + used, 0, end - begin - used);
+      }
     });
     offsets[0] = data_off;
     for (uint64_t c = 0; c < num_chunks; ++c) offsets[c + 1] = chunk_end[c].load(std::memory_order_relaxed);
@@ -472,6 +500,15 @@ void register_lossless(py::module_& m) {
   m.def("lossless_error_message", [](int status) { return std::string(error_message(status)); }, py::arg("status"),
         "text of a lossless::Status code (as in the ValueError of a failed decode)");
   m.attr("LOSSLESS_HEADER_PREFIX_BYTES") = kHeaderPrefixBytes;
+#ifdef __linux__
+  m.def("lossless_cached_output_bytes", [] { return MappingCache::instance().held_bytes(); },
+        "bytes of freed large-output mappings held for reuse (at most 256 MiB)");
+  m.def("lossless_release_cached_outputs", [] { MappingCache::instance().clear(); },
+        "returns every freed large-output mapping held for reuse to the system");
+#else
+  m.def("lossless_cached_output_bytes", [] { return uint64_t(0); });
+  m.def("lossless_release_cached_outputs", [] {});
+#endif
 }
 
 }  // namespace ep_comm::host
