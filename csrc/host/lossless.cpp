@@ -189,7 +189,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
     const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
     // uninitialised (every byte a payload uses is written first)
-    std::unique_ptr<uint8_t[]> scratch(new uint8_t[scratch_stride * uint64_t(nt)]);
+    ScratchBuffer scratch(scratch_stride * uint64_t(nt));
     uint64_t data_off = 0;
     WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), 1);
     BlockingBarrier tables_ready(nt);
@@ -217,7 +217,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         build_tables();
         data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
       });
-      uint8_t* my_scratch = scratch.get() + scratch_stride * uint64_t(worker);
+      uint8_t* my_scratch = scratch.data() + scratch_stride * uint64_t(worker);
       for (int64_t c, unused; chunks.claim(c, unused);) {
         const uint32_t n = chunk_n(c);
         ChunkEntry& e = dir[c];
@@ -269,13 +269,15 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   }
   const uint64_t blob_bytes = offsets[num_chunks];
   if (is_page_backed(capacity)) {
-    // a view of the first blob_bytes bytes (keeps `out` alive as its base); whole huge pages past
-    // them go back to the system (normally never touched)
-    release_unused_pages(o, capacity, blob_bytes);
+    // a view of the first blob_bytes bytes (keeps `out` alive as its base). When the blob is under
+    // a third of it, the whole huge pages past the blob go back to the system, so that a live blob
+    // holds at most 3x its bytes plus one huge page; otherwise they are kept, since a mapping
+    // reused from the cache has them in place and would fault them in again.
+    if (blob_bytes < capacity / 3) release_unused_pages(o, capacity, blob_bytes);
     return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
   }
-  // small: an exact-size copy, so that the capacity-sized allocation is freed (and reused)
-  py::array_t<uint8_t> blob(static_cast<py::ssize_t>(blob_bytes));
+  // smaller: an exact-size copy, so that the capacity-sized allocation is freed (and reused)
+  py::array_t<uint8_t> blob = page_backed_array<uint8_t>(blob_bytes);
   std::memcpy(blob.mutable_data(), o, blob_bytes);
   return blob;
 }

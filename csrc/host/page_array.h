@@ -8,16 +8,21 @@
 // often reuses freed heap memory for them, which costs nothing, and a huge page would round them
 // up to 2 MiB.
 //
-// Freed mappings are kept for reuse (MappingCache, bounded), as glibc keeps freed heap memory for
-// smaller arrays: a mapping that is unmapped and mapped again is faulted in again on every call,
-// and those faults are taken one at a time, so they also kept two decoding threads from going
-// faster than one (measured: 2-thread decode of 3.7 MB activation tensors 1.2 GB/s into fresh
-// mappings, 2.2 GB/s into touched memory; 1 thread 1.1 and 1.3).
+// Freed mappings are kept for reuse (MappingCache, bounded), as glibc keeps freed heap memory:
+// a mapping that is unmapped and mapped again is faulted in again on every call, and those faults
+// are taken one at a time, so they also kept two decoding threads from going faster than one
+// (measured: 2-thread decode of 3.7 MB activation tensors 1.2 GB/s into fresh mappings, 2.2 GB/s
+// into touched memory; 1 thread 1.1 and 1.3). Arrays from 256 KiB to 2 MiB (64x7168 messages,
+// the encoder's scratch) come from the cache too, with 4 KiB pages: in glibc's heap, other code's
+// frees made glibc return them to the system, so that the codec faulted them in again (measured:
+// 0 faults per repetition of the bench's steady loop alone, 487 in encode and 128 in decode right
+// after zipnn's turn).
 #pragma once
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <vector>
@@ -29,19 +34,21 @@
 namespace ep_comm::host {
 
 // Arrays at least this large get their own mapping, rounded up to whole huge pages (at most 2x
-// the array's bytes).
+// the array's bytes); from kCachedArrayMinBytes, one rounded up to 4 KiB pages.
 constexpr uint64_t kPageArrayMinBytes = 1ull << 21;
 constexpr uint64_t kHugePageBytes = 1ull << 21;
+constexpr uint64_t kCachedArrayMinBytes = 256ull << 10;
+constexpr uint64_t kSmallPageBytes = 4096;
 
 #ifdef __linux__
-// The process's freed output mappings, kept for the next large array: at most kMaxHeldBytes in
-// kMaxEntries mappings (the oldest are unmapped first), each reused only for an array that needs
-// at least half its bytes. Thread-safe; a fork while another thread holds the lock cannot leave
-// the child's copy locked (pthread_atfork handlers take and release it around fork).
+// The process's freed mappings of codec arrays and scratch, kept for the next ones: at most
+// kMaxHeldBytes in kMaxEntries mappings (the oldest are unmapped first), each reused only for a
+// request of at least half its bytes. Thread-safe; a fork while another thread holds the lock
+// cannot leave the child's copy locked (pthread_atfork handlers take and release it around fork).
 class MappingCache {
  public:
   static constexpr uint64_t kMaxHeldBytes = 256ull << 20;
-  static constexpr size_t kMaxEntries = 64;
+  static constexpr size_t kMaxEntries = 256;
 
   // The process's cache (created on first use, never destroyed: arrays may be freed during
   // interpreter shutdown).
@@ -55,8 +62,8 @@ class MappingCache {
     return *cache;
   }
 
-  // A mapping of at least `bytes` bytes (a multiple of kHugePageBytes): a cached one that fits, or
-  // a new one with huge pages requested (used only for its 2 MiB-aligned huge pages). Its size is written to `mapped`.
+  // A mapping of at least `bytes` bytes (a multiple of 4 KiB): a cached one that fits, or a new
+  // one (with huge pages requested from 2 MiB). Its size is written to `mapped`.
   void* take(uint64_t bytes, uint64_t& mapped) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -76,7 +83,7 @@ class MappingCache {
     void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) throw std::bad_alloc();
 #ifdef MADV_HUGEPAGE
-    madvise(base, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
+    if (bytes >= kPageArrayMinBytes) madvise(base, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
 #endif
     mapped = bytes;
     return base;
@@ -129,19 +136,54 @@ class MappingCache {
   std::vector<Entry> entries_;  // oldest first
   uint64_t held_ = 0;
 };
+
 #endif
 
-// A 1-D array of `count` items of T, uninitialised.
+// Scratch memory of at least `bytes` bytes (uninitialised) for one call: from the MappingCache
+// from kCachedArrayMinBytes (given back when this is destroyed), else from the heap.
+class ScratchBuffer {
+ public:
+  explicit ScratchBuffer(uint64_t bytes) {
+#ifdef __linux__
+    if (bytes >= kCachedArrayMinBytes) {
+      data_ = static_cast<uint8_t*>(MappingCache::instance().take(round_up(bytes, kSmallPageBytes), mapped_));
+      return;
+    }
+#endif
+    heap_.reset(new uint8_t[bytes > 0 ? bytes : 1]);
+    data_ = heap_.get();
+  }
+  ~ScratchBuffer() {
+#ifdef __linux__
+    if (mapped_ > 0) MappingCache::instance().give(data_, mapped_);
+#endif
+  }
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  uint8_t* data() const { return data_; }
+  static uint64_t round_up(uint64_t n, uint64_t unit) { return (n + unit - 1) / unit * unit; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  uint64_t mapped_ = 0;
+  std::unique_ptr<uint8_t[]> heap_;
+};
+// A 1-D array of `count` items of T, uninitialised: from kCachedArrayMinBytes in a mapping of the
+// MappingCache (given back when the array is freed), starting on a 2 MiB boundary from
+// kPageArrayMinBytes; smaller ones from NumPy's allocator.
 template <typename T>
 pybind11::array_t<T> page_backed_array(uint64_t count) {
   const uint64_t bytes = count * sizeof(T);
 #ifdef __linux__
-  if (bytes >= kPageArrayMinBytes) {
-    // whole huge pages, plus one more so that the array can start on a 2 MiB boundary
-    const uint64_t span = (bytes + kHugePageBytes - 1) & ~(kHugePageBytes - 1);
+  if (bytes >= kCachedArrayMinBytes) {
+    const bool huge = bytes >= kPageArrayMinBytes;
+    // huge: whole huge pages, plus one more so that the array can start on a 2 MiB boundary
+    const uint64_t want = huge ? ScratchBuffer::round_up(bytes, kHugePageBytes) + kHugePageBytes
+                               : ScratchBuffer::round_up(bytes, kSmallPageBytes);
     uint64_t mapped = 0;
-    void* base = MappingCache::instance().take(span + kHugePageBytes, mapped);
-    const uintptr_t start = (reinterpret_cast<uintptr_t>(base) + kHugePageBytes - 1) & ~uintptr_t(kHugePageBytes - 1);
+    void* base = MappingCache::instance().take(want, mapped);
+    const uintptr_t start = huge ? (reinterpret_cast<uintptr_t>(base) + kHugePageBytes - 1) & ~uintptr_t(kHugePageBytes - 1)
+                                 : reinterpret_cast<uintptr_t>(base);
     struct Mapping {
       void* base;
       uint64_t bytes;
@@ -159,7 +201,7 @@ pybind11::array_t<T> page_backed_array(uint64_t count) {
   return pybind11::array_t<T>(static_cast<pybind11::ssize_t>(count));
 }
 
-// Whether page_backed_array<T>(count) maps its own pages for an array of `bytes` bytes.
+// Whether page_backed_array<T>(count) puts an array of `bytes` bytes on whole huge pages of its own.
 inline bool is_page_backed(uint64_t bytes) {
 #ifdef __linux__
   return bytes >= kPageArrayMinBytes;

@@ -226,9 +226,10 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
 
 
 def empty(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised bfloat16 CPU tensor of ``shape`` for :func:`decode_into`: from 2 MiB its
-    memory is its own mapping with transparent huge pages requested, the memory ``decode`` uses
-    (first-touch faults of 4 KiB pages cost about as much as decoding them)."""
+    """An uninitialised bfloat16 CPU tensor of ``shape`` for :func:`decode_into`, in the memory
+    ``decode`` uses: from 256 KiB its own mapping (reused after it is freed, see
+    :func:`cached_output_bytes`), from 2 MiB with transparent huge pages requested (first-touch
+    faults of 4 KiB pages cost about as much as decoding them)."""
     if not _is_shape(shape):
         raise ValueError(f"shape must be a tuple of ints in [0, 2**48], got {shape!r}")
     count = 1
@@ -301,10 +302,11 @@ def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, thr
 
 
 def cached_output_bytes() -> int:
-    """Bytes of freed large outputs (blobs and decoded tensors of 2 MiB or more) that this
-    process keeps mapped for the next ones, as glibc keeps freed heap memory for small arrays:
-    memory that is unmapped and mapped again is faulted in again on every call, which costs about
-    as much as decoding it. At most 256 MiB in 64 mappings, the oldest dropped first."""
+    """Bytes of freed codec memory (blobs, decoded tensors and encoder scratch of 256 KiB or more,
+    each in its own mapping) that this process keeps for the next calls, as glibc keeps freed heap
+    memory: memory that is unmapped and mapped again is faulted in again on every call, which
+    costs about as much as decoding it. At most 256 MiB in 256 mappings, the oldest dropped
+    first."""
     return int(_lib().lossless_cached_output_bytes())
 
 
