@@ -9,7 +9,9 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ep_comm::host {
@@ -19,20 +21,31 @@ inline int hardware_threads() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-// Calls fn(worker) once on each of `threads` threads (worker in [0, threads); the calling thread
-// is worker 0, the others are started for this call and joined before it returns). fn must not
-// throw.
-template <typename F>
-void run_workers(int threads, F&& fn) {
-  if (threads <= 1) {
-    fn(0);
-    return;
-  }
+// Calls fn(worker) once on each of up to `threads` threads (worker in [0, started); the calling
+// thread is worker 0, the others are started for this call and joined before it returns). When a
+// thread cannot be started (e.g. a process limit), no more are, and on_fewer(started) runs before
+// any fn call of the calling thread, so that a barrier sized for `threads` can be resized; work
+// must therefore be claimed dynamically, not by worker index. Returns the number of workers. fn
+// must not throw.
+template <typename F, typename G>
+int run_workers(int threads, F&& fn, G&& on_fewer) {
   std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&fn, t] { fn(t); });
+  if (threads > 1) {
+    pool.reserve(threads - 1);
+    try {
+      for (int t = 1; t < threads; ++t) pool.emplace_back([&fn, t] { fn(t); });
+    } catch (const std::system_error&) {
+      on_fewer(static_cast<int>(pool.size()) + 1);
+    }
+  }
   fn(0);
   for (auto& th : pool) th.join();
+  return static_cast<int>(pool.size()) + 1;
+}
+
+template <typename F>
+int run_workers(int threads, F&& fn) {
+  return run_workers(threads, std::forward<F>(fn), [](int) {});
 }
 
 // Hands out the indices [0, n) in runs of `grain` consecutive indices, in increasing order, to
@@ -61,6 +74,11 @@ class WorkCounter {
 class BlockingBarrier {
  public:
   explicit BlockingBarrier(int count) : left_(count) {}
+  // Lowers the count from `count` to `fewer`: before the last of the `fewer` threads arrives.
+  void expect(int count, int fewer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    left_ -= count - fewer;
+  }
   template <typename F>
   void arrive_and_wait(F&& completion) {
     std::unique_lock<std::mutex> lock(mutex_);

@@ -193,10 +193,14 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     uint64_t data_off = 0;
     WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), 1);
     BlockingBarrier tables_ready(nt);
+#if defined(__x86_64__)
+    // allocated here: the workers must not throw
+    std::unique_ptr<SymbolHistogram[]> simd_hists(use_simd ? new SymbolHistogram[nt] : nullptr);
+#endif
     run_workers(nt, [&](int worker) {
       uint64_t* h = hist.data() + uint64_t(worker) * kNumSymbols;
 #if defined(__x86_64__)
-      std::unique_ptr<SymbolHistogram> simd_hist(use_simd ? new SymbolHistogram() : nullptr);
+      SymbolHistogram* simd_hist = use_simd ? &simd_hists[worker] : nullptr;
 #endif
       for (int64_t piece, unused; pieces.claim(piece, unused);) {
         const int64_t c = piece / int64_t(parts);
@@ -234,7 +238,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         std::memcpy(o + begin, payload, used);
         std::memset(o + begin + used, 0, end - begin - used);
       }
-    });
+    }, [&](int started) { tables_ready.expect(nt, started); });  // fewer threads started: fewer arrive
     offsets[0] = data_off;
     for (uint64_t c = 0; c < num_chunks; ++c) offsets[c + 1] = chunk_end[c].load(std::memory_order_relaxed);
     // a blob whose chunks are all raw needs no table: the payloads move down by the table's bytes

@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <vector>
 #ifdef __linux__
 #include <pthread.h>
@@ -165,7 +166,7 @@ class ScratchBuffer {
 
  private:
   uint8_t* data_ = nullptr;
-  uint64_t mapped_ = 0;
+  [[maybe_unused]] uint64_t mapped_ = 0;
   std::unique_ptr<uint8_t[]> heap_;
 };
 // A 1-D array of `count` items of T, uninitialised: from kCachedArrayMinBytes in a mapping of the
@@ -173,6 +174,7 @@ class ScratchBuffer {
 // kPageArrayMinBytes; smaller ones from NumPy's allocator.
 template <typename T>
 pybind11::array_t<T> page_backed_array(uint64_t count) {
+  if (count > (uint64_t(1) << 62) / sizeof(T)) throw std::invalid_argument("array too large");
   const uint64_t bytes = count * sizeof(T);
 #ifdef __linux__
   if (bytes >= kCachedArrayMinBytes) {

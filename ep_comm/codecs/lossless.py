@@ -229,7 +229,8 @@ def empty(shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised bfloat16 CPU tensor of ``shape`` for :func:`decode_into`, in the memory
     ``decode`` uses: from 256 KiB its own mapping (reused after it is freed, see
     :func:`cached_output_bytes`), from 2 MiB with transparent huge pages requested (first-touch
-    faults of 4 KiB pages cost about as much as decoding them)."""
+    faults of 4 KiB pages cost about as much as decoding them). Uninitialised means it may hold
+    the old contents of a freed codec array of this process."""
     if not _is_shape(shape):
         raise ValueError(f"shape must be a tuple of ints in [0, 2**48], got {shape!r}")
     count = 1
