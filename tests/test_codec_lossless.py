@@ -30,9 +30,11 @@ def assert_round_trip(x: torch.Tensor, **kwargs) -> torch.Tensor:
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     assert torch.equal(bits(y), bits(x))
     assert torch.equal(bits(x), before), "encode modified its input"
-    # the portable core (what the GPU kernels run) writes the same bytes and reads them back
-    assert torch.equal(lossless.encode(x, simd=False, **kwargs), blob)
-    assert torch.equal(bits(lossless.decode(blob, simd=False)), bits(x))
+    # every host path (the portable core is what the GPU kernels run) writes the same bytes and
+    # reads them back
+    for path in lossless.simd_paths():
+        assert torch.equal(lossless.encode(x, simd=path, **kwargs), blob), path
+        assert torch.equal(bits(lossless.decode(blob, simd=path)), bits(x)), path
     return blob
 
 
@@ -159,9 +161,9 @@ def test_short_streams_near_chunk_ends():
     for pos in range(blob.numel()):
         bad = blob.clone()
         bad[pos] ^= 0x41
-        for simd in (True, False):
+        for path in lossless.simd_paths():
             with pytest.raises(ValueError):
-                lossless.decode(bad, simd=simd)
+                lossless.decode(bad, simd=path)
 
 
 def test_large_output_owns_its_memory():
@@ -244,10 +246,11 @@ def test_freed_large_outputs_are_reused_within_bounds():
 
 
 def test_simd_and_portable_decoders_report_the_same_error():
-    """Corrupted blobs get the same ValueError message from the AVX2 and the portable decoder
-    (the GPU decoder mirrors the portable one, and the GPU tests compare its statuses with the
-    host's): single-byte damage anywhere past the header of a blob whose table has +0.0 while
-    most chunks have none (those take the AVX2 path without zero tests)."""
+    """Corrupted blobs get the same ValueError message from every host decoder (portable, AVX2,
+    AVX-512 where the CPU has them; the GPU decoder mirrors the portable one, and the GPU tests
+    compare its statuses with the host's): single-byte damage anywhere past the header of a blob
+    whose table has +0.0 while most chunks have none (those take the AVX2 path without zero
+    tests)."""
     g = torch.Generator().manual_seed(21)
     x = torch.randn(8 * 1024, generator=g).bfloat16()
     x[100:140] = 0  # zeros in the first chunk only: the table has the +0.0 symbol
@@ -259,12 +262,12 @@ def test_simd_and_portable_decoders_report_the_same_error():
         pos = int(torch.randint(header, blob.numel(), (1,), generator=g))
         bad[pos] ^= int(torch.randint(1, 256, (1,), generator=g))
         messages = []
-        for simd in (True, False):
+        for path in lossless.simd_paths():
             with pytest.raises(ValueError) as error:
-                lossless.decode(bad, simd=simd)
+                lossless.decode(bad, simd=path)
             messages.append(str(error.value))
-        assert messages[0] == messages[1], (trial, pos, messages)
-        seen.add(messages[1])
+        assert len(set(messages)) == 1, (trial, pos, messages)
+        seen.add(messages[0])
     assert len(seen) >= 3, seen
 
 
@@ -291,9 +294,65 @@ def test_crafted_chunk_hiding_its_zeros_is_rejected():
     payload = bytes(blob[start:start + 128 + 2 * num_words]) + packed.to_bytes(6 * 1024 // 8, "little")
     payload += b"\0" * (-len(payload) % 4)
     crafted = bytes(blob[:directory]) + struct.pack("<4I", 0, num_words, 1024, checksum) + payload
-    for simd in (True, False):
+    for path in lossless.simd_paths():
         with pytest.raises(ValueError, match="corrupted entropy-coded stream"):
-            lossless.decode(torch.frombuffer(bytearray(crafted), dtype=torch.uint8), simd=simd)
+            lossless.decode(torch.frombuffer(bytearray(crafted), dtype=torch.uint8), simd=path)
+
+
+def test_simd_argument():
+    """simd takes True, False or a path name; a path this CPU lacks or an unknown name is a
+    ValueError naming the argument, raised before any work."""
+    paths = lossless.simd_paths()
+    assert paths[0] == "portable" and set(paths) <= set(lossless.SIMD_PATHS)
+    x = torch.randn(100).bfloat16()
+    blob = lossless.encode(x)
+    for bad in ("sse", "AVX2", 1):
+        with pytest.raises(ValueError, match="simd"):
+            lossless.encode(x, simd=bad)
+        with pytest.raises(ValueError, match="simd"):
+            lossless.decode(blob, simd=bad)
+    for missing in set(lossless.SIMD_PATHS) - set(paths):
+        with pytest.raises(ValueError, match="simd"):
+            lossless.decode(blob, simd=missing)
+
+
+def mixed_chunks(cv: int, seed: int) -> torch.Tensor:
+    """Chunks of every kind, in an odd count so that decoders taking chunks in pairs (AVX-512) see
+    pairs of unlike chunks and a lone last one: dense, all +0.0, scattered +0.0, zero runs ending
+    mid-step, random bit patterns (stored raw), and a short last chunk."""
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.randn(cv, generator=g) * 0.02).bfloat16()
+    scattered = dense.clone()
+    scattered[torch.randint(0, cv, (cv // 50,), generator=g)] = 0
+    runs = dense.clone()
+    runs[cv // 4: cv // 2 + 5] = 0
+    noise = torch.randint(-32768, 32768, (cv,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    zeros = torch.zeros(cv, dtype=torch.bfloat16)
+    return torch.cat([dense, zeros, scattered, noise, runs, dense.flip(0), zeros[:cv // 2],
+                      scattered.flip(0), dense[: cv // 3 + 7]])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paths_agree_on_mixed_chunks(threads):
+    """Every host path decodes a blob of mixed chunks to the input, with 1 and 2 threads; a
+    corrupted chunk fails the same way on every path whichever chunk it is paired with."""
+    cv = 1024
+    x = mixed_chunks(cv, seed=5)
+    blob = assert_round_trip(x, chunk_values=cv, threads=threads)
+    for path in lossless.simd_paths():
+        assert torch.equal(bits(lossless.decode(blob, threads=threads, simd=path)), bits(x)), path
+    header = 32 + 8 + 4 * (int(blob[6]) | int(blob[7]) << 8)
+    g = torch.Generator().manual_seed(9)
+    for trial in range(60):
+        bad = blob.clone()
+        pos = int(torch.randint(header, blob.numel(), (1,), generator=g))
+        bad[pos] ^= int(torch.randint(1, 256, (1,), generator=g))
+        messages = set()
+        for path in lossless.simd_paths():
+            with pytest.raises(ValueError) as error:
+                lossless.decode(bad, threads=threads, simd=path)
+            messages.add(str(error.value))
+        assert len(messages) == 1, (trial, pos, messages)
 
 
 def test_normal_data_compresses():

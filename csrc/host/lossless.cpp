@@ -1,5 +1,6 @@
 // Host (CPU) build of the lossless BF16 codec: binds encode/decode of csrc/codec/lossless_core.h
-// (AVX2 paths from lossless_avx2.h where the CPU has them), parallel over chunks.
+// (AVX2 paths from lossless_avx2.h and the AVX-512 decoder of lossless_avx512.h where the CPU has
+// them), parallel over chunks.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -19,6 +20,7 @@
 
 #include "bindings.h"
 #include "codec/lossless_avx2.h"  // x86-64 only; other hosts use the portable core
+#include "codec/lossless_avx512.h"
 #include "codec/host_parallel.h"
 #include "codec/lossless_core.h"
 #include "page_array.h"
@@ -29,11 +31,15 @@ using namespace ep_comm::lossless;
 namespace ep_comm::host {
 namespace {
 
+// SIMD levels: what a caller may ask for, and the best the CPU runs.
+constexpr int kSimdPortable = 0, kSimdAvx2 = 1, kSimdAvx512 = 2;
 #if defined(__x86_64__)
-bool simd_available() { return have_avx2(); }
+int simd_available() { return have_avx512() ? kSimdAvx512 : have_avx2() ? kSimdAvx2 : kSimdPortable; }
 #else
-bool simd_available() { return false; }
+int simd_available() { return kSimdPortable; }
 #endif
+// The level a call runs: the one asked for, lowered to what the CPU has.
+int simd_level(int requested) { return std::min(std::max(requested, kSimdPortable), simd_available()); }
 
 // Threads for `chunks` chunks of `values` values in all: no more than the chunks, and one for small
 // inputs, where starting a thread team costs more than it saves.
@@ -98,7 +104,7 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
 // its place in an output allocated for the largest possible blob; large outputs are returned as a
 // view of its first blob-size bytes, small ones as an exact-size copy.
 py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>& shape,
-                            int64_t chunk_values, int threads, bool simd) {
+                            int64_t chunk_values, int threads, int simd) {
   py::buffer_info info = values.request();
   const uint16_t* v = u16_data(info, "values");
   const uint64_t num_values = static_cast<uint64_t>(info.shape[0]);
@@ -131,7 +137,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   std::vector<uint64_t> offsets(num_chunks + 1);
   {
     py::gil_scoped_release release;
-    [[maybe_unused]] const bool use_simd = simd && simd_available();
+    [[maybe_unused]] const bool use_simd = simd_level(simd) >= kSimdAvx2;  // AVX-512 encodes as AVX2
     const auto chunk_n = [&](int64_t c) {
       const uint64_t b = uint64_t(c) * cv;
       return static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
@@ -383,12 +389,14 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values);
 }
 
-// Decodes a parsed blob `b` (size bytes) into o[num_values]; returns a Status. Releases the GIL.
-int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, bool simd) {
+// Decodes a parsed blob `b` (size bytes) into o[num_values] at SIMD level `simd` (lowered to what
+// the CPU has); returns a Status. Releases the GIL. The AVX-512 decoder takes chunks two at a time
+// (decode_chunks_avx512); the others one at a time.
+int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, int simd) {
   const Header& h = p.h;
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
   int status = kOk;
-  [[maybe_unused]] const bool use_simd = simd && simd_available();
+  const int level = simd_level(simd);
   py::gil_scoped_release release;
   std::vector<ChunkEntry> entries(h.num_chunks);
   std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
@@ -403,24 +411,51 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
   std::unique_ptr<DecodeTable> table(new DecodeTable());
   if (h.num_values > 0) build_decode_table(p.freq, p.start, *table);
   std::vector<int> chunk_status(h.num_chunks, kOk);
-  parallel_for(int64_t(h.num_chunks), nt, [&](int64_t c) {
-    const ChunkEntry& e = entries[c];
-    uint32_t n = chunk_count(h, uint64_t(c));
-    const uint8_t* payload = b + offsets[c];
-    uint64_t used = payload_bytes(e, n);
-    int st = kOk;
-    for (uint64_t q = offsets[c] + used; q < offsets[c + 1]; ++q)
-      if (b[q] != 0) st = kErrPadding;
-    uint16_t* dst = o + uint64_t(c) * h.chunk_values;
-    if (st == kOk) {
-      if (e.mode == kModeRaw) st = decode_raw_chunk(payload, e, n, dst);
-#if defined(__x86_64__)
-      else if (use_simd) st = decode_chunk_avx2(payload, e, n, *table, dst);
-#endif
-      else st = decode_chunk(payload, e, n, *table, dst);
+  const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
+  const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
+  parallel_for(tasks, nt, [&](int64_t task) {
+    // rANS chunks of this task whose padding is zero, for the SIMD decoders
+    const uint8_t* payloads[2];
+    const ChunkEntry* rans_entries[2];
+    uint32_t counts[2];
+    uint16_t* dsts[2];
+    int64_t rans_chunks[2];
+    int num_rans = 0;
+    for (int64_t c = task * per_task; c < std::min<int64_t>((task + 1) * per_task, h.num_chunks); ++c) {
+      const ChunkEntry& e = entries[c];
+      const uint32_t n = chunk_count(h, uint64_t(c));
+      const uint8_t* payload = b + offsets[c];
+      int st = kOk;
+      for (uint64_t q = offsets[c] + payload_bytes(e, n); q < offsets[c + 1]; ++q)
+        if (b[q] != 0) st = kErrPadding;
+      uint16_t* dst = o + uint64_t(c) * h.chunk_values;
+      if (st == kOk) {
+        if (e.mode == kModeRaw) {
+          st = decode_raw_chunk(payload, e, n, dst);
+        } else if (level >= kSimdAvx2) {
+          payloads[num_rans] = payload;
+          rans_entries[num_rans] = &e;
+          counts[num_rans] = n;
+          dsts[num_rans] = dst;
+          rans_chunks[num_rans++] = c;
+          continue;
+        } else {
+          st = decode_chunk(payload, e, n, *table, dst);
+        }
+      }
+      chunk_status[c] = st;
     }
-    chunk_status[c] = st;
-  }, page_grain(int64_t(h.num_chunks), nt, 2ull * h.chunk_values));
+    if (num_rans == 0) return;
+#if defined(__x86_64__)
+    int st[2];
+    if (level == kSimdAvx512) {
+      decode_chunks_avx512(num_rans, payloads, rans_entries, counts, *table, dsts, st);
+    } else {
+      for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table, dsts[k]);
+    }
+    for (int k = 0; k < num_rans; ++k) chunk_status[rans_chunks[k]] = st[k];
+#endif
+  }, page_grain(tasks, nt, 2ull * h.chunk_values * uint64_t(per_task)));
   for (int st : chunk_status)
     if (st != kOk) return st;
   return kOk;
@@ -443,7 +478,7 @@ void check_shape(const Parsed& p, const std::vector<uint64_t>& expected) {
 // blob -> values written to `out` (1-D, contiguous, num_values u16), whose tensor has
 // `out_shape`: a blob of another shape is rejected before anything is written. Raises ValueError
 // on any inconsistency (out's contents are then unspecified); never reads outside the blob.
-void decode_into(const py::buffer& blob, const py::buffer& out, int threads, bool simd,
+void decode_into(const py::buffer& blob, const py::buffer& out, int threads, int simd,
                  const std::vector<uint64_t>& out_shape) {
   py::buffer_info info = blob.request();
   uint64_t size = 0;
@@ -461,7 +496,7 @@ void decode_into(const py::buffer& blob, const py::buffer& out, int threads, boo
 // blob -> (new 1-D u16 array of its values, shape). Large outputs get their own huge-page mapping
 // (page_array.h). With `expected_shape`, a blob declaring another shape is rejected before the
 // output is allocated. Raises ValueError on any inconsistency; never reads outside the blob.
-py::tuple decode_new(const py::buffer& blob, int threads, bool simd, std::optional<std::vector<uint64_t>> expected_shape) {
+py::tuple decode_new(const py::buffer& blob, int threads, int simd, std::optional<std::vector<uint64_t>> expected_shape) {
   py::buffer_info info = blob.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
@@ -478,16 +513,16 @@ py::tuple decode_new(const py::buffer& blob, int threads, bool simd, std::option
 
 void register_lossless(py::module_& m) {
   m.def("lossless_encode", &encode, py::arg("values"), py::arg("shape"),
-        py::arg("chunk_values") = int64_t(kDefaultChunkValues), py::arg("threads") = 0, py::arg("simd") = true,
+        py::arg("chunk_values") = int64_t(kDefaultChunkValues), py::arg("threads") = 0, py::arg("simd") = kSimdAvx512,
         "bf16 bit patterns (1-D, 2-byte items) and their shape -> self-describing blob (uint8 array);\n"
-        "simd=False forces the portable core (the output is identical)");
+        "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical)");
   m.def("lossless_shape", &header_shape, py::arg("blob"),
         "validates a blob's header and table; returns the encoded tensor's shape");
   m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("out"), py::arg("threads"), py::arg("simd"),
         py::arg("out_shape"),
         "decodes a blob into out (1-D, 2-byte items, num_values long) whose tensor has out_shape; ValueError\n"
         "on a bad blob or another shape (checked before writing)");
-  m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("threads") = 0, py::arg("simd") = true,
+  m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("threads") = 0, py::arg("simd") = kSimdAvx512,
         py::arg("expected_shape") = py::none(),
         "blob -> (new 1-D uint16 array of its bit patterns, shape list); ValueError on a bad blob, or one\n"
         "declaring another shape than expected_shape (checked before allocating)");
@@ -497,6 +532,8 @@ void register_lossless(py::module_& m) {
     return max_blob_bytes(n, ndim, cv);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);
   m.attr("LOSSLESS_DEFAULT_CHUNK_VALUES") = kDefaultChunkValues;
+  m.def("lossless_simd_available", &simd_available,
+        "highest SIMD level this CPU runs: 0 portable, 1 AVX2, 2 AVX-512 (F, BW, VL, VBMI, VBMI2)");
   m.def("lossless_metadata_bytes", &metadata_bytes, py::arg("prefix"), py::arg("blob_bytes"),
         "bytes of a blob's header, table and directory, from its first min(blob_bytes,\n"
         "LOSSLESS_HEADER_PREFIX_BYTES) bytes and its size; checks the fixed header; ValueError on a bad one");

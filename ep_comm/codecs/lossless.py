@@ -55,15 +55,39 @@ def _lib():
     return _host
 
 
+SIMD_PATHS = ("portable", "avx2", "avx512")
+"""The host coder's paths, by level: the portable C++ core, AVX2 (encoder and decoder), AVX-512
+(F, BW, VL, VBMI, VBMI2: the decoder, two chunks at a time; encoding at this level runs the AVX2
+encoder). Every path gives the same bytes."""
+
+
+def simd_paths() -> list[str]:
+    """The host coder's paths this CPU runs, lowest first (e.g. ``["portable", "avx2"]``)."""
+    return list(SIMD_PATHS[: _lib().lossless_simd_available() + 1])
+
+
+def _simd_level(simd: bool | str) -> int:
+    """``simd`` argument -> the C++ level: True = the best the CPU has, False = the portable core,
+    a name from ``SIMD_PATHS`` = that path (ValueError if this CPU lacks it)."""
+    if isinstance(simd, bool):
+        return len(SIMD_PATHS) - 1 if simd else 0
+    if simd not in SIMD_PATHS:
+        raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
+    if simd not in simd_paths():
+        raise ValueError(f"simd={simd!r}: this CPU runs only {simd_paths()}")
+    return SIMD_PATHS.index(simd)
+
+
 def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads: int = 0,
-           simd: bool = True) -> torch.Tensor:
+           simd: bool | str = True) -> torch.Tensor:
     """Compresses ``x`` (bfloat16, any shape, any device) into a blob.
 
     Args:
         x: bf16 tensor of any shape; not modified.
         chunk_values: values per independently coded chunk (multiple of 32 in [32, 2**24]).
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
-        simd: use the AVX2 coder where the CPU has it (False: the portable core; same bytes).
+        simd: True: the fastest path this CPU has; False: the portable core; or a path of
+            :func:`simd_paths` by name. The bytes are the same on every path.
 
     Returns:
         1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when
@@ -72,13 +96,14 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
     """
     _check_input(x, "x")
     chunk_values = _chunk_values(chunk_values)
+    level = _simd_level(simd)
     if lossless_device.available(x.device):
         return lossless_device.encode(x, chunk_values)
-    return _encode_host(x, chunk_values, threads, simd)
+    return _encode_host(x, chunk_values, threads, level)
 
 
 def encode_many(xs: list[torch.Tensor], *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads: int = 0,
-                simd: bool = True) -> list[torch.Tensor]:
+                simd: bool | str = True) -> list[torch.Tensor]:
     """Blobs of several tensors (e.g. one message per destination rank), each as :func:`encode`
     would code it. Tensors on one GPU are coded there one after another with one
     synchronisation for all (their blobs are views into one buffer); others one by one.
@@ -122,7 +147,7 @@ def _host_bits(x: torch.Tensor):
     return x.view(torch.int16).numpy().reshape(-1)
 
 
-def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: bool) -> torch.Tensor:
+def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: int) -> torch.Tensor:
     return torch.from_numpy(_lib().lossless_encode(_host_bits(x), list(x.shape), chunk_values, threads, simd))
 
 
@@ -187,14 +212,15 @@ def shape_of(blob: torch.Tensor) -> tuple[int, ...]:
     return tuple(_lib().lossless_shape(_blob_array(blob)))
 
 
-def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
+def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool | str = True,
            expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """Decompresses a blob from ``encode``.
 
     Args:
         blob: 1-D uint8 tensor; not modified.
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
-        simd: use the AVX2 decoder where the CPU has it (False: the portable core).
+        simd: True: the fastest path this CPU has; False: the portable core; or a path of
+            :func:`simd_paths` by name. The result is the same on every path.
         expected_shape: when given, a blob declaring another shape is rejected before anything is
             allocated. Receivers should pass it: runs of +0.0 legitimately compress about
             100,000-fold, so a small valid blob can declare a very large tensor.
@@ -207,6 +233,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
         ValueError: the blob is truncated, corrupted or not a lossless blob.
     """
     _check_blob(blob)
+    level = _simd_level(simd)
     if expected_shape is not None:
         if not _is_shape(expected_shape):
             raise ValueError(f"expected_shape must be a tuple of ints in [0, 2**48], got {expected_shape!r}")
@@ -221,7 +248,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool = True,
         return out
     data = _blob_array(blob)
     # one C++ call: parse, check the shape, allocate, decode
-    values, shape = _lib().lossless_decode(data, threads, simd, expected_shape)  # 1-D uint16 bit patterns
+    values, shape = _lib().lossless_decode(data, threads, level, expected_shape)  # 1-D uint16 bit patterns
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
 
 
@@ -240,7 +267,8 @@ def empty(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(tuple(shape))
 
 
-def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd: bool = True) -> torch.Tensor:
+def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
+                simd: bool | str = True) -> torch.Tensor:
     """Decompresses a blob from ``encode`` into ``out`` (no allocation, no copy).
 
     Args:
@@ -260,6 +288,7 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
     """
     _check_out(out, "out")
     _check_blob(blob)
+    level = _simd_level(simd)
     if lossless_device.available(out.device):
         blob = blob.detach().to(out.device).contiguous()
         shape, chunk_values = lossless_device.header(blob)
@@ -269,13 +298,13 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0, simd
     if out.device.type != "cpu":
         return out.copy_(decode(blob, threads=threads, simd=simd, expected_shape=tuple(out.shape)))
     data = _blob_array(blob)
-    _lib().lossless_decode_into(data, out.detach().view(torch.int16).numpy().reshape(-1), threads, simd,
+    _lib().lossless_decode_into(data, out.detach().view(torch.int16).numpy().reshape(-1), threads, level,
                                 list(out.shape))
     return out
 
 
 def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, threads: int = 0,
-                     simd: bool = True) -> None:
+                     simd: bool | str = True) -> None:
     """:func:`decode_into` of several blobs (e.g. one message per source rank) into their
     outputs. Outputs on one GPU are decoded there one after another, with their metadata checks
     and the decoders' statuses each read back once for all; others one by one.
