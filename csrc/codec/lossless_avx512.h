@@ -1,6 +1,6 @@
-// AVX-512 decoder of the lossless codec's chunks (host only; x86-64 with AVX-512 F, BW, VL, VBMI
-// and VBMI2): the same result as decode_chunk in lossless_core.h, 16 lanes per instruction, two
-// chunks decoded in lockstep.
+// AVX-512 decoder and rANS encoding pass of the lossless codec's chunks (host only; x86-64 with
+// AVX-512 F, BW, VL, VBMI and VBMI2): the same results as decode_chunk and rans_encode_chunk in
+// lossless_core.h, 16 lanes per instruction; the decoder takes two chunks in lockstep.
 //
 // Why two chunks at once: a step's states depend on the previous step's through a table gather
 // and a 32-bit multiply (about 45 cycles of latency on Sapphire Rapids), so one chunk leaves the
@@ -241,6 +241,71 @@ inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const
     decode_chunks_avx512_impl<false>(count, payload, e, n, table, out, status);
   else
     decode_chunks_avx512_impl<true>(count, payload, e, n, table, out, status);
+}
+
+// The rANS pass (same output as rans_encode_chunk and rans_encode_chunk_avx2, whose comment gives
+// the quotient's error bound; here float(y) is one rounding, not two). 16 lanes per vector: each
+// lane's 8-byte table entry comes from a gather (two per 16 lanes), the words of the lanes that
+// renormalise are compressed (vpcompressw) and stored with a mask ending at the cursor, and the
+// quotient's corrections are masked adds. words_end needs no slack below words_end - n.
+// (C++ loop over real tensors on Sapphire Rapids: 0.52-0.54x the time of the AVX2 pass.)
+EP_COMM_AVX512 inline uint32_t rans_encode_chunk_avx512(const uint16_t* v, uint32_t n, const EncSym* syms,
+                                                        const SimdEncTables& tab, uint32_t* states,
+                                                        uint16_t* words_end) {
+  alignas(64) uint32_t st[kLanes];
+  for (int l = 0; l < kLanes; ++l) st[l] = kStateLow;
+  uint16_t* cursor = words_end;
+  const uint32_t full_steps = n / kLanes;
+  // the partial top step first (coding runs backwards), scalar
+  for (int l = int(n - full_steps * kLanes) - 1; l >= 0; --l)
+    st[l] = enc_step(st[l], syms[symbol_of(v[full_steps * kLanes + l])], cursor);
+  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+  const __m512i zero_sym = _mm512_set1_epi32(kZeroSymbol), low12 = _mm512_set1_epi32(0xFFF);
+  // a step of 32 +0.0 values (gradients' zero runs) takes the zero symbol's entry without loads
+  const __m512i zero_entry = _mm512_set1_epi64(int64_t(tab.entry[kZeroSymbol]));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, one);
+  const long long* entries = reinterpret_cast<const long long*>(tab.entry);
+  __m512i x[2] = {_mm512_load_si512(st), _mm512_load_si512(st + 16)};
+  for (uint32_t t = full_steps; t-- > 0;) {
+    const __m512i vals = _mm512_loadu_si512(v + uint64_t(t) * kLanes);
+    const bool all_zero = _mm512_test_epi16_mask(vals, vals) == 0;
+    for (int j = 1; j >= 0; --j) {  // lanes 16-31, then 0-15: the stream holds a step's words in lane order
+      __m512i a = zero_entry, b = zero_entry;  // entries of the group's lanes 0-7 and 8-15
+      if (!all_zero) {
+        const __m512i val =
+            _mm512_cvtepu16_epi32(j == 0 ? _mm512_castsi512_si256(vals) : _mm512_extracti64x4_epi64(vals, 1));
+        const __m512i sym =
+            _mm512_mask_mov_epi32(_mm512_srli_epi32(val, kRawBits), _mm512_cmpeq_epi32_mask(val, zero), zero_sym);
+        a = _mm512_i32gather_epi64(_mm512_castsi512_si256(sym), entries, 8);
+        b = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(sym, 1), entries, 8);
+      }
+      const __m512i fs = _mm512_permutex2var_epi32(a, even, b);  // start << 12 | freq, lane order
+      const __m512 rcp = _mm512_castsi512_ps(_mm512_permutex2var_epi32(a, odd, b));
+      const __m512i freq = _mm512_and_si512(fs, low12);
+      const __m512i start = _mm512_srli_epi32(fs, 12);
+      // renormalise where x >= freq << 21, i.e. (x >> 21) >= freq
+      const __mmask16 need = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(x[j], 21), freq);
+      const __m256i w = _mm256_maskz_compress_epi16(need, _mm512_cvtepi32_epi16(x[j]));
+      const uint32_t count = uint32_t(_mm_popcnt_u32(need));
+      cursor -= count;
+      _mm256_mask_storeu_epi16(cursor, __mmask16((1u << count) - 1), w);
+      const __m512i y = _mm512_mask_srli_epi32(x[j], need, x[j], 16);
+      __m512i q = _mm512_cvttps_epu32(_mm512_mul_ps(_mm512_cvtepu32_ps(y), rcp));
+      // r = y - q freq in [-freq, 2 freq) (exact mod 2^32), then q and r corrected
+      __m512i r = _mm512_sub_epi32(y, _mm512_mullo_epi32(q, freq));
+      const __mmask16 over = _mm512_cmplt_epi32_mask(r, zero);
+      q = _mm512_mask_sub_epi32(q, over, q, one);
+      r = _mm512_mask_add_epi32(r, over, r, freq);
+      const __mmask16 under = _mm512_cmpge_epi32_mask(r, freq);
+      q = _mm512_mask_add_epi32(q, under, q, one);
+      r = _mm512_mask_sub_epi32(r, under, r, freq);
+      x[j] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q, kProbBits), r), start);
+    }
+  }
+  _mm512_storeu_si512(states, x[0]);
+  _mm512_storeu_si512(states + 16, x[1]);
+  return static_cast<uint32_t>(words_end - cursor);
 }
 
 }  // namespace ep_comm::lossless

@@ -69,10 +69,11 @@ uint64_t scratch_bytes(uint32_t cv) {
 
 // Codes chunk values v[0, n) in `scratch` (scratch_bytes(n) bytes); returns the payload's first
 // byte (payload_bytes(e, n) bytes: in scratch, or v itself for a chunk stored raw) and fills `e`.
-// AVX2 path: `simd_tables` is a SimdEncTables and `simd_survey` the chunk's ChunkSurvey from pass 1
-// (checksum, +0.0 count); the portable path (simd_survey == nullptr) computes them itself.
+// SIMD path: `simd_tables` is a SimdEncTables and `simd_survey` the chunk's ChunkSurvey from pass 1
+// (checksum, +0.0 count), `level` kSimdAvx2 or kSimdAvx512 (the rANS pass); the portable path
+// (simd_survey == nullptr) computes them itself.
 const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms, const void* simd_tables,
-                               const void* simd_survey, uint8_t* scratch, ChunkEntry& e) {
+                               const void* simd_survey, int level, uint8_t* scratch, ChunkEntry& e) {
   uint16_t* words_end = reinterpret_cast<uint16_t*>(scratch + kStateBytes) + kSlackWords + n;
   uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
   uint32_t states[kLanes];
@@ -82,12 +83,15 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
     const ChunkSurvey& survey = *static_cast<const ChunkSurvey*>(simd_survey);
     e.checksum = survey.checksum;
     e.num_raw = split_fields_avx2(v, n, survey.zeros, raw);
-    e.num_words = rans_encode_chunk_avx2(v, n, syms, *static_cast<const SimdEncTables*>(simd_tables), states, words_end);
+    const SimdEncTables& tables = *static_cast<const SimdEncTables*>(simd_tables);
+    e.num_words = level == kSimdAvx512 ? rans_encode_chunk_avx512(v, n, syms, tables, states, words_end)
+                                       : rans_encode_chunk_avx2(v, n, syms, tables, states, words_end);
   } else
 #endif
   {
     (void)simd_tables;
     (void)simd_survey;
+    (void)level;
     encode_chunk(v, n, syms, states, words_end, raw, e);
   }
   if (payload_bytes(e, n) >= 2ull * n) {  // rANS does not shrink it: stored raw
@@ -137,7 +141,8 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
   std::vector<uint64_t> offsets(num_chunks + 1);
   {
     py::gil_scoped_release release;
-    [[maybe_unused]] const bool use_simd = simd_level(simd) >= kSimdAvx2;  // AVX-512 encodes as AVX2
+    const int level = simd_level(simd);
+    [[maybe_unused]] const bool use_simd = level >= kSimdAvx2;
     const auto chunk_n = [&](int64_t c) {
       const uint64_t b = uint64_t(c) * cv;
       return static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
@@ -214,7 +219,9 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
         const uint16_t* values = v + uint64_t(c) * cv + first;
 #if defined(__x86_64__)
         if (use_simd) {
-          piece_surveys[uint64_t(piece)] = survey_chunk_avx2(values, last - first, first, *simd_hist, h);
+          piece_surveys[uint64_t(piece)] = level == kSimdAvx512
+                                               ? survey_chunk_avx2<8>(values, last - first, first, *simd_hist, h)
+                                               : survey_chunk_avx2<4>(values, last - first, first, *simd_hist, h);
           continue;
         }
 #endif
@@ -235,7 +242,8 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
 #if defined(__x86_64__)
         if (use_simd) survey = &surveys[uint64_t(c)];
 #endif
-        const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, survey, my_scratch, e);
+        const uint8_t* payload =
+            encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, survey, level, my_scratch, e);
         uint64_t begin = data_off;
         if (c > 0)
           while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();

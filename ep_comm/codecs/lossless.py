@@ -57,8 +57,8 @@ def _lib():
 
 SIMD_PATHS = ("portable", "avx2", "avx512")
 """The host coder's paths, by level: the portable C++ core, AVX2 (encoder and decoder), AVX-512
-(F, BW, VL, VBMI, VBMI2: the decoder, two chunks at a time; encoding at this level runs the AVX2
-encoder). Every path gives the same bytes."""
+(F, BW, VL, VBMI, VBMI2: the decoder, two chunks at a time, and the encoder's rANS pass; its
+histogram and raw-field passes are the AVX2 ones). Every path gives the same bytes."""
 
 
 def simd_paths() -> list[str]:
