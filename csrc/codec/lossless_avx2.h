@@ -90,8 +90,8 @@ struct StreamTail {
 // The decode table entries of the 8 slots in `slot` (each < kProbScale). Per-lane loads, the slots
 // moved to general registers two at a time: faster on Zen 3 than vpgatherdd or a store and eight
 // reloads (measured, C++ loop over real blobs: the decoder took about 10% less time than with
-// either; the loads sit on the loop's critical path). On Sapphire Rapids vpgatherdd was 6-28%
-// faster here; CPUs with AVX-512 take lossless_avx512.h's decoder instead.
+// either; the loads sit on the loop's critical path). On an Emerald Rapids Xeon, vpgatherdd took
+// 6-28% less time here; CPUs with AVX-512 take lossless_avx512.h's decoder instead.
 __attribute__((target("avx2"))) inline __m256i lookup_entries(const DecodeTable& table, __m256i slot) {
   const __m128i lo = _mm256_castsi256_si128(slot), hi = _mm256_extracti128_si256(slot, 1);
   const uint64_t a = uint64_t(_mm_cvtsi128_si64(lo)), b = uint64_t(_mm_extract_epi64(lo, 1));
@@ -380,8 +380,8 @@ struct ChunkSurvey {
 // Symbol histogram of values v[0, n), which are values [first, first + n) of a chunk (the counts of
 // symbol_of over every value), counted into `h`
 // (`hist` [1025] receives a fold when h's tables run full): kTables (4 or 8) interleaved u32 tables
-// of v >> 6 (on Zen 3, 8 tables took 2-13% more time than 4; on Sapphire Rapids 5-18% less, C++
-// A/B on real tensors: the AVX-512 level takes 8),
+// of v >> 6 (on Zen 3, 8 tables took 2-13% more time than 4; on an Emerald Rapids Xeon 0-18%
+// less, C++ A/B on real tensors: the AVX-512 level takes 8),
 // zeros counted 16 at a time with a vector compare (16 +0.0 in a row: one add, not 16 increments
 // of one counter, whose store-to-load chain made gradients' zero runs the slowest). The chunk's
 // checksum comes with it: its vector multiplies run beside the table increments (measured: no
@@ -495,12 +495,8 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
                                                                              const SimdEncTables& tab,
                                                                              uint32_t* states, uint16_t* words_end) {
   alignas(32) uint32_t st[kLanes];
-  for (int l = 0; l < kLanes; ++l) st[l] = kStateLow;
   uint16_t* cursor = words_end;
-  const uint32_t full_steps = n / kLanes;
-  // the partial top step first (coding runs backwards), scalar
-  for (int l = int(n - full_steps * kLanes) - 1; l >= 0; --l)
-    st[l] = enc_step(st[l], syms[symbol_of(v[full_steps * kLanes + l])], cursor);
+  const uint32_t full_steps = rans_encode_partial_step(v, n, syms, st, cursor);
   const CompressTable& ct = compress_table();
   const __m256i zero = _mm256_setzero_si256(), lo16 = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1);
   const __m256i zero_sym = _mm256_set1_epi32(kZeroSymbol), low12 = _mm256_set1_epi32(0xFFF);

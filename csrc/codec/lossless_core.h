@@ -477,6 +477,18 @@ EP_HD uint32_t rans_encode_chunk(const uint16_t* v, uint32_t n, const EncSym* sy
   return static_cast<uint32_t>(words_end - cursor);
 }
 
+// The start of a SIMD rANS pass: every state at kStateLow, then the values past the chunk's last
+// full step of 32 (the partial top step: coding runs backwards) coded here; returns the number of
+// full steps, which the SIMD pass codes from `cursor` on.
+EP_HD uint32_t rans_encode_partial_step(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t* states,
+                                        uint16_t*& cursor) {
+  for (int l = 0; l < kLanes; ++l) states[l] = kStateLow;
+  const uint32_t full_steps = n / kLanes;
+  for (int l = int(n - full_steps * kLanes) - 1; l >= 0; --l)
+    states[l] = enc_step(states[l], syms[symbol_of(v[full_steps * kLanes + uint32_t(l)])], cursor);
+  return full_steps;
+}
+
 // Encodes chunk values v[0, n): words backwards ending at words_end (room for n words), raw
 // fields forward to `raw` (room for n bytes), final states to `states`. Fills `e`.
 EP_HD void encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t* states,
