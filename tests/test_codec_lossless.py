@@ -166,6 +166,21 @@ def test_short_streams_near_chunk_ends():
                 lossless.decode(bad, simd=path)
 
 
+def test_message_blob_view_stays_valid():
+    """A 64x7168 message's blob is returned as a view of the encoder's output mapping (it fills
+    about 2/3 of it): it must keep that mapping from being reused while it lives, through many
+    later encodes and decodes, and still decode exactly."""
+    g = torch.Generator().manual_seed(3)
+    first = (torch.randn(64, 7168, generator=g) * 0.02).bfloat16()
+    blob = lossless.encode(first)
+    saved = blob.clone()
+    for _ in range(20):
+        other = (torch.randn(64, 7168, generator=g) * 0.02).bfloat16()
+        assert torch.equal(bits(lossless.decode(lossless.encode(other))), bits(other))
+    assert torch.equal(blob, saved)
+    assert torch.equal(bits(lossless.decode(blob)), bits(first))
+
+
 def test_large_output_owns_its_memory():
     """Outputs of 2 MiB and more live in their own mapping: they stay valid and writable after the
     blob is gone, and are released with the tensor."""

@@ -105,8 +105,10 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
 
 // bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
 // Two passes: the symbol histogram, then each chunk coded in its worker's scratch and copied to
-// its place in an output allocated for the largest possible blob; large outputs are returned as a
-// view of its first blob-size bytes, small ones as an exact-size copy.
+// its place in an output allocated for the largest possible blob; the blob is returned as a view
+// of that output's first blob-size bytes when the output has a mapping of its own (from 256 KiB)
+// and the blob fills at least a third of it (or from 2 MiB, where the rest is given back), else as
+// an exact-size copy.
 py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd) {
   py::buffer_info info = values.request();
@@ -294,7 +296,11 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     if (blob_bytes < capacity / 3) release_unused_pages(o, capacity, blob_bytes);
     return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
   }
-  // smaller: an exact-size copy, so that the capacity-sized allocation is freed (and reused)
+  // a mapping of its own (from 256 KiB) holding a blob of at least a third of it: a view too, as
+  // above (a 64x7168 message's blob is about 2/3 of its capacity: one copy of it saved)
+  if (has_own_mapping(capacity) && blob_bytes >= capacity / 3)
+    return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
+  // otherwise an exact-size copy, so that the capacity-sized allocation is freed (and reused)
   py::array_t<uint8_t> blob = page_backed_array<uint8_t>(blob_bytes);
   std::memcpy(blob.mutable_data(), o, blob_bytes);
   return blob;

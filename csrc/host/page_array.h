@@ -213,6 +213,17 @@ inline bool is_page_backed(uint64_t bytes) {
 #endif
 }
 
+// Whether page_backed_array<T>(count) puts an array of `bytes` bytes in a mapping of its own
+// (returned to the MappingCache when the array is freed).
+inline bool has_own_mapping(uint64_t bytes) {
+#ifdef __linux__
+  return bytes >= kCachedArrayMinBytes;
+#else
+  (void)bytes;
+  return false;
+#endif
+}
+
 // Returns the whole huge pages of a page-backed array past its first `used` bytes to the system
 // (the array stays valid; those pages read as zeros if touched again).
 inline void release_unused_pages(void* array_start, uint64_t array_bytes, uint64_t used) {
