@@ -68,7 +68,12 @@ struct ChecksumSums512 {
                                         _mm512_mullo_epi32(odd0, p0));
     const __m512i s1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_mullo_epi32(t, p1), q1), 6),
                                         _mm512_mullo_epi32(odd1, p1));
-    return uint32_t(_mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1)));
+    // summed as unsigned (GCC's _mm512_reduce_add_epi32 adds as signed int, which may overflow)
+    alignas(64) uint32_t lanes[16];
+    _mm512_store_si512(lanes, _mm512_add_epi32(s0, s1));
+    uint32_t sum = 0;
+    for (const uint32_t lane : lanes) sum += lane;
+    return sum;
   }
 };
 

@@ -1,0 +1,209 @@
+// Memory-safety and agreement check of the host lossless decoders and rANS encoding passes, built
+// with AddressSanitizer and UBSan by tests/test_codec_native_fuzz.py.
+//
+// Decoding: every blob <dir>/<i>.blob (with <dir>/<i>.raw, its values) is decoded clean and after
+// `mutations` random mutations each (byte flips, random bytes, truncations), from an exact-size
+// heap copy (so a read past the blob is an ASan error), by the portable core, the AVX2 decoder and
+// the AVX-512 decoder (two chunks at a time), each where the CPU has it. Every path must give the
+// same status (the first failing chunk's, in chunk order, as ep_comm._host reports) and, when it
+// succeeds, the same values; clean blobs must give their values.
+// Encoding: random chunks (random bits, narrow exponents, +0.0 runs and scatter) coded by the
+// portable, AVX2 and AVX-512 rANS passes into exact-size word buffers must give the same words
+// and states.
+// Usage: lossless_fuzz <dir> <num_blobs> <mutations> <encoder_trials> <seed>; exit code 0 when
+// everything agrees (a sanitizer error aborts with another code).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "codec/lossless_avx2.h"
+#include "codec/lossless_avx512.h"
+#include "codec/lossless_core.h"
+
+using namespace ep_comm::lossless;
+
+namespace {
+
+enum Path { kPortable, kAvx2, kAvx512 };
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return {};
+  std::fseek(f, 0, SEEK_END);
+  const long size = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  if (std::fread(bytes.data(), 1, bytes.size(), f) != bytes.size()) bytes.clear();
+  std::fclose(f);
+  return bytes;
+}
+
+// Decodes blob b[0, size) on `path`: the status of the first failing chunk in chunk order (as
+// decode_parsed reports), values to `out`.
+int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& out) {
+  Header h;
+  int st = parse_header(b, size, h);
+  if (st != kOk) return st;
+  std::unique_ptr<uint32_t[]> freq(new uint32_t[kNumSymbols]), start(new uint32_t[kNumSymbols]);
+  st = read_table(b, h, freq.get(), start.get());
+  if (st != kOk) return st;
+  std::vector<ChunkEntry> entries(h.num_chunks);
+  std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1, h.data_offset);
+  for (uint64_t c = 0; c < h.num_chunks; ++c) {
+    entries[c] = read_entry(b, h, c);
+    st = check_entry(h, entries[c], chunk_count(h, c));
+    if (st != kOk) return st;
+    offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
+    if (offsets[c + 1] > size) return kErrSize;
+  }
+  if (offsets[h.num_chunks] != size) return kErrSize;
+  if (h.num_values > (1u << 24)) return -1;  // a mutation declaring a huge tensor: skipped
+  out.assign(h.num_values, 0);
+  std::unique_ptr<DecodeTable> table(new DecodeTable());
+  if (h.num_values > 0) build_decode_table(freq.get(), start.get(), *table);
+  std::vector<int> status(h.num_chunks, kOk);
+  for (uint64_t c = 0; c < h.num_chunks; c += 2) {
+    const uint8_t* payloads[2];
+    const ChunkEntry* rans[2];
+    uint32_t counts[2];
+    uint16_t* dsts[2];
+    uint64_t index[2];
+    int pending = 0;
+    for (uint64_t q = c; q < std::min<uint64_t>(c + 2, h.num_chunks); ++q) {
+      const uint32_t n = chunk_count(h, q);
+      const uint8_t* payload = b + offsets[q];
+      uint16_t* dst = out.data() + q * h.chunk_values;
+      bool padding_ok = true;
+      for (uint64_t z = offsets[q] + payload_bytes(entries[q], n); z < offsets[q + 1]; ++z) padding_ok = padding_ok && b[z] == 0;
+      if (!padding_ok) status[q] = kErrPadding;
+      else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst);
+      else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, *table, dst);
+      else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, *table, dst);
+      else {
+        payloads[pending] = payload;
+        rans[pending] = &entries[q];
+        counts[pending] = n;
+        dsts[pending] = dst;
+        index[pending++] = q;
+      }
+    }
+    if (pending > 0) {
+      int st2[2];
+      decode_chunks_avx512(pending, payloads, rans, counts, *table, dsts, st2);
+      for (int k = 0; k < pending; ++k) status[index[k]] = st2[k];
+    }
+  }
+  for (const int s : status)
+    if (s != kOk) return s;
+  return kOk;
+}
+
+// Mismatches between the paths on the blobs and their mutations.
+long check_decoders(const std::string& dir, int num_blobs, int mutations, const std::vector<Path>& paths,
+                    std::mt19937_64& rng) {
+  long mismatches = 0, trials = 0, rejected = 0;
+  for (int i = 0; i < num_blobs; ++i) {
+    const std::vector<uint8_t> blob = read_file(dir + "/" + std::to_string(i) + ".blob");
+    const std::vector<uint8_t> raw = read_file(dir + "/" + std::to_string(i) + ".raw");
+    if (blob.empty()) {
+      std::printf("missing blob %d\n", i);
+      return 1;
+    }
+    for (int m = 0; m <= mutations; ++m) {
+      std::vector<uint8_t> bad = blob;
+      const int kind = m == 0 ? -1 : static_cast<int>(rng() % 3);
+      if (kind == 0) bad[rng() % bad.size()] ^= static_cast<uint8_t>(1 + rng() % 255);
+      if (kind == 1)
+        for (int r = 0; r < 4; ++r) bad[rng() % bad.size()] = static_cast<uint8_t>(rng());
+      if (kind == 2) bad.resize(rng() % bad.size());
+      uint8_t* copy = static_cast<uint8_t*>(std::malloc(bad.empty() ? 1 : bad.size()));
+      if (!bad.empty()) std::memcpy(copy, bad.data(), bad.size());
+      std::vector<uint16_t> first_values;
+      int first_status = 0;
+      for (size_t p = 0; p < paths.size(); ++p) {
+        std::vector<uint16_t> values;
+        const int status = decode(copy, bad.size(), paths[p], values);
+        if (p == 0) {
+          first_status = status;
+          first_values = values;
+        } else if (status != first_status || (status == kOk && values != first_values)) {
+          if (++mismatches <= 5) std::printf("blob %d mutation %d: path %d status %d, portable %d\n", i, m, int(paths[p]), status, first_status);
+        }
+      }
+      std::free(copy);
+      ++trials;
+      rejected += first_status != kOk;
+      if (m == 0 && (first_status != kOk || first_values.size() * 2 != raw.size() ||
+                     std::memcmp(first_values.data(), raw.data(), raw.size()) != 0)) {
+        std::printf("blob %d does not decode to its values (status %d)\n", i, first_status);
+        ++mismatches;
+      }
+    }
+  }
+  std::printf("decoders: %ld trials, %ld rejected, %ld mismatches\n", trials, rejected, mismatches);
+  return mismatches;
+}
+
+// Mismatches between the rANS passes on random chunks.
+long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
+  long mismatches = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    const uint32_t n = 1 + static_cast<uint32_t>(rng() % 5000);
+    const int pattern = static_cast<int>(rng() % 5);
+    std::vector<uint16_t> v(n);
+    for (uint16_t& x : v) {
+      const uint32_t exponent = 110 + static_cast<uint32_t>(rng() % 20);
+      x = pattern == 0 ? static_cast<uint16_t>(rng()) : static_cast<uint16_t>(((rng() & 1) << 15) | (exponent << 7) | (rng() & 127));
+      if (pattern == 1 || (pattern == 3 && rng() % 4 == 0)) x = 0;
+    }
+    if (pattern == 4) {
+      const uint32_t a = static_cast<uint32_t>(rng() % n), b = a + static_cast<uint32_t>(rng() % (n - a + 1));
+      std::fill(v.begin() + a, v.begin() + b, uint16_t(0));
+    }
+    uint64_t counts[kNumSymbols] = {};
+    for (const uint16_t x : v) ++counts[symbol_of(x)];
+    uint32_t freq[kNumSymbols], start[kNumSymbols];
+    normalize_counts(counts, n, freq);
+    cumulative(freq, start);
+    std::vector<EncSym> syms(kNumSymbols);
+    for (int s = 0; s < kNumSymbols; ++s) syms[s] = make_enc_sym(start[s], freq[s]);
+    std::unique_ptr<SimdEncTables> tables(new SimdEncTables());
+    make_simd_enc_tables(syms.data(), *tables);
+    // exact-size word buffers (the AVX2 pass stores 8 words at a time: 8 words of slack below)
+    std::vector<uint16_t> ref(n), a2(n + 8), a5(n);
+    uint32_t ref_states[kLanes], states[kLanes];
+    const uint32_t words = rans_encode_chunk(v.data(), n, syms.data(), ref_states, ref.data() + n);
+    const auto same = [&](uint32_t got_words, const uint16_t* got_end) {
+      return got_words == words && std::memcmp(states, ref_states, sizeof(states)) == 0 &&
+             std::memcmp(got_end - words, ref.data() + n - words, 2ull * words) == 0;
+    };
+    if (avx2 && !same(rans_encode_chunk_avx2(v.data(), n, syms.data(), *tables, states, a2.data() + 8 + n), a2.data() + 8 + n))
+      ++mismatches;
+    if (avx512 && !same(rans_encode_chunk_avx512(v.data(), n, syms.data(), *tables, states, a5.data() + n), a5.data() + n))
+      ++mismatches;
+  }
+  std::printf("encoders: %d trials, %ld mismatches\n", trials, mismatches);
+  return mismatches;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 6) {
+    std::printf("usage: lossless_fuzz <dir> <num_blobs> <mutations> <encoder_trials> <seed>\n");
+    return 2;
+  }
+  std::mt19937_64 rng(std::strtoull(argv[5], nullptr, 10));
+  std::vector<Path> paths = {kPortable};
+  if (have_avx2()) paths.push_back(kAvx2);
+  if (have_avx512()) paths.push_back(kAvx512);
+  std::printf("paths:%s%s%s\n", " portable", have_avx2() ? " avx2" : "", have_avx512() ? " avx512" : "");
+  long bad = check_decoders(argv[1], std::atoi(argv[2]), std::atoi(argv[3]), paths, rng);
+  bad += check_encoders(std::atoi(argv[4]), have_avx2(), have_avx512(), rng);
+  return bad == 0 ? 0 : 1;
+}
