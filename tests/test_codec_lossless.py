@@ -321,7 +321,7 @@ def test_simd_argument():
     assert paths[0] == "portable" and set(paths) <= set(lossless.SIMD_PATHS)
     x = torch.randn(100).bfloat16()
     blob = lossless.encode(x)
-    for bad in ("sse", "AVX2", 1):
+    for bad in ("sse", "AVX2", 2):
         with pytest.raises(ValueError, match="simd"):
             lossless.encode(x, simd=bad)
         with pytest.raises(ValueError, match="simd"):
@@ -329,6 +329,17 @@ def test_simd_argument():
     for missing in set(lossless.SIMD_PATHS) - set(paths):
         with pytest.raises(ValueError, match="simd"):
             lossless.decode(blob, simd=missing)
+    # truth values of other types, as pybind11's bool accepted them
+    import numpy as np
+    for truth in (np.True_, np.False_, 1, 0):
+        assert torch.equal(lossless.encode(x, simd=truth), blob)
+        assert torch.equal(bits(lossless.decode(blob, simd=truth)), bits(x))
+    # checked even where nothing is coded
+    for bad in ("sse", 2, 0.5, None):
+        with pytest.raises(ValueError, match="simd"):
+            lossless.encode_many([], simd=bad)
+        with pytest.raises(ValueError, match="simd"):
+            lossless.decode_into_many([], [], simd=bad)
 
 
 def mixed_chunks(cv: int, seed: int) -> torch.Tensor:

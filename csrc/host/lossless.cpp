@@ -407,7 +407,9 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
 
 // Decodes a parsed blob `b` (size bytes) into o[num_values] at SIMD level `simd` (lowered to what
 // the CPU has); returns a Status. Releases the GIL. The AVX-512 decoder takes chunks two at a time
-// (decode_chunks_avx512); the others one at a time.
+// (decode_chunks_avx512), even when that leaves threads idle: 2 chunks of a weights tensor took
+// 74 us as one pair on one thread, 101 us as one chunk on each of 2 threads (one chunk alone: 62
+// us; medians of 300 calls from Python); the others one at a time.
 int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, int simd) {
   const Header& h = p.h;
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);

@@ -66,13 +66,23 @@ def simd_paths() -> list[str]:
     return list(SIMD_PATHS[: _lib().lossless_simd_available() + 1])
 
 
-def _simd_level(simd: bool | str) -> int:
-    """``simd`` argument -> the C++ level: True = the best the CPU has, False = the portable core,
-    a name from ``SIMD_PATHS`` = that path (ValueError if this CPU lacks it)."""
-    if isinstance(simd, bool):
-        return len(SIMD_PATHS) - 1 if simd else 0
-    if simd not in SIMD_PATHS:
+def _check_simd(simd: object) -> None:
+    """ValueError naming ``simd`` unless it is a truth value (bool, NumPy bool, 0 or 1) or a name
+    from ``SIMD_PATHS``; checked on every device (the GPU path ignores it)."""
+    if isinstance(simd, str):
+        if simd not in SIMD_PATHS:
+            raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
+        return
+    if not (isinstance(simd, int) or type(simd).__name__ == "bool_") or simd not in (0, 1):
         raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
+
+
+def _simd_level(simd: bool | str) -> int:
+    """``simd`` argument -> the host coder's C++ level: true = the best the CPU has, false = the
+    portable core, a name from ``SIMD_PATHS`` = that path (ValueError if this CPU lacks it)."""
+    _check_simd(simd)
+    if not isinstance(simd, str):
+        return len(SIMD_PATHS) - 1 if simd else 0
     if simd not in simd_paths():
         raise ValueError(f"simd={simd!r}: this CPU runs only {simd_paths()}")
     return SIMD_PATHS.index(simd)
@@ -96,10 +106,10 @@ def encode(x: torch.Tensor, *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads
     """
     _check_input(x, "x")
     chunk_values = _chunk_values(chunk_values)
-    level = _simd_level(simd)
+    _check_simd(simd)
     if lossless_device.available(x.device):
         return lossless_device.encode(x, chunk_values)
-    return _encode_host(x, chunk_values, threads, level)
+    return _encode_host(x, chunk_values, threads, _simd_level(simd))
 
 
 def encode_many(xs: list[torch.Tensor], *, chunk_values: int = DEFAULT_CHUNK_VALUES, threads: int = 0,
@@ -120,6 +130,7 @@ def encode_many(xs: list[torch.Tensor], *, chunk_values: int = DEFAULT_CHUNK_VAL
     for i, x in enumerate(xs):
         _check_input(x, f"xs[{i}]")
     chunk_values = _chunk_values(chunk_values)
+    _check_simd(simd)
     if xs and len({x.device for x in xs}) == 1 and lossless_device.available(xs[0].device):
         return lossless_device.encode_many(list(xs), chunk_values)
     return [encode(x, chunk_values=chunk_values, threads=threads, simd=simd) for x in xs]
@@ -233,7 +244,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool | str = True,
         ValueError: the blob is truncated, corrupted or not a lossless blob.
     """
     _check_blob(blob)
-    level = _simd_level(simd)
+    _check_simd(simd)
     if expected_shape is not None:
         if not _is_shape(expected_shape):
             raise ValueError(f"expected_shape must be a tuple of ints in [0, 2**48], got {expected_shape!r}")
@@ -248,7 +259,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool | str = True,
         return out
     data = _blob_array(blob)
     # one C++ call: parse, check the shape, allocate, decode
-    values, shape = _lib().lossless_decode(data, threads, level, expected_shape)  # 1-D uint16 bit patterns
+    values, shape = _lib().lossless_decode(data, threads, _simd_level(simd), expected_shape)  # 1-D uint16 bit patterns
     return torch.from_numpy(values.view("int16")).view(torch.bfloat16).reshape(shape)
 
 
@@ -288,7 +299,7 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
     """
     _check_out(out, "out")
     _check_blob(blob)
-    level = _simd_level(simd)
+    _check_simd(simd)
     if lossless_device.available(out.device):
         blob = blob.detach().to(out.device).contiguous()
         shape, chunk_values = lossless_device.header(blob)
@@ -298,8 +309,8 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
     if out.device.type != "cpu":
         return out.copy_(decode(blob, threads=threads, simd=simd, expected_shape=tuple(out.shape)))
     data = _blob_array(blob)
-    _lib().lossless_decode_into(data, out.detach().view(torch.int16).numpy().reshape(-1), threads, level,
-                                list(out.shape))
+    values = out.detach().view(torch.int16).numpy().reshape(-1)
+    _lib().lossless_decode_into(data, values, threads, _simd_level(simd), list(out.shape))
     return out
 
 
@@ -319,6 +330,7 @@ def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, thr
     for i, (blob, out) in enumerate(zip(blobs, outs)):
         _check_out(out, f"outs[{i}]")
         _check_blob(blob)
+    _check_simd(simd)
     if outs and len({out.device for out in outs}) == 1 and lossless_device.available(outs[0].device):
         device = outs[0].device
         blobs = [blob.detach().to(device).contiguous() for blob in blobs]
