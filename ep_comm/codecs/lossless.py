@@ -73,7 +73,8 @@ def _check_simd(simd: object) -> None:
         if simd not in SIMD_PATHS:
             raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
         return
-    if not (isinstance(simd, int) or type(simd).__name__ == "bool_") or simd not in (0, 1):
+    numpy_bool = type(simd).__module__ == "numpy" and type(simd).__name__ in ("bool", "bool_")
+    if not (isinstance(simd, int) or numpy_bool) or simd not in (0, 1):
         raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
 
 
