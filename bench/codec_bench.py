@@ -303,15 +303,12 @@ def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
 # ---------------------------------------------------------------- report
 def cpu_model() -> str:
     """The CPU's model name (Linux), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else (platform.processor() or "unknown")
 
 
 def run(reps: int, batch: int, seq: int, steady: bool = False) -> dict:
