@@ -1,6 +1,6 @@
 // Host (CPU) build of the lossless BF16 codec: binds encode/decode of csrc/codec/lossless_core.h
-// (AVX2 paths from lossless_avx2.h and the AVX-512 decoder of lossless_avx512.h where the CPU has
-// them), parallel over chunks.
+// (AVX2 and AVX-512 paths from lossless_avx2.h and lossless_avx512.h where the CPU has them),
+// parallel over chunks.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -299,7 +299,8 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
   }
   // a mapping of its own (from 256 KiB) holding a blob of at least a third of it: a view too, as
-  // above (a 64x7168 message's blob is about 2/3 of its capacity: one copy of it saved)
+  // above (a 64x7168 message's blob is about 2/3 of its capacity: one copy of it saved). The cache
+  // may hand out a mapping up to twice the request, so a live view holds at most about 6x its bytes.
   if (has_own_mapping(capacity) && blob_bytes >= capacity / 3)
     return py::array_t<uint8_t>({static_cast<py::ssize_t>(blob_bytes)}, {py::ssize_t(1)}, o, out);
   // otherwise an exact-size copy, so that the capacity-sized allocation is freed (and reused)
