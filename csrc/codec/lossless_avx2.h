@@ -37,27 +37,35 @@ inline bool have_avx2() {
 }
 
 // Running chunk checksum, sum_i v[i] * (2 i + 1) mod 2^32 (checksum_term), 16 values per add(),
-// over the chunk's values from index `first` on.
+// over the chunk's values from index `first` on, without multiplies: per lane l (value first +
+// 16 s + l in step s), P_l = the sum of its values so far and Q_l = the sum of P_l over the steps,
+// so that sum_s s v_s = T P_l - Q_l after T steps and the checksum is sum_l 32 (T P_l - Q_l) +
+// (2 (first + l) + 1) P_l (all mod 2^32). Four adds per 16 values instead of two vpmulld and four
+// adds (C++ A/B on real tensors, alternating order, 3 runs: the encoder's histogram pass took 4-13%
+// less time on an Emerald Rapids Xeon).
 struct ChecksumAvx2 {
-  __m256i sum0, sum1, idx0, idx1;
-  __attribute__((target("avx2"))) explicit ChecksumAvx2(uint32_t first = 0)
-      : sum0(_mm256_setzero_si256()), sum1(_mm256_setzero_si256()),
-        idx0(_mm256_add_epi32(_mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15), _mm256_set1_epi32(int(2 * first)))),
-        idx1(_mm256_add_epi32(_mm256_setr_epi32(17, 19, 21, 23, 25, 27, 29, 31), _mm256_set1_epi32(int(2 * first)))) {}
+  __m256i p0, p1, q0, q1;  // lanes 0-7 and 8-15
+  uint32_t first, steps = 0;
+  __attribute__((target("avx2"))) explicit ChecksumAvx2(uint32_t first_index = 0)
+      : p0(_mm256_setzero_si256()), p1(_mm256_setzero_si256()), q0(_mm256_setzero_si256()),
+        q1(_mm256_setzero_si256()), first(first_index) {}
   // The next 16 values (v[first + 16 k .. first + 16 k + 15] after k earlier calls).
   __attribute__((target("avx2"))) void add(__m256i x) {
-    const __m256i step = _mm256_set1_epi32(32);
-    sum0 = _mm256_add_epi32(sum0, _mm256_mullo_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), idx0));
-    sum1 = _mm256_add_epi32(sum1, _mm256_mullo_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), idx1));
-    idx0 = _mm256_add_epi32(idx0, step);
-    idx1 = _mm256_add_epi32(idx1, step);
+    p0 = _mm256_add_epi32(p0, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)));
+    p1 = _mm256_add_epi32(p1, _mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)));
+    q0 = _mm256_add_epi32(q0, p0);
+    q1 = _mm256_add_epi32(q1, p1);
+    ++steps;
   }
   // The sum of the values added so far.
   __attribute__((target("avx2"))) uint32_t total() const {
-    alignas(32) uint32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(sum0, sum1));
+    alignas(32) uint32_t p[16], q[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p), p0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p + 8), p1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), q0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8), q1);
     uint32_t sum = 0;
-    for (int j = 0; j < 8; ++j) sum += lanes[j];
+    for (uint32_t l = 0; l < 16; ++l) sum += 32u * (steps * p[l] - q[l]) + (2u * (first + l) + 1u) * p[l];
     return sum;
   }
 };
