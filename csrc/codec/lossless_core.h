@@ -432,6 +432,27 @@ EP_HD ChunkEntry read_entry(const uint8_t* blob, const Header& h, uint64_t c) {
   return e;
 }
 
+// Walks a blob's chunk directory (host side; the CUDA decoder checks it in parallel): checks each
+// entry (check_entry) and that the padded payloads account for exactly the blob's `size` bytes;
+// returns the first failure in chunk order (kErrSize when the payloads overrun or fall short).
+// When given, entries[c] gets chunk c's entry and offsets[c] / offsets[c + 1] its payload's start
+// and padded end (offsets[0] = data_offset).
+EP_HD int read_directory(const uint8_t* blob, uint64_t size, const Header& h, ChunkEntry* entries, uint64_t* offsets) {
+  uint64_t offset = h.data_offset;
+  if (offsets != nullptr) offsets[0] = offset;
+  for (uint64_t c = 0; c < h.num_chunks; ++c) {
+    const uint32_t n = chunk_count(h, c);
+    const ChunkEntry e = read_entry(blob, h, c);
+    const int st = check_entry(h, e, n);
+    if (st != kOk) return st;
+    offset += align4(payload_bytes(e, n));
+    if (offset > size) return kErrSize;
+    if (entries != nullptr) entries[c] = e;
+    if (offsets != nullptr) offsets[c + 1] = offset;
+  }
+  return offset == size ? int(kOk) : int(kErrSize);
+}
+
 // Largest blob `encode` can produce for `num_values` values in `ndim` dims (worst case: every
 // chunk raw, every symbol in the table).
 EP_HD uint64_t max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values) {

@@ -325,16 +325,8 @@ void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
   // the chunk directory must account for exactly the blob's bytes: checked here, before any
   // caller allocates the declared shape. (A valid blob can still declare a large tensor: an
   // all-zero chunk codes to its 128 state bytes; callers that know the size pass expected_shape.)
-  uint64_t offset = p.h.data_offset;
-  for (uint64_t c = 0; c < p.h.num_chunks; ++c) {
-    const uint32_t n = chunk_count(p.h, c);
-    const ChunkEntry e = read_entry(blob, p.h, c);
-    st = check_entry(p.h, e, n);
-    if (st != kOk) fail(st);
-    offset += align4(payload_bytes(e, n));
-    if (offset > size) fail(kErrSize);
-  }
-  if (offset != size) fail(kErrSize);
+  st = read_directory(blob, size, p.h, nullptr, nullptr);
+  if (st != kOk) fail(st);
 }
 
 const uint8_t* blob_data(const py::buffer_info& info, uint64_t& size) {
@@ -419,13 +411,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
   py::gil_scoped_release release;
   std::vector<ChunkEntry> entries(h.num_chunks);
   std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
-  offsets[0] = h.data_offset;
-  for (uint64_t c = 0; c < h.num_chunks && status == kOk; ++c) {
-    entries[c] = read_entry(b, h, c);
-    status = check_entry(h, entries[c], chunk_count(h, c));
-    offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
-  }
-  if (status == kOk && offsets[h.num_chunks] != size) status = kErrSize;
+  status = read_directory(b, size, h, entries.data(), offsets.data());
   if (status != kOk) return status;
   std::unique_ptr<DecodeTable> table(new DecodeTable());
   if (h.num_values > 0) build_decode_table(p.freq, p.start, *table);

@@ -43,8 +43,9 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
-// Decodes blob b[0, size) on `path`: the status of the first failing chunk in chunk order (as
-// decode_parsed reports), values to `out`.
+// Decodes blob b[0, size) on `path` as ep_comm._host's decode_parsed does (the binding's own
+// function is internal to the Python module): the status of the first failing chunk in chunk
+// order, values to `out`.
 int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& out) {
   Header h;
   int st = parse_header(b, size, h);
@@ -53,15 +54,9 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
   st = read_table(b, h, freq.get(), start.get());
   if (st != kOk) return st;
   std::vector<ChunkEntry> entries(h.num_chunks);
-  std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1, h.data_offset);
-  for (uint64_t c = 0; c < h.num_chunks; ++c) {
-    entries[c] = read_entry(b, h, c);
-    st = check_entry(h, entries[c], chunk_count(h, c));
-    if (st != kOk) return st;
-    offsets[c + 1] = offsets[c] + align4(payload_bytes(entries[c], chunk_count(h, c)));
-    if (offsets[c + 1] > size) return kErrSize;
-  }
-  if (offsets[h.num_chunks] != size) return kErrSize;
+  std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
+  st = read_directory(b, size, h, entries.data(), offsets.data());
+  if (st != kOk) return st;
   if (h.num_values > (1u << 24)) return -1;  // a mutation declaring a huge tensor: skipped
   out.assign(h.num_values, 0);
   std::unique_ptr<DecodeTable> table(new DecodeTable());
