@@ -69,12 +69,9 @@ def simd_paths() -> list[str]:
 def _check_simd(simd: object) -> None:
     """ValueError naming ``simd`` unless it is a truth value (bool, NumPy bool, 0 or 1) or a name
     from ``SIMD_PATHS``; checked on every device (the GPU path ignores it)."""
-    if isinstance(simd, str):
-        if simd not in SIMD_PATHS:
-            raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
-        return
     numpy_bool = type(simd).__module__ == "numpy" and type(simd).__name__ in ("bool", "bool_")
-    if not (isinstance(simd, int) or numpy_bool) or simd not in (0, 1):
+    truth = (isinstance(simd, int) or numpy_bool) and simd in (0, 1)
+    if not truth and not (isinstance(simd, str) and simd in SIMD_PATHS):
         raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
 
 
