@@ -24,8 +24,10 @@ def cpu_extensions():
     sources = sorted(glob.glob("csrc/host/*.cpp"))
     if not sources:
         return []
+    # the headers they include: an edited header rebuilds the module (setuptools compares times)
+    headers = sorted(glob.glob("csrc/host/*.h") + glob.glob("csrc/codec/*.h") + glob.glob("csrc/common/*.h"))
     return [Pybind11Extension(
-        "ep_comm._host", sources, include_dirs=[os.path.join(HERE, "csrc")],
+        "ep_comm._host", sources, include_dirs=[os.path.join(HERE, "csrc")], depends=headers,
         cxx_std=17, extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
 
 

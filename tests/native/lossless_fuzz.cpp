@@ -186,6 +186,78 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
   return mismatches;
 }
 
+// divide_by_freq_avx2 on 8 dividends y (all divided by f, with reciprocal rcp), through memory.
+__attribute__((target("avx2"))) void divide_by_freq_avx2_lanes(const uint32_t* y, uint32_t f, float rcp, uint32_t* q,
+                                                              uint32_t* r) {
+  __m256i vq, vr;
+  divide_by_freq_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)), _mm256_set1_epi32(int(f)),
+                      _mm256_set1_ps(rcp), vq, vr);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), vq);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(r), vr);
+}
+
+// divide_by_freq_avx512 on 16 dividends y (all divided by f, with reciprocal rcp), through memory.
+EP_COMM_AVX512 void divide_by_freq_avx512_lanes(const uint32_t* y, uint32_t f, float rcp, uint32_t* q, uint32_t* r) {
+  __m512i vq, vr;
+  divide_by_freq_avx512(_mm512_loadu_si512(y), _mm512_set1_epi32(int(f)), _mm512_set1_ps(rcp), vq, vr);
+  _mm512_storeu_si512(q, vq);
+  _mm512_storeu_si512(r, vr);
+}
+
+// Mismatches of the SIMD quotients (divide_by_freq_avx2 / _avx512, with the encoder's table of
+// reciprocals) against y / freq, for every frequency 1..2048 and, for each, the dividends
+// k freq + d (d = 0, 1, freq - 1) at k = 0..63, 2^m - 1, 2^m, 2^m + 1 and 64 random k below 2^21,
+// plus y = freq 2^21 - 1, the largest a state can be after renormalisation.
+long check_division(bool avx2, bool avx512, std::mt19937_64& rng) {
+  // the reciprocals as the encoder's table holds them: symbol s at frequency base + s, for the
+  // bases 0 and 1024 in turn
+  std::vector<EncSym> syms(kNumSymbols);
+  std::unique_ptr<SimdEncTables> tables(new SimdEncTables());
+  long mismatches = 0, checked = 0;
+  for (uint32_t f = 1; f <= kProbScale; ++f) {
+    const uint32_t base = f <= 1024 ? 0 : 1024;
+    if (f == base + 1) {
+      for (uint32_t sym = 1; sym <= 1024; ++sym) syms[sym] = make_enc_sym(0, base + sym);
+      make_simd_enc_tables(syms.data(), *tables);
+    }
+    float rcp_value;
+    const uint32_t rcp_bits = static_cast<uint32_t>(tables->entry[f - base] >> 32);
+    std::memcpy(&rcp_value, &rcp_bits, 4);
+    std::vector<uint64_t> ks;
+    for (uint64_t k = 0; k < 64; ++k) ks.push_back(k);
+    for (int m = 6; m <= 21; ++m)
+      for (uint64_t k : {(1ull << m) - 1, 1ull << m, (1ull << m) + 1}) ks.push_back(k);
+    for (int r = 0; r < 64; ++r) ks.push_back(rng() % (1ull << 21));
+    std::vector<uint32_t> ys;
+    for (uint64_t k : ks)
+      for (uint64_t d : {uint64_t(0), uint64_t(1), uint64_t(f - 1)})
+        if (k * f + d < (uint64_t(f) << 21)) ys.push_back(static_cast<uint32_t>(k * f + d));
+    ys.push_back(static_cast<uint32_t>((uint64_t(f) << 21) - 1));
+    while (ys.size() % 16 != 0) ys.push_back(ys.back());
+    uint32_t q[16], r[16];
+    const auto compare = [&](const uint32_t* y, int lanes) {
+      for (int l = 0; l < lanes; ++l)
+        if (q[l] != y[l] / f || r[l] != y[l] % f) {
+          if (++mismatches <= 5) std::printf("division: %u / %u gave %u rem %u\n", y[l], f, q[l], r[l]);
+        }
+      checked += lanes;
+    };
+    for (size_t i = 0; i < ys.size(); i += 16) {
+      if (avx2)
+        for (int half = 0; half < 2; ++half) {
+          divide_by_freq_avx2_lanes(&ys[i + 8 * half], f, rcp_value, q, r);
+          compare(&ys[i + 8 * half], 8);
+        }
+      if (avx512) {
+        divide_by_freq_avx512_lanes(&ys[i], f, rcp_value, q, r);
+        compare(&ys[i], 16);
+      }
+    }
+  }
+  std::printf("division: %ld quotients, %ld mismatches\n", checked, mismatches);
+  return mismatches;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -200,5 +272,6 @@ int main(int argc, char** argv) {
   std::printf("paths:%s%s%s\n", " portable", have_avx2() ? " avx2" : "", have_avx512() ? " avx512" : "");
   long bad = check_decoders(argv[1], std::atoi(argv[2]), std::atoi(argv[3]), paths, rng);
   bad += check_encoders(std::atoi(argv[4]), have_avx2(), have_avx512(), rng);
+  bad += check_division(have_avx2(), have_avx512(), rng);
   return bad == 0 ? 0 : 1;
 }
