@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "codec/lossless_core.h"
+#include "codec/lossless_scalar.h"  // SymbolHistogram, ChunkSurvey, pack_fields_in_place
 
 namespace ep_comm::lossless {
 
@@ -352,50 +353,6 @@ inline const ByteCompactTable& byte_compact_table() {
   static const ByteCompactTable table;
   return table;
 }
-
-// Packs `count` raw fields held one per byte at `bytes` into the 6-bit stream, in place (group g
-// of 8 bytes is read before its 6 bytes are written at 6g <= 8g). The bytes from `count` up to
-// the next multiple of 8 must be zero; the buffer needs 8 bytes past them.
-inline void pack_fields_in_place(uint8_t* bytes, uint32_t count) {
-  const uint32_t groups = (count + 7) / 8;
-  for (uint32_t g = 0; g < groups; ++g) store_le<uint64_t>(bytes + 6 * g, pack6x8(load_le<uint64_t>(bytes + 8 * g)));
-}
-
-// Symbol counts of the encoder's first pass, kept across the chunks of one thread's block: four or
-// eight u32 tables of v >> 6 over every value (+0.0 counted at 0 and in `zeros`, moved to symbol
-// 1024 when folded), folded into u64 counts before a table can overflow. The tables are 4 KiB + 64
-// bytes apart, so that one symbol's counters in different tables do not share their low 12 address
-// bits (4K aliasing: a load then waits for an unrelated store; with tables 4 KiB apart the pass
-// took 5-11% more time, C++ A/B on real tensors, alternating order, Emerald Rapids Xeon).
-struct SymbolHistogram {
-  static constexpr int kMaxTables = 8;
-  static constexpr int kTableStride = 1024 + 16;
-  alignas(64) uint32_t local[kMaxTables][kTableStride] = {};
-  uint64_t zeros = 0;
-  uint64_t pending = 0;  // values counted since the last fold
-  // Adds the counts to hist[1025] and clears them.
-  void fold_into(uint64_t* hist) {
-    for (int k = 0; k < kMaxTables; ++k)
-      for (int j = 0; j < 1024; ++j) {
-        hist[j] += local[k][j];
-        local[k][j] = 0;
-      }
-    hist[0] -= zeros;
-    hist[kZeroSymbol] += zeros;
-    zeros = pending = 0;
-  }
-  void add(uint32_t values, uint32_t zero_values, uint64_t* hist) {
-    zeros += zero_values;
-    pending += values;
-    if (pending >= (1ull << 31)) fold_into(hist);
-  }
-};
-
-// What the encoder's first pass learns of a chunk besides its symbol counts.
-struct ChunkSurvey {
-  uint32_t checksum = 0;  // sum_i v[i] * (2 i + 1) mod 2^32
-  uint32_t zeros = 0;     // values that are +0.0
-};
 
 // Symbol histogram of values v[0, n), which are values [first, first + n) of a chunk (the counts of
 // symbol_of over every value), counted into `h`

@@ -1,6 +1,6 @@
 // Host (CPU) build of the lossless BF16 codec: binds encode/decode of csrc/codec/lossless_core.h
-// (AVX2 and AVX-512 paths from lossless_avx2.h and lossless_avx512.h where the CPU has them),
-// parallel over chunks.
+// (AVX2 and AVX-512 paths from lossless_avx2.h and lossless_avx512.h where the CPU has them, the
+// portable decoder of lossless_scalar.h elsewhere), parallel over chunks.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -23,6 +23,7 @@
 #include "codec/lossless_avx512.h"
 #include "codec/host_parallel.h"
 #include "codec/lossless_core.h"
+#include "codec/lossless_scalar.h"
 #include "page_array.h"
 
 namespace py = pybind11;
@@ -69,19 +70,17 @@ uint64_t scratch_bytes(uint32_t cv) {
 
 // Codes chunk values v[0, n) in `scratch` (scratch_bytes(n) bytes); returns the payload's first
 // byte (payload_bytes(e, n) bytes: in scratch, or v itself for a chunk stored raw) and fills `e`.
-// SIMD path: `simd_tables` is a SimdEncTables and `simd_survey` the chunk's ChunkSurvey from pass 1
-// (checksum, +0.0 count), `level` kSimdAvx2 or kSimdAvx512 (the rANS pass); the portable path
-// (simd_survey == nullptr) computes them itself.
+// `survey` is the chunk's ChunkSurvey from pass 1 (checksum, +0.0 count); `level` picks the
+// passes: kSimdAvx2 or kSimdAvx512 (with `simd_tables`, a SimdEncTables), else the portable ones.
 const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms, const void* simd_tables,
-                               const void* simd_survey, int level, uint8_t* scratch, ChunkEntry& e) {
+                               const ChunkSurvey& survey, int level, uint8_t* scratch, ChunkEntry& e) {
   uint16_t* words_end = reinterpret_cast<uint16_t*>(scratch + kStateBytes) + kSlackWords + n;
   uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
   uint32_t states[kLanes];
   e.mode = kModeRans;
+  e.checksum = survey.checksum;
 #if defined(__x86_64__)
-  if (simd_survey != nullptr) {
-    const ChunkSurvey& survey = *static_cast<const ChunkSurvey*>(simd_survey);
-    e.checksum = survey.checksum;
+  if (level >= kSimdAvx2) {
     e.num_raw = split_fields_avx2(v, n, survey.zeros, raw);
     const SimdEncTables& tables = *static_cast<const SimdEncTables*>(simd_tables);
     e.num_words = level == kSimdAvx512 ? rans_encode_chunk_avx512(v, n, syms, tables, states, words_end)
@@ -90,9 +89,8 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
 #endif
   {
     (void)simd_tables;
-    (void)simd_survey;
-    (void)level;
-    encode_chunk(v, n, syms, states, words_end, raw, e);
+    e.num_raw = split_fields_scalar(v, n, survey.zeros, raw);
+    e.num_words = rans_encode_chunk(v, n, syms, states, words_end);
   }
   if (payload_bytes(e, n) >= 2ull * n) {  // rANS does not shrink it: stored raw
     e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
@@ -150,7 +148,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       return static_cast<uint32_t>(num_values - b < cv ? num_values - b : cv);
     };
     // Both passes run in one team of threads (one thread start per call, not two):
-    // pass 1: the symbol histogram (and, AVX2 path, each chunk's checksum and +0.0 count), over
+    // pass 1: the symbol histogram and each chunk's checksum and +0.0 count, over
     //   pieces of chunks (a chunk is cut in parts so that every thread gets about 32 pieces even
     //   when a message has few chunks: the threads then reach the barrier within a few us of each
     //   other; with 8 pieces per thread, a 64x7168 message's threads arrived up to 19 us apart),
@@ -170,9 +168,7 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       return p >= parts ? static_cast<uint32_t>(n) : static_cast<uint32_t>(n * p / parts / 16 * 16);
     };
     std::vector<uint64_t> hist(uint64_t(nt) * kNumSymbols, 0);
-#if defined(__x86_64__)
-    std::vector<ChunkSurvey> piece_surveys(use_simd ? num_chunks * parts : 0), surveys(use_simd ? num_chunks : 0);
-#endif
+    std::vector<ChunkSurvey> piece_surveys(num_chunks * parts), surveys(num_chunks);
     const void* simd_tables = nullptr;
 #if defined(__x86_64__)
     std::unique_ptr<SimdEncTables> simd_table_storage(new SimdEncTables());
@@ -192,12 +188,12 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       }
 #if defined(__x86_64__)
       make_simd_enc_tables(syms.data(), *simd_table_storage);
+#endif
       for (uint64_t c = 0; c < surveys.size(); ++c)
         for (uint64_t p = 0; p < parts; ++p) {
           surveys[c].checksum += piece_surveys[c * parts + p].checksum;
           surveys[c].zeros += piece_surveys[c * parts + p].zeros;
         }
-#endif
     };
     constexpr uint64_t kNotReady = ~0ull;
     std::unique_ptr<std::atomic<uint64_t>[]> chunk_end(new std::atomic<uint64_t>[num_chunks]);
@@ -208,15 +204,11 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
     uint64_t data_off = 0;
     WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), 1);
     BlockingBarrier tables_ready(nt);
-#if defined(__x86_64__)
     // allocated here: the workers must not throw
-    std::unique_ptr<SymbolHistogram[]> simd_hists(use_simd ? new SymbolHistogram[nt] : nullptr);
-#endif
+    std::unique_ptr<SymbolHistogram[]> local_hists(new SymbolHistogram[nt]);
     run_workers(nt, [&](int worker) {
       uint64_t* h = hist.data() + uint64_t(worker) * kNumSymbols;
-#if defined(__x86_64__)
-      SymbolHistogram* simd_hist = use_simd ? &simd_hists[worker] : nullptr;
-#endif
+      SymbolHistogram& local_hist = local_hists[worker];
       for (int64_t piece, unused; pieces.claim(piece, unused);) {
         const int64_t c = piece / int64_t(parts);
         const uint32_t first = piece_begin(c, uint64_t(piece) % parts), last = piece_begin(c, uint64_t(piece) % parts + 1);
@@ -224,16 +216,14 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
 #if defined(__x86_64__)
         if (use_simd) {
           piece_surveys[uint64_t(piece)] = level == kSimdAvx512
-                                               ? survey_chunk_avx2<8>(values, last - first, first, *simd_hist, h)
-                                               : survey_chunk_avx2<4>(values, last - first, first, *simd_hist, h);
+                                               ? survey_chunk_avx2<8>(values, last - first, first, local_hist, h)
+                                               : survey_chunk_avx2<4>(values, last - first, first, local_hist, h);
           continue;
         }
 #endif
-        for (uint32_t i = 0; i < last - first; ++i) ++h[symbol_of(values[i])];
+        piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h);
       }
-#if defined(__x86_64__)
-      if (simd_hist) simd_hist->fold_into(h);
-#endif
+      local_hist.fold_into(h);
       tables_ready.arrive_and_wait([&] {
         build_tables();
         data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
@@ -242,12 +232,8 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
       for (int64_t c, unused; chunks.claim(c, unused);) {
         const uint32_t n = chunk_n(c);
         ChunkEntry& e = dir[c];
-        const void* survey = nullptr;
-#if defined(__x86_64__)
-        if (use_simd) survey = &surveys[uint64_t(c)];
-#endif
-        const uint8_t* payload =
-            encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables, survey, level, my_scratch, e);
+        const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables,
+                                                 surveys[uint64_t(c)], level, my_scratch, e);
         uint64_t begin = data_off;
         if (c > 0)
           while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();
@@ -445,7 +431,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
           rans_chunks[num_rans++] = c;
           continue;
         } else {
-          st = decode_chunk(payload, e, n, *table, dst);
+          st = decode_chunk_scalar(payload, e, n, *table, dst);
         }
       }
       chunk_status[c] = st;

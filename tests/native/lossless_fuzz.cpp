@@ -3,13 +3,15 @@
 //
 // Decoding: every blob <dir>/<i>.blob (with <dir>/<i>.raw, its values) is decoded clean and after
 // `mutations` random mutations each (byte flips, random bytes, truncations), from an exact-size
-// heap copy (so a read past the blob is an ASan error), by the portable core, the AVX2 decoder and
-// the AVX-512 decoder (two chunks at a time), each where the CPU has it. Every path must give the
+// heap copy (so a read past the blob is an ASan error), by the portable core (decode_chunk, the
+// reference), the host's portable decoder (lossless_scalar.h), the AVX2 decoder and the AVX-512
+// decoder (two chunks at a time), each where the CPU has it. Every path must give the
 // same status (the first failing chunk's, in chunk order, as ep_comm._host reports) and, when it
 // succeeds, the same values; clean blobs must give their values.
 // Encoding: random chunks (random bits, narrow exponents, +0.0 runs and scatter) coded by the
 // portable, AVX2 and AVX-512 rANS passes into exact-size word buffers must give the same words
-// and states.
+// and states; the host's portable first pass (histogram, checksum, +0.0 count) and raw-field
+// split must agree with split_chunk.
 // Usage: lossless_fuzz <dir> <num_blobs> <mutations> <encoder_trials> <seed>; exit code 0 when
 // everything agrees (a sanitizer error aborts with another code).
 #include <algorithm>
@@ -24,12 +26,13 @@
 #include "codec/lossless_avx2.h"
 #include "codec/lossless_avx512.h"
 #include "codec/lossless_core.h"
+#include "codec/lossless_scalar.h"
 
 using namespace ep_comm::lossless;
 
 namespace {
 
-enum Path { kPortable, kAvx2, kAvx512 };
+enum Path { kPortable, kScalar, kAvx2, kAvx512 };
 
 std::vector<uint8_t> read_file(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "rb");
@@ -78,6 +81,7 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
       if (!padding_ok) status[q] = kErrPadding;
       else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst);
       else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, *table, dst);
+      else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, *table, dst);
       else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, *table, dst);
       else {
         payloads[pending] = payload;
@@ -181,6 +185,22 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
       ++mismatches;
     if (avx512 && !same(rans_encode_chunk_avx512(v.data(), n, syms.data(), *tables, states, a5.data() + n), a5.data() + n))
       ++mismatches;
+    // the portable first pass (from a random piece start) and raw-field split, into an exact-size
+    // buffer of n + 16 bytes (what the host's scratch gives them), against split_chunk
+    std::vector<uint8_t> ref_raw(n + 8), raw(n + 16);
+    uint32_t ref_num_raw = 0;
+    const uint32_t ref_checksum = split_chunk(v.data(), n, ref_raw.data(), ref_num_raw);
+    const uint32_t cut = static_cast<uint32_t>(rng() % (n + 1)) / 16 * 16;
+    std::unique_ptr<SymbolHistogram> local(new SymbolHistogram());
+    std::vector<uint64_t> hist(kNumSymbols, 0);
+    const ChunkSurvey a = survey_chunk_scalar(v.data(), cut, 0, *local, hist.data());
+    const ChunkSurvey b = survey_chunk_scalar(v.data() + cut, n - cut, cut, *local, hist.data());
+    local->fold_into(hist.data());
+    bool ok = a.checksum + b.checksum == ref_checksum && a.zeros + b.zeros == n - ref_num_raw;
+    for (int s = 0; s < kNumSymbols; ++s) ok = ok && hist[s] == counts[s];
+    ok = ok && split_fields_scalar(v.data(), n, n - ref_num_raw, raw.data()) == ref_num_raw &&
+         std::memcmp(raw.data(), ref_raw.data(), raw_bytes(ref_num_raw)) == 0;
+    if (!ok) ++mismatches;
   }
   std::printf("encoders: %d trials, %ld mismatches\n", trials, mismatches);
   return mismatches;
@@ -266,10 +286,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::mt19937_64 rng(std::strtoull(argv[5], nullptr, 10));
-  std::vector<Path> paths = {kPortable};
+  std::vector<Path> paths = {kPortable, kScalar};
   if (have_avx2()) paths.push_back(kAvx2);
   if (have_avx512()) paths.push_back(kAvx512);
-  std::printf("paths:%s%s%s\n", " portable", have_avx2() ? " avx2" : "", have_avx512() ? " avx512" : "");
+  std::printf("paths:%s%s%s\n", " portable scalar", have_avx2() ? " avx2" : "", have_avx512() ? " avx512" : "");
   long bad = check_decoders(argv[1], std::atoi(argv[2]), std::atoi(argv[3]), paths, rng);
   bad += check_encoders(std::atoi(argv[4]), have_avx2(), have_avx512(), rng);
   bad += check_division(have_avx2(), have_avx512(), rng);
