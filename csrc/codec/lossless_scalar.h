@@ -7,14 +7,14 @@
 // repeated symbols through one counter's store and reload), and a chunk without +0.0 packs its raw
 // fields 8 at a time.
 //
-// Decoder (why not decode_chunk itself): decode_chunk decodes value by value with a branch per renormalisation and per
-// raw field, and those branches follow the data (a state takes a word about every third step), so
-// about a third of them are mispredicted. Here a step's 32 lanes are decoded first (table entry,
-// state update, whether a word is needed), then the step's words and raw fields are taken without
-// branches: counts tell where each lane's word and field are, and a step that mixes +0.0 with
-// other values places fields by a running count. A step is only taken here when its words and
-// fields are provably inside the streams; the rest of the chunk and every end-of-chunk check run
-// in decode_chunk_from, so the statuses are the core's.
+// Decoder (why not decode_chunk itself): decode_chunk decodes value by value with a branch per
+// renormalisation and per raw field, and those branches follow the data (a state takes a word
+// about every third step), so about a third of them are mispredicted. Here a step's 32 lanes are
+// decoded first (table entry, state update, whether a word is needed), then the step's words and
+// raw fields are taken without branches: counts tell where each lane's word and field are, and a
+// step that mixes +0.0 with other values places fields by a running count. A step is only taken
+// here when its words and fields are provably inside the streams; the rest of the chunk and every
+// end-of-chunk check run in decode_chunk_from, so the statuses are the core's.
 #pragma once
 #include <cstdint>
 
