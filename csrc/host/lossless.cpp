@@ -89,6 +89,7 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
 #endif
   {
     (void)simd_tables;
+    (void)level;  // used above on x86-64 only
     e.num_raw = split_fields_scalar(v, n, survey.zeros, raw);
     e.num_words = rans_encode_chunk(v, n, syms, states, words_end);
   }
