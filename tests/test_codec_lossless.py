@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -379,6 +380,18 @@ def test_paths_agree_on_mixed_chunks(threads):
                 lossless.decode(bad, threads=threads, simd=path)
             messages.add(str(error.value))
         assert len(messages) == 1, (trial, pos, messages)
+
+
+def test_encode_leaves_the_callers_rounding_mode():
+    """The AVX2 rANS pass rounds toward zero while it runs (MXCSR) and must give the calling
+    thread its rounding back: 1 + 1.5 ulp rounds to 1 + 2 ulp to nearest, 1 + 1 ulp toward zero."""
+    one, step = np.float32(1.0), np.float32(1.5 * 2.0**-23)
+    nearest = np.float32(1.0 + 2.0**-22)
+    assert one + step == nearest
+    x = torch.randn(4096, dtype=torch.bfloat16)
+    for path in lossless.simd_paths():
+        lossless.encode(x, threads=1, simd=path)
+        assert one + step == nearest, path
 
 
 def test_normal_data_compresses():

@@ -206,12 +206,15 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
   return mismatches;
 }
 
-// divide_by_freq_avx2 on 8 dividends y (all divided by f, with reciprocal rcp), through memory.
+// divide_by_freq_avx2 on 8 dividends y (all divided by f, with reciprocal rcp: the pass doubles
+// it), through memory, in the rounding mode the rANS pass gives it.
 __attribute__((target("avx2"))) void divide_by_freq_avx2_lanes(const uint32_t* y, uint32_t f, float rcp, uint32_t* q,
                                                               uint32_t* r) {
+  const RoundTowardZero round_toward_zero;
+  const __m256 rcp1 = _mm256_set1_ps(rcp);
   __m256i vq, vr;
   divide_by_freq_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)), _mm256_set1_epi32(int(f)),
-                      _mm256_set1_ps(rcp), vq, vr);
+                      _mm256_add_ps(rcp1, rcp1), vq, vr);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), vq);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(r), vr);
 }
