@@ -112,26 +112,38 @@ __attribute__((target("avx2"))) inline __m256i lookup_entries(const DecodeTable&
                            int(t[uint32_t(c)]), int(t[c >> 32]), int(t[uint32_t(d)]), int(t[d >> 32]));
 }
 
-// 32 packed 6-bit fields starting `shift` bits (0, 2, 4 or 6) into byte p (28 bytes readable)
-// -> one field per byte, in order. Each 128-bit half (bytes p and p + 12) is first shifted down by
-// `shift` bits; then each 32-bit lane takes 3 bytes (4 fields) and moves field k to byte k by
-// shifting it 2k bits up.
-__attribute__((target("avx2"))) inline __m256i unpack_fields32(const uint8_t* p, uint32_t shift) {
-  const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
-                                          0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-  __m256i bytes =
-      _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), 1);
-  if (shift != 0) {  // bytes 0-12 of each half hold its 12 bytes of fields
-    bytes = _mm256_or_si256(_mm256_srl_epi64(bytes, _mm_cvtsi32_si128(int(shift))),
-                            _mm256_sll_epi64(_mm256_srli_si256(bytes, 8), _mm_cvtsi32_si128(int(64 - shift))));
+// The decoder's raw fields, 16 at a time, straight into 16-bit lanes: ctrl[sh] is a pshufb
+// control giving 16-bit lane k (k < 8 in the low 128 bits, k - 8 in the high ones) the two bytes
+// that hold field k of 16 fields starting 2 sh bits into byte 0 of 16 bytes broadcast to both
+// halves; mul[sh][k] = 2^(10 - s) for s the field's bit offset in those two bytes, so that the
+// 16-bit product's top 6 bits are the field. One broadcast load, one pshufb, one multiply and one
+// shift per 16 fields (C++ A/B on real blobs, Emerald Rapids Xeon: the decoder took 0.97-0.99x
+// the time it took with the fields unpacked to bytes first and widened).
+struct FieldSpreadTable {
+  alignas(32) uint8_t ctrl[4][32];
+  alignas(32) uint16_t mul[4][16];
+  FieldSpreadTable() {
+    for (int sh = 0; sh < 4; ++sh)
+      for (int k = 0; k < 16; ++k) {
+        const int bit = 2 * sh + kRawBits * k;
+        ctrl[sh][2 * k] = static_cast<uint8_t>(bit >> 3);
+        ctrl[sh][2 * k + 1] = static_cast<uint8_t>((bit >> 3) + 1);
+        mul[sh][k] = static_cast<uint16_t>(1u << (10 - (bit & 7)));
+      }
   }
-  const __m256i w = _mm256_shuffle_epi8(bytes, spread);
-  const __m256i f01 = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi32(0x3F)),
-                                      _mm256_and_si256(_mm256_slli_epi32(w, 2), _mm256_set1_epi32(0x3F00)));
-  const __m256i f23 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(w, 4), _mm256_set1_epi32(0x3F0000)),
-                                      _mm256_and_si256(_mm256_slli_epi32(w, 6), _mm256_set1_epi32(0x3F000000)));
-  return _mm256_or_si256(f01, f23);
+};
+
+inline const FieldSpreadTable& field_spread_table() {
+  static const FieldSpreadTable table;
+  return table;
+}
+
+// 16 packed 6-bit fields starting 2 sh bits into byte p (16 bytes readable) -> one per 16-bit
+// lane, in order.
+__attribute__((target("avx2"))) inline __m256i spread_fields16(const uint8_t* p, const __m256i& ctrl,
+                                                              const __m256i& mul) {
+  const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, ctrl), mul), 10);
 }
 
 // The SIMD step at states x, if it decodes 32 +0.0 (every slot above `last_nonzero_slot`) without
@@ -185,6 +197,7 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   const uint8_t* raw = words + 2ull * e.num_words;
   const uint64_t nraw_bytes = raw_bytes(e.num_raw);
   const ExpandTable& ex = expand_table();
+  const FieldSpreadTable& spread = field_spread_table();
   const __m256i low11 = _mm256_set1_epi32(int(kProbScale - 1));
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i hi_mask = _mm256_set1_epi16(int16_t(0xFFC0));
@@ -243,10 +256,15 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
     }
     try_zero_step = zero_bits == 0xFFFFFFFFu;  // zero runs are long: try the next step as one
     const bool field_per_lane = zero_bits == 0;
-    __m256i fields = zero;  // field_per_lane: the step's 32 raw fields, one per byte
+    __m256i fields[2] = {zero, zero};  // field_per_lane: the step's 32 raw fields, 16 bits each
     if (field_per_lane) {
       const uint64_t bit = uint64_t(rpos) * kRawBits;  // a multiple of 8 bits without kHasZero
-      fields = unpack_fields32(raw_src + ((bit >> 3) - raw_skip), kHasZero ? uint32_t(bit & 7) : 0u);
+      const uint32_t sh = kHasZero ? uint32_t(bit & 7) >> 1 : 0u;
+      const uint8_t* src = raw_src + ((bit >> 3) - raw_skip);  // fields 16-31 start 12 bytes on
+      const __m256i ctrl = _mm256_load_si256(reinterpret_cast<const __m256i*>(spread.ctrl[sh]));
+      const __m256i mul = _mm256_load_si256(reinterpret_cast<const __m256i*>(spread.mul[sh]));
+      fields[0] = spread_fields16(src, ctrl, mul);
+      fields[1] = spread_fields16(src + 12, ctrl, mul);
       rpos += kLanes;
     } else {
       for (int j = 0; j < 4; ++j) {
@@ -267,8 +285,7 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
       if (field_per_lane) {
         v = _mm256_and_si256(v, hi_mask);
         if constexpr (kFlagZeroHi) zero_hi = _mm256_or_si256(zero_hi, _mm256_cmpeq_epi16(v, zero));
-        const __m128i f = j == 0 ? _mm256_castsi256_si128(fields) : _mm256_extracti128_si256(fields, 1);
-        v = _mm256_or_si256(v, _mm256_cvtepu8_epi16(f));
+        v = _mm256_or_si256(v, fields[j / 2]);
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * kLanes + 8 * j), v);
     }
