@@ -39,7 +39,8 @@ class HostKernels:
         ctypes.memset(workspace, 0xEE, workspace_bytes)  # the workspace is the callee's to scribble on
         bits = np.ctypeslib.as_array((ctypes.c_int16 * num_values).from_address(values)) if num_values else \
             np.empty(0, np.int16)
-        blob = _host.lossless_encode(bits.copy(), list(shape), chunk_values, 1, True)
+        copy = bits.copy()  # alive for the call: the host binding reads it by address
+        blob = _host.lossless_encode(copy.ctypes.data, copy.size, list(shape), chunk_values, 1, True)
         assert blob.size <= self.lossless_max_blob_bytes(num_values, len(shape), chunk_values)
         ctypes.memmove(out, blob.ctypes.data, blob.size)
         ctypes.c_int64.from_address(out_size).value = blob.size
@@ -51,7 +52,7 @@ class HostKernels:
         data = np.frombuffer(ctypes.string_at(blob, blob_bytes), dtype=np.uint8)
         code = 0
         try:
-            values, _ = _host.lossless_decode(data, 1, True, None)
+            values = _host.lossless_decode(data.ctypes.data, data.size, 1, True, None)
             if values.size != num_values:
                 raise ValueError("lossless blob: shape does not match the number of values")
             ctypes.memmove(out, values.ctypes.data, 2 * num_values)
@@ -89,7 +90,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def _host_encode(x: torch.Tensor, chunk_values: int = lossless.DEFAULT_CHUNK_VALUES) -> torch.Tensor:
     flat = x.contiguous().view(torch.int16).reshape(-1).numpy()
-    return torch.from_numpy(_host.lossless_encode(flat, list(x.shape), chunk_values, 1, True))
+    return torch.from_numpy(_host.lossless_encode(flat.ctypes.data, flat.size, list(x.shape), chunk_values, 1, True))
 
 
 SHAPES = [(), (0,), (1,), (7, 3), (64, 7168), (3, 0, 5), (2, 1, 3, 1, 1, 2, 1, 2)]
@@ -131,7 +132,7 @@ def test_device_path_reports_the_kernel_status(kernels):
     bad = blob.clone()
     bad[-2] ^= 0x10  # the last chunk's payload: found by the decoder, not the metadata checks
     with pytest.raises(ValueError) as host_error:
-        lossless.shape_of(bad), _host.lossless_decode(bad.numpy(), 1, True, None)
+        lossless.shape_of(bad), _host.lossless_decode(bad.data_ptr(), bad.numel(), 1, True, None)
     with pytest.raises(ValueError) as device_error:
         lossless.decode(bad)
     assert str(device_error.value) == str(host_error.value)

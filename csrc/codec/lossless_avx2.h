@@ -338,18 +338,31 @@ struct SimdEncTables {
   uint64_t entry[kNumSymbols];
 };
 
-inline void make_simd_enc_tables(const EncSym* syms, SimdEncTables& t) {
-  for (int s = 0; s < kNumSymbols; ++s) {
-    float rcp = 0.0f;
-    if (syms[s].freq != 0) {
-      const double exact = 1.0 / double(syms[s].freq);
-      rcp = static_cast<float>(exact);
-      if (double(rcp) > exact) rcp = std::nextafter(rcp, 0.0f);  // toward zero (divide_by_freq_avx512)
+// bits[f] = the float 1 / f rounded toward zero (divide_by_freq_avx2 / _avx512), for every
+// frequency f in [1, kProbScale]; bits[0] = 0. Computed once: per symbol, at every encode call, the
+// division and rounding took several microseconds of a call's fixed cost.
+struct ReciprocalTable {
+  uint32_t bits[kProbScale + 1];
+  ReciprocalTable() {
+    bits[0] = 0;
+    for (uint32_t f = 1; f <= kProbScale; ++f) {
+      const double exact = 1.0 / double(f);
+      float rcp = static_cast<float>(exact);
+      if (double(rcp) > exact) rcp = std::nextafter(rcp, 0.0f);  // toward zero
+      std::memcpy(&bits[f], &rcp, 4);
     }
-    uint32_t rcp_bits;
-    std::memcpy(&rcp_bits, &rcp, 4);
-    t.entry[s] = uint64_t((syms[s].start << 12) | syms[s].freq) | (uint64_t(rcp_bits) << 32);
   }
+};
+
+inline const ReciprocalTable& reciprocal_table() {
+  static const ReciprocalTable table;
+  return table;
+}
+
+inline void make_simd_enc_tables(const EncSym* syms, SimdEncTables& t) {
+  const ReciprocalTable& rcp = reciprocal_table();
+  for (int s = 0; s < kNumSymbols; ++s)
+    t.entry[s] = uint64_t((syms[s].start << 12) | syms[s].freq) | (uint64_t(rcp.bits[syms[s].freq]) << 32);
 }
 
 // byte_compact[mask]: pshufb control moving the bytes of the lanes in mask (8 lanes) to the

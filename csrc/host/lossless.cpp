@@ -50,12 +50,15 @@ int resolve_threads(int threads, uint64_t chunks, uint64_t values) {
   return chunks < uint64_t(nt) ? static_cast<int>(chunks > 0 ? chunks : 1) : nt;
 }
 
-// Two-byte, C-contiguous, 1-D view of a Python buffer.
-const uint16_t* u16_data(const py::buffer_info& info, const char* name) {
-  if (info.itemsize != 2) throw std::invalid_argument(std::string(name) + " must hold 2-byte values");
-  if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != 2))
-    throw std::invalid_argument(std::string(name) + " must be 1-D and contiguous");
-  return static_cast<const uint16_t*>(info.ptr);
+// The host codec's bindings take tensors as (data pointer, element count) pairs, as the CUDA
+// bindings do: the Python wrappers pass tensor.data_ptr() and numel() of contiguous CPU tensors
+// they keep alive for the call (a NumPy view of each cost about 3-5 us per call, several percent
+// of a 64x7168 message's decode). A null pointer is accepted only for zero elements.
+template <typename T>
+T* host_span(uintptr_t ptr, uint64_t count, const char* name) {
+  if (ptr == 0 && count > 0) throw std::invalid_argument(std::string(name) + " is a null pointer");
+  if (ptr % alignof(T) != 0) throw std::invalid_argument(std::string(name) + " is misaligned");
+  return reinterpret_cast<T*>(ptr);
 }
 
 // A worker's scratch for one chunk of n <= cv values: states (written just below the words once
@@ -102,17 +105,15 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
   return payload;
 }
 
-// bf16 bit patterns `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
+// bf16 bit patterns at `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
 // Two passes: the symbol histogram, then each chunk coded in its worker's scratch and copied to
 // its place in an output allocated for the largest possible blob; the blob is returned as a view
 // of that output's first blob-size bytes when the output has a mapping of its own (from 256 KiB)
 // and the blob fills at least a third of it (or from 2 MiB, where the rest is given back), else as
 // an exact-size copy.
-py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>& shape,
+py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd) {
-  py::buffer_info info = values.request();
-  const uint16_t* v = u16_data(info, "values");
-  const uint64_t num_values = static_cast<uint64_t>(info.shape[0]);
+  const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
   for (int64_t d : shape) {
@@ -182,10 +183,12 @@ py::array_t<uint8_t> encode(const py::buffer& values, const std::vector<int64_t>
           for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(w) * kNumSymbols + s];
         normalize_counts(counts, num_values, freq);
         cumulative(freq, start);
+        uint32_t present = 0;  // a local count: `entries` lives in memory (captured)
         for (int s = 0; s < kNumSymbols; ++s) {
-          entries += freq[s] != 0;
+          present += freq[s] != 0;
           syms[s] = make_enc_sym(start[s], freq[s]);
         }
+        entries = present;
       }
 #if defined(__x86_64__)
       make_simd_enc_tables(syms.data(), *simd_table_storage);
@@ -323,11 +326,9 @@ const uint8_t* blob_data(const py::buffer_info& info, uint64_t& size) {
   return static_cast<const uint8_t*>(info.ptr);
 }
 
-// blob -> shape (list of ints); validates the header and table only.
-std::vector<int64_t> header_shape(const py::buffer& blob) {
-  py::buffer_info info = blob.request();
-  uint64_t size = 0;
-  const uint8_t* b = blob_data(info, size);
+// blob (size bytes at `blob`) -> shape (list of ints); validates the header and table only.
+std::vector<int64_t> header_shape(uintptr_t blob, uint64_t size) {
+  const uint8_t* b = host_span<const uint8_t>(blob, size, "blob");
   Parsed p;
   parse(b, size, p);
   return std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim);
@@ -467,57 +468,55 @@ void check_shape(const Parsed& p, const std::vector<uint64_t>& expected) {
                                 shape_text(expected.data(), expected.size()));
 }
 
-// blob -> values written to `out` (1-D, contiguous, num_values u16), whose tensor has
+// blob (size bytes at `blob`) -> values written to `out` (out_count u16), whose tensor has
 // `out_shape`: a blob of another shape is rejected before anything is written. Raises ValueError
 // on any inconsistency (out's contents are then unspecified); never reads outside the blob.
-void decode_into(const py::buffer& blob, const py::buffer& out, int threads, int simd,
+void decode_into(uintptr_t blob, uint64_t size, uintptr_t out, uint64_t out_count, int threads, int simd,
                  const std::vector<uint64_t>& out_shape) {
-  py::buffer_info info = blob.request();
-  uint64_t size = 0;
-  const uint8_t* b = blob_data(info, size);
-  py::buffer_info oinfo = out.request(true);
-  uint16_t* o = const_cast<uint16_t*>(u16_data(oinfo, "out"));
+  const uint8_t* b = host_span<const uint8_t>(blob, size, "blob");
+  uint16_t* o = host_span<uint16_t>(out, out_count, "out");
   Parsed p;
   parse(b, size, p);
   check_shape(p, out_shape);
-  if (uint64_t(oinfo.shape[0]) != p.h.num_values) throw std::invalid_argument("out has the wrong size");
+  if (out_count != p.h.num_values) throw std::invalid_argument("out has the wrong size");
   const int status = decode_parsed(b, size, p, o, threads, simd);
   if (status != kOk) fail(status);
 }
 
-// blob -> (new 1-D u16 array of its values, shape). Large outputs get their own huge-page mapping
-// (page_array.h). With `expected_shape`, a blob declaring another shape is rejected before the
-// output is allocated. Raises ValueError on any inconsistency; never reads outside the blob.
-py::tuple decode_new(const py::buffer& blob, int threads, int simd, std::optional<std::vector<uint64_t>> expected_shape) {
-  py::buffer_info info = blob.request();
-  uint64_t size = 0;
-  const uint8_t* b = blob_data(info, size);
+// blob (size bytes at `blob`) -> new int16 array of its values' bit patterns, in the blob's shape.
+// Large outputs get their own huge-page mapping (page_array.h). With `expected_shape`, a blob
+// declaring another shape is rejected before the output is allocated. Raises ValueError on any
+// inconsistency; never reads outside the blob.
+py::array decode_new(uintptr_t blob, uint64_t size, int threads, int simd,
+                     std::optional<std::vector<uint64_t>> expected_shape) {
+  const uint8_t* b = host_span<const uint8_t>(blob, size, "blob");
   Parsed p;
   parse(b, size, p);
   if (expected_shape) check_shape(p, *expected_shape);
-  py::array_t<uint16_t> out = page_backed_array<uint16_t>(p.h.num_values);
-  const int status = decode_parsed(b, size, p, out.mutable_data(), threads, simd);
+  py::array_t<int16_t> out = page_backed_array<int16_t>(p.h.num_values);
+  const int status = decode_parsed(b, size, p, reinterpret_cast<uint16_t*>(out.mutable_data()), threads, simd);
   if (status != kOk) fail(status);
-  return py::make_tuple(out, std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim));
+  return out.reshape(std::vector<py::ssize_t>(p.h.shape, p.h.shape + p.h.ndim));
 }
 
 }  // namespace
 
 void register_lossless(py::module_& m) {
-  m.def("lossless_encode", &encode, py::arg("values"), py::arg("shape"),
+  m.def("lossless_encode", &encode, py::arg("values"), py::arg("num_values"), py::arg("shape"),
         py::arg("chunk_values") = int64_t(kDefaultChunkValues), py::arg("threads") = 0, py::arg("simd") = kSimdAvx512,
-        "bf16 bit patterns (1-D, 2-byte items) and their shape -> self-describing blob (uint8 array);\n"
+        "bf16 bit patterns (address of num_values contiguous 2-byte values, kept alive by the caller)\n"
+        "and their shape -> self-describing blob (uint8 array);\n"
         "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical)");
-  m.def("lossless_shape", &header_shape, py::arg("blob"),
-        "validates a blob's header and table; returns the encoded tensor's shape");
-  m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("out"), py::arg("threads"), py::arg("simd"),
-        py::arg("out_shape"),
-        "decodes a blob into out (1-D, 2-byte items, num_values long) whose tensor has out_shape; ValueError\n"
-        "on a bad blob or another shape (checked before writing)");
-  m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("threads") = 0, py::arg("simd") = kSimdAvx512,
-        py::arg("expected_shape") = py::none(),
-        "blob -> (new 1-D uint16 array of its bit patterns, shape list); ValueError on a bad blob, or one\n"
-        "declaring another shape than expected_shape (checked before allocating)");
+  m.def("lossless_shape", &header_shape, py::arg("blob"), py::arg("blob_bytes"),
+        "validates a blob's header and table (address and size); returns the encoded tensor's shape");
+  m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("blob_bytes"), py::arg("out"),
+        py::arg("out_values"), py::arg("threads"), py::arg("simd"), py::arg("out_shape"),
+        "decodes a blob (address, size) into out (address of out_values contiguous 2-byte values) whose\n"
+        "tensor has out_shape; ValueError on a bad blob or another shape (checked before writing)");
+  m.def("lossless_decode", &decode_new, py::arg("blob"), py::arg("blob_bytes"), py::arg("threads") = 0,
+        py::arg("simd") = kSimdAvx512, py::arg("expected_shape") = py::none(),
+        "blob (address, size) -> new int16 array of its bit patterns in its shape; ValueError on a bad\n"
+        "blob, or one declaring another shape than expected_shape (checked before allocating)");
   m.def("lossless_empty_u16", [](uint64_t count) { return page_backed_array<uint16_t>(count); }, py::arg("count"),
         "uninitialised 1-D uint16 array; from 2 MiB in its own huge-page mapping (see page_array.h)");
   m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv) {
