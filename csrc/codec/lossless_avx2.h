@@ -527,68 +527,124 @@ __attribute__((target("avx2"))) inline void divide_by_freq_avx2(__m256i y, __m25
   r = _mm256_sub_epi32(r, _mm256_andnot_si256(fits, freq));
 }
 
+// One rANS encoding step of 8 lanes at states x, from their 8-byte table entries (SimdEncTables)
+// in a (lanes 0, 1 | 4, 5) and b (lanes 2, 3 | 6, 7): renormalisation words stored below `cursor`
+// (8 words written, the cursor moved down by the words kept), the new states returned. Needs MXCSR
+// rounding toward zero (divide_by_freq_avx2).
+__attribute__((target("avx2,popcnt"))) inline __m256i rans_put8(__m256i x, __m256i a, __m256i b,
+                                                               const CompressTable& ct, uint16_t*& cursor) {
+  const __m256 af = _mm256_castsi256_ps(a), bf = _mm256_castsi256_ps(b);
+  const __m256i fs = _mm256_castps_si256(_mm256_shuffle_ps(af, bf, 0x88));  // low halves, lane order
+  const __m256 rcp = _mm256_shuffle_ps(af, bf, 0xDD);                       // high halves
+  const __m256i freq = _mm256_and_si256(fs, _mm256_set1_epi32(0xFFF));
+  const __m256i start = _mm256_srli_epi32(fs, 12);
+  // a word is written unless x < freq << 21, i.e. (x >> 21) < freq
+  const __m256i keep = _mm256_cmpgt_epi32(freq, _mm256_srli_epi32(x, 21));
+  const int mask = ~_mm256_movemask_ps(_mm256_castsi256_ps(keep)) & 0xFF;
+  const __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
+                                                _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.idx[mask])));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(cursor - 8), _mm256_castsi256_si128(packed));
+  cursor -= _mm_popcnt_u32(uint32_t(mask));
+  const __m256i y = _mm256_blendv_epi8(_mm256_srli_epi32(x, 16), x, keep);
+  __m256i q, r;
+  divide_by_freq_avx2(y, freq, _mm256_add_ps(rcp, rcp), q, r);
+  return _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, kProbBits), r), start);
+}
+
+// Steps the rANS pass stages the table entries of at a time, for a chunk without +0.0 (16 KiB).
+constexpr uint32_t kStagedSteps = 64;
+
+// The table entries of steps [first, last) of chunk values v, which hold no +0.0 (a symbol is
+// then v >> 6), to `entries` in the order the rANS pass loads them: per step and 8-lane group,
+// lanes 0 1 4 5 2 3 6 7 (rans_put8's a and b). Plain loads and stores, kept so (the asm barrier)
+// rather than vectorised into gathers.
+__attribute__((target("avx2"))) inline void stage_entries(const uint16_t* v, uint32_t first, uint32_t last,
+                                                         const SimdEncTables& tab, uint64_t* entries) {
+  const uint64_t* e = tab.entry;
+  for (uint32_t t = first; t < last; ++t) {
+    alignas(32) uint16_t sym[kLanes];
+    const __m256i* step = reinterpret_cast<const __m256i*>(v + t * kLanes);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sym), _mm256_srli_epi16(_mm256_loadu_si256(step), kRawBits));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sym + 16), _mm256_srli_epi16(_mm256_loadu_si256(step + 1), kRawBits));
+    uint64_t* out = entries + uint64_t(t - first) * kLanes;
+    for (int g = 0; g < 4; ++g) {
+      const uint16_t* s = sym + 8 * g;
+      uint64_t* o = out + 8 * g;
+      o[0] = e[s[0]], o[1] = e[s[1]], o[4] = e[s[2]], o[5] = e[s[3]];
+      o[2] = e[s[4]], o[3] = e[s[5]], o[6] = e[s[6]], o[7] = e[s[7]];
+      asm volatile("" ::: "memory");
+    }
+  }
+}
+
 // The rANS pass (same output as rans_encode_chunk). words_end needs 8 words of slack below
-// words_end - n (the 8-word stores may touch them). Each lane's symbol is one 8-byte table load
+// words_end - n (the 8-word stores may touch them). Each lane's symbol is one 8-byte table entry
 // (freq, start and 1 / freq in float); divide_by_freq_avx2 gives the quotient, under MXCSR
 // rounding toward zero for the pass (the caller's mode is restored before it returns).
+// has_zero = false promises that the chunk holds no +0.0 (its survey counted none): the entries
+// of 64 steps at a time are then staged by scalar loads and stores (stage_entries) and the steps
+// load them as vectors, instead of each step moving its symbols to general registers and
+// inserting the 8 entries it loads into vectors (C++ A/B on real tensors, this Xeon forced to
+// the AVX2 path: the pass took 0.86-0.91x the time on activations and weights; staging chunks
+// with +0.0 too, gradients' took 1.14-1.16x, since runs of +0.0 need no loads at all).
 __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(const uint16_t* v, uint32_t n,
                                                                              const EncSym* syms,
                                                                              const SimdEncTables& tab,
-                                                                             uint32_t* states, uint16_t* words_end) {
+                                                                             uint32_t* states, uint16_t* words_end,
+                                                                             bool has_zero = true) {
   alignas(32) uint32_t st[kLanes];
   uint16_t* cursor = words_end;
   const uint32_t full_steps = rans_encode_partial_step(v, n, syms, st, cursor);
   const CompressTable& ct = compress_table();
-  const __m256i zero = _mm256_setzero_si256(), lo16 = _mm256_set1_epi32(0xFFFF);
-  const __m256i zero_sym = _mm256_set1_epi32(kZeroSymbol), low12 = _mm256_set1_epi32(0xFFF);
-  // a step of 32 +0.0 values (gradients' zero runs) takes the zero symbol's entry without loads
-  const __m256i zero_entry = _mm256_set1_epi64x(int64_t(tab.entry[kZeroSymbol]));
   const RoundTowardZero round_toward_zero;  // for divide_by_freq_avx2, until the pass returns
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(st + 8 * j));
-  for (uint32_t t = full_steps; t-- > 0;) {
-    const __m256i* step = reinterpret_cast<const __m256i*>(v + t * kLanes);
-    const __m256i any = _mm256_or_si256(_mm256_loadu_si256(step), _mm256_loadu_si256(step + 1));
-    const bool all_zero = _mm256_testz_si256(any, any);
-    for (int j = 3; j >= 0; --j) {
-      __m256i a = zero_entry, b = zero_entry;  // entries of lanes {0, 1 | 4, 5} and {2, 3 | 6, 7}
-      if (!all_zero) {
-        const __m256i val =
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * kLanes + 8 * j)));
-        const __m256i sym = _mm256_or_si256(_mm256_srli_epi32(val, kRawBits),
-                                            _mm256_and_si256(_mm256_cmpeq_epi32(val, zero), zero_sym));
-        // per-lane table loads: faster than gathers here (measured on Zen 3 with the earlier layout
-        // of two tables: the pass took 15-30% less time than with vpgatherdd / vgatherdpd)
-        // (symbols moved to general registers two at a time, as lookup_entries does: about 3% less
-        // time than a store and eight reloads, measured A/B in one process on real tensors)
-        const __m128i slo = _mm256_castsi256_si128(sym), shi = _mm256_extracti128_si256(sym, 1);
-        const uint64_t k01 = uint64_t(_mm_cvtsi128_si64(slo)), k23 = uint64_t(_mm_extract_epi64(slo, 1));
-        const uint64_t k45 = uint64_t(_mm_cvtsi128_si64(shi)), k67 = uint64_t(_mm_extract_epi64(shi, 1));
-        const uint64_t* e = tab.entry;
-        a = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_set_epi64x(int64_t(e[k01 >> 32]), int64_t(e[uint32_t(k01)]))),
-            _mm_set_epi64x(int64_t(e[k45 >> 32]), int64_t(e[uint32_t(k45)])), 1);
-        b = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_set_epi64x(int64_t(e[k23 >> 32]), int64_t(e[uint32_t(k23)]))),
-            _mm_set_epi64x(int64_t(e[k67 >> 32]), int64_t(e[uint32_t(k67)])), 1);
+  if (!has_zero) {
+    alignas(32) uint64_t entries[kStagedSteps * kLanes];
+    for (uint32_t last = full_steps; last > 0;) {
+      const uint32_t first = last > kStagedSteps ? last - kStagedSteps : 0;
+      stage_entries(v, first, last, tab, entries);
+      for (uint32_t t = last; t-- > first;) {
+        const __m256i* e = reinterpret_cast<const __m256i*>(entries + uint64_t(t - first) * kLanes);
+        for (int j = 3; j >= 0; --j)
+          x[j] = rans_put8(x[j], _mm256_load_si256(e + 2 * j), _mm256_load_si256(e + 2 * j + 1), ct, cursor);
       }
-      const __m256 af = _mm256_castsi256_ps(a), bf = _mm256_castsi256_ps(b);
-      const __m256i fs = _mm256_castps_si256(_mm256_shuffle_ps(af, bf, 0x88));  // low halves, lane order
-      const __m256 rcp = _mm256_shuffle_ps(af, bf, 0xDD);                       // high halves
-      const __m256i freq = _mm256_and_si256(fs, low12);
-      const __m256i start = _mm256_srli_epi32(fs, 12);
-      // a word is written unless x < freq << 21, i.e. (x >> 21) < freq
-      const __m256i keep = _mm256_cmpgt_epi32(freq, _mm256_srli_epi32(x[j], 21));
-      const int mask = ~_mm256_movemask_ps(_mm256_castsi256_ps(keep)) & 0xFF;
-      const __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x[j], lo16),
-                                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.idx[mask])));
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(cursor - 8), _mm256_castsi256_si128(packed));
-      cursor -= _mm_popcnt_u32(uint32_t(mask));
-      const __m256i y = _mm256_blendv_epi8(_mm256_srli_epi32(x[j], 16), x[j], keep);
-      __m256i q, r;
-      divide_by_freq_avx2(y, freq, _mm256_add_ps(rcp, rcp), q, r);
-      x[j] = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, kProbBits), r), start);
+      last = first;
+    }
+  } else {
+    const __m256i zero = _mm256_setzero_si256(), zero_sym = _mm256_set1_epi32(kZeroSymbol);
+    // a step of 32 +0.0 values (gradients' zero runs) takes the zero symbol's entry without loads
+    const __m256i zero_entry = _mm256_set1_epi64x(int64_t(tab.entry[kZeroSymbol]));
+    for (uint32_t t = full_steps; t-- > 0;) {
+      const __m256i* step = reinterpret_cast<const __m256i*>(v + t * kLanes);
+      const __m256i any = _mm256_or_si256(_mm256_loadu_si256(step), _mm256_loadu_si256(step + 1));
+      const bool all_zero = _mm256_testz_si256(any, any);
+      for (int j = 3; j >= 0; --j) {
+        __m256i a = zero_entry, b = zero_entry;  // entries of lanes {0, 1 | 4, 5} and {2, 3 | 6, 7}
+        if (!all_zero) {
+          const __m256i val =
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * kLanes + 8 * j)));
+          const __m256i sym = _mm256_or_si256(_mm256_srli_epi32(val, kRawBits),
+                                              _mm256_and_si256(_mm256_cmpeq_epi32(val, zero), zero_sym));
+          // per-lane table loads: faster than gathers here (measured on Zen 3 with the earlier
+          // layout of two tables: the pass took 15-30% less time than with vpgatherdd /
+          // vgatherdpd) (symbols moved to general registers two at a time, as lookup_entries
+          // does: about 3% less time than a store and eight reloads, measured A/B in one process
+          // on real tensors)
+          const __m128i slo = _mm256_castsi256_si128(sym), shi = _mm256_extracti128_si256(sym, 1);
+          const uint64_t k01 = uint64_t(_mm_cvtsi128_si64(slo)), k23 = uint64_t(_mm_extract_epi64(slo, 1));
+          const uint64_t k45 = uint64_t(_mm_cvtsi128_si64(shi)), k67 = uint64_t(_mm_extract_epi64(shi, 1));
+          const uint64_t* e = tab.entry;
+          a = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_set_epi64x(int64_t(e[k01 >> 32]), int64_t(e[uint32_t(k01)]))),
+              _mm_set_epi64x(int64_t(e[k45 >> 32]), int64_t(e[uint32_t(k45)])), 1);
+          b = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_set_epi64x(int64_t(e[k23 >> 32]), int64_t(e[uint32_t(k23)]))),
+              _mm_set_epi64x(int64_t(e[k67 >> 32]), int64_t(e[uint32_t(k67)])), 1);
+        }
+        x[j] = rans_put8(x[j], a, b, ct, cursor);
+      }
     }
   }
   for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(states + 8 * j), x[j]);

@@ -87,7 +87,8 @@ const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms
     e.num_raw = split_fields_avx2(v, n, survey.zeros, raw);
     const SimdEncTables& tables = *static_cast<const SimdEncTables*>(simd_tables);
     e.num_words = level == kSimdAvx512 ? rans_encode_chunk_avx512(v, n, syms, tables, states, words_end)
-                                       : rans_encode_chunk_avx2(v, n, syms, tables, states, words_end);
+                                       : rans_encode_chunk_avx2(v, n, syms, tables, states, words_end,
+                                                                survey.zeros != 0);
   } else
 #endif
   {
