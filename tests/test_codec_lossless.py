@@ -394,6 +394,26 @@ def test_encode_leaves_the_callers_rounding_mode():
         assert one + step == nearest, path
 
 
+def test_views_the_host_coder_cannot_read_in_place():
+    """Tensors whose memory does not hold their values as they read, or not at an aligned
+    address, are coded as their values: a negative view, a tensor at an odd byte address (from
+    torch.frombuffer), the same as decode_into targets."""
+    x = torch.randn(35, dtype=torch.bfloat16)
+    expected = lossless.encode(x)
+    negative = torch._neg_view(-x)
+    assert negative.is_neg() and torch.equal(bits(negative.resolve_neg()), bits(x))
+    assert torch.equal(lossless.encode(negative), expected)
+    raw = bytearray(2 * 35 + 2)
+    odd = torch.frombuffer(raw, dtype=torch.bfloat16, offset=1, count=35)
+    assert odd.data_ptr() % 2 == 1
+    odd.copy_(x)
+    assert torch.equal(lossless.encode(odd), expected)
+    odd.zero_()
+    assert torch.equal(bits(lossless.decode_into(expected, odd)), bits(x))
+    out = torch._neg_view(torch.zeros(35, dtype=torch.bfloat16))
+    assert torch.equal(bits(lossless.decode_into(expected, out).resolve_neg()), bits(x))
+
+
 def test_normal_data_compresses():
     x = (torch.randn(64, 7168, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     blob = assert_round_trip(x)

@@ -492,7 +492,11 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t split_fields_avx2(const u
 
 // The SSE/AVX rounding mode of the calling thread set to round toward zero for this object's
 // lifetime (MXCSR bits 13-14), and the caller's MXCSR (mode and flags) restored when it ends.
-// divide_by_freq_avx2 needs it: AVX2 has no per-instruction rounding, unlike AVX-512.
+// divide_by_freq_avx2 needs it: AVX2 has no per-instruction rounding, unlike AVX-512. C++ does
+// not tell the compiler about the mode (no FENV_ACCESS here), so the float operations must stay
+// between the two MXCSR writes: they use values loaded inside the pass, and the built code is
+// checked (GCC 12 keeps them there; the native fuzz's quotient and encoder checks and the Python
+// tests' equal blobs on every path would catch a move).
 class RoundTowardZero {
  public:
   RoundTowardZero() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x6000u); }
@@ -511,10 +515,12 @@ class RoundTowardZero {
 // - it is at most y / freq: y >> 1 <= y / 2, and the conversion, rcp2 and the product are all
 //   rounded toward zero (y >> 1 < 2^31 converts as a signed integer);
 // - each of the three roundings loses less than 2^-23 relative, and y >> 1 >= (y - 1) / 2, so it
-//   exceeds (y - 1) / freq - 3 2^-23 y / freq > y / freq - 1 / freq - 0.375 (y / freq < 2^21):
-//   above q - 1 for freq >= 3; for freq 1 and 2 nothing is rounded (2^-k reciprocals, y < 2^22)
-//   and the estimate is 2 (y >> 1) / freq, q - 1 or q for freq 1 and q for freq 2.
-// tests/native/lossless_fuzz.cpp checks it for every frequency 1-2,048. The two-sided version
+//   exceeds (y - 1) / freq - 3 2^-23 y / freq > y / freq - 1 / freq - 0.75 (y / freq < 2^21):
+//   above q - 1 for freq >= 4; for freq 1 and 2 nothing is rounded (2^-k reciprocals, y < 2^22)
+//   and the estimate is 2 (y >> 1) / freq, q - 1 or q for freq 1 and q for freq 2; freq 3 (the
+//   bound above is too loose for it) is checked on every dividend.
+// tests/native/lossless_fuzz.cpp checks every dividend for frequencies 1-4 and 144 dividends of
+// every other frequency up to 2,048. The two-sided version
 // before it (conversion and product rounded to nearest: estimate q - 1, q or q + 1) took about
 // 1.15x this pass's time (C++ A/B on real tensors, Emerald Rapids Xeon).
 __attribute__((target("avx2"))) inline void divide_by_freq_avx2(__m256i y, __m256i freq, __m256 rcp2, __m256i& q,

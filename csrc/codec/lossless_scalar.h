@@ -45,7 +45,8 @@ struct SymbolHistogram {
   // Adds the counts to hist[1025] and clears them.
   void fold_into(uint64_t* hist) {
     // symbol-major: each count read and cleared once per table, summed in 32 bits (the tables
-    // hold fewer than 2^31 values in all), vectorised by the compiler
+    // hold fewer than 2^31 + 2^24 values in all: add() folds once 2^31 are pending, and one
+    // piece adds at most a chunk of 2^24), vectorised by the compiler
     for (int j = 0; j < 1024; ++j) {
       uint32_t sum = 0;
       for (int k = 0; k < kMaxTables; ++k) {

@@ -146,12 +146,19 @@ def _check_input(x: object, name: str) -> None:
 
 
 def _host_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous CPU tensor (``x`` itself when it is one). The host coder reads and
-    writes tensors through their data pointers (``data_ptr()``, ``numel()``): a NumPy view of each
-    cost 3-5 us per call. Callers keep the returned tensor alive until the call returns."""
+    """``x``'s values as a contiguous, aligned CPU tensor whose memory holds them as they read
+    (``x`` itself when it is one; a copy of a negative view, of a tensor at an address that is not
+    a multiple of its item size, e.g. from ``torch.frombuffer`` at an odd offset, or of a
+    non-contiguous one). The host coder reads and writes tensors through their data pointers
+    (``data_ptr()``, ``numel()``): a NumPy view of each cost 3-5 us per call. Callers keep the
+    returned tensor alive until the call returns."""
     if not x.is_cpu:
         x = x.cpu()
-    return x if x.is_contiguous() else x.contiguous()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x.clone() if x.data_ptr() % x.element_size() else x
 
 
 def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: int) -> torch.Tensor:
@@ -302,7 +309,9 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
         _check_shape(shape, tuple(out.shape))
         lossless_device.decode_into(blob, out, chunk_values)
         return out
-    if out.device.type != "cpu":
+    if out.device.type != "cpu" or out.is_neg() or out.data_ptr() % out.element_size():
+        # not writable in place through its data pointer (another device, a negative view, an
+        # address that is not 2-byte aligned): decoded, then copied
         return out.copy_(decode(blob, threads=threads, simd=simd, expected_shape=tuple(out.shape)))
     blob = _host_blob(blob)
     # out: a contiguous CPU bf16 tensor (_check_out), written through its data pointer

@@ -236,9 +236,10 @@ EP_COMM_AVX512 void divide_by_freq_avx512_lanes(const uint32_t* y, uint32_t f, f
 }
 
 // Mismatches of the SIMD quotients (divide_by_freq_avx2 / _avx512, with the encoder's table of
-// reciprocals) against y / freq, for every frequency 1..2048 and, for each, the dividends
-// k freq + d (d = 0, 1, freq - 1) at k = 0..63, 2^m - 1, 2^m, 2^m + 1 and 64 random k below 2^21,
-// plus y = freq 2^21 - 1, the largest a state can be after renormalisation.
+// reciprocals) against y / freq, for every frequency 1..2048: every dividend y < freq 2^21 for
+// frequencies 1-4, and for the others the dividends k freq + d (d = 0, 1, freq - 1) at
+// k = 0..63, 2^m - 1, 2^m, 2^m + 1 and 64 random k below 2^21, plus y = freq 2^21 - 1, the
+// largest a state can be after renormalisation.
 long check_division(bool avx2, bool avx512, std::mt19937_64& rng) {
   // the reciprocals as the encoder's table holds them: symbol s at frequency base + s, for the
   // bases 0 and 1024 in turn
@@ -260,10 +261,14 @@ long check_division(bool avx2, bool avx512, std::mt19937_64& rng) {
       for (uint64_t k : {(1ull << m) - 1, 1ull << m, (1ull << m) + 1}) ks.push_back(k);
     for (int r = 0; r < 64; ++r) ks.push_back(rng() % (1ull << 21));
     std::vector<uint32_t> ys;
-    for (uint64_t k : ks)
-      for (uint64_t d : {uint64_t(0), uint64_t(1), uint64_t(f - 1)})
-        if (k * f + d < (uint64_t(f) << 21)) ys.push_back(static_cast<uint32_t>(k * f + d));
-    ys.push_back(static_cast<uint32_t>((uint64_t(f) << 21) - 1));
+    if (f <= 4) {  // every dividend: the AVX2 error bound covers freq >= 4 only (divide_by_freq_avx2)
+      for (uint32_t y = 0; y < (f << 21); ++y) ys.push_back(y);
+    } else {
+      for (uint64_t k : ks)
+        for (uint64_t d : {uint64_t(0), uint64_t(1), uint64_t(f - 1)})
+          if (k * f + d < (uint64_t(f) << 21)) ys.push_back(static_cast<uint32_t>(k * f + d));
+      ys.push_back(static_cast<uint32_t>((uint64_t(f) << 21) - 1));
+    }
     while (ys.size() % 16 != 0) ys.push_back(ys.back());
     uint32_t q[16], r[16];
     const auto compare = [&](const uint32_t* y, int lanes) {
