@@ -82,7 +82,7 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
         starts = [sum(row_splits[:i]) for i in range(len(row_splits))]
         rows = [_rows(values[payload_field], start, n) for start, n in zip(starts, row_splits)]
         chunk_values = _lossless().message_chunk_values(values[payload_field].tensor.device)
-        blobs = list(_lossless().encode_many(rows, chunk_values=chunk_values))
+        blobs = list(_lossless().encode_many(rows, chunk_values=chunk_values, threads=_lossless().message_threads()))
     sizes = [sum(_round(BLOB_LENGTH_BYTES + blob.numel(), align)
                  if (blob is not None and f.name == payload_field)
                  else _round(n * f.nbytes, align) for f in fmt.fields)
@@ -188,7 +188,8 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
                 raise ValueError(f"a lossless chunk's blob of {length} bytes does not fill its {room} bytes")
             blobs.append(received[chunk.length_at + BLOB_LENGTH_BYTES:chunk.length_at + BLOB_LENGTH_BYTES + length])
         # each blob must hold exactly its rows (checked before anything is written)
-        _lossless().decode_into_many(blobs, [decoded[c.first_row:c.first_row + c.rows] for c in coded])
+        _lossless().decode_into_many(blobs, [decoded[c.first_row:c.first_row + c.rows] for c in coded],
+                                     threads=_lossless().message_threads())
     out = {}
     for f in fmt.fields:
         parts = blocks[f.name]

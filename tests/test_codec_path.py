@@ -247,6 +247,38 @@ def test_lossless_message_damage_is_a_value_error():
         unpack(fmt, message.data, [6, 6], message.byte_splits, "lossless")
 
 
+def test_messages_are_coded_with_the_process_thread_budget(monkeypatch):
+    """The transport's host codec uses torch.get_num_threads() threads (what torchrun and
+    ep-bench give each rank), not every hardware thread, for packing, unpacking and the "auto"
+    rule's throughput sample."""
+    from ep_comm.codecs import auto, lossless
+    from ep_comm.payload import RowSource, pack, unpack
+    from ep_comm.wire import FieldSpec, RowFormat
+
+    seen = []
+
+    def recording(name):
+        original = getattr(lossless, name)
+        return lambda *args, **kwargs: seen.append((name, kwargs.get("threads"))) or original(*args, **kwargs)
+
+    for name in ("encode_many", "decode_into_many", "encode"):
+        monkeypatch.setattr(lossless, name, recording(name))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert lossless.message_threads() == 1
+        fmt = RowFormat((FieldSpec("x", torch.bfloat16, 64),))
+        x = torch.randn(12, 64).to(torch.bfloat16)
+        message = pack(fmt, {"x": RowSource(x)}, [5, 7], "lossless")
+        got = unpack(fmt, message.data, [5, 7], message.byte_splits, "lossless")
+        assert torch.equal(got["x"].view(torch.int16), x.view(torch.int16))
+        auto.AutoCodecPolicy().throughputs("cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert {name for name, _ in seen} == {"encode_many", "decode_into_many", "encode"}
+    assert all(threads == 1 for _, threads in seen), seen
+
+
 def test_unpack_checks_the_chunk_sizes_against_what_was_received():
     from ep_comm.payload import unpack
     from ep_comm.wire import FieldSpec, RowFormat

@@ -67,12 +67,14 @@ class AutoCodecPolicy:
         key = str(where)
         if key not in self._measured:
             sample = (torch.randn(512, 1024) * 0.05).to(torch.bfloat16).to(where)
-            chunk_values = lossless.message_chunk_values(where)  # as the transport codes messages
-            lossless.decode(lossless.encode(sample, chunk_values=chunk_values))  # warm up (synchronised)
+            # chunks and threads as the transport codes messages
+            chunk_values, threads = lossless.message_chunk_values(where), lossless.message_threads()
+            lossless.decode(lossless.encode(sample, chunk_values=chunk_values, threads=threads),
+                            threads=threads)  # warm up (synchronised)
             start = time.perf_counter()
-            blob = lossless.encode(sample, chunk_values=chunk_values)
+            blob = lossless.encode(sample, chunk_values=chunk_values, threads=threads)
             middle = time.perf_counter()
-            lossless.decode(blob)
+            lossless.decode(blob, threads=threads)
             end = time.perf_counter()
             nbytes = sample.numel() * 2
             self._measured[key] = {"encode": nbytes / max(middle - start, 1e-9) / 1e9,
