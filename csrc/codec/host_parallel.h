@@ -1,8 +1,7 @@
 // Host-only parallel loop for the codec bindings: items are claimed dynamically from an atomic
-// counter by `threads` std::threads (the caller being one of them). Threads that wait block in
-// join instead of spinning, so a busy or oversubscribed host does not lose the core that the
-// working threads need (OpenMP's default spin-wait made 2 threads 10x slower than 1 on a loaded
-// 2-core machine, measured with bench/codec_bench.py).
+// counter by `threads` threads (the caller being one of them, the others from the process's
+// WorkerPool). Threads that wait poll briefly, then block, so a busy or oversubscribed host does
+// not lose the core that the working threads need.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -15,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "codec/worker_pool.h"
+
 namespace ep_comm::host {
 
 inline int hardware_threads() {
@@ -23,13 +24,24 @@ inline int hardware_threads() {
 }
 
 // Calls fn(worker) once on each of up to `threads` threads (worker in [0, started); the calling
-// thread is worker 0, the others are started for this call and joined before it returns). When a
-// thread cannot be started (e.g. a process limit), no more are, and on_fewer(started) runs before
-// any fn call of the calling thread, so that a barrier sized for `threads` can be resized; work
-// must therefore be claimed dynamically, not by worker index. Returns the number of workers. fn
-// must not throw.
+// thread is worker 0, the others are the process's pool threads, or, while another call holds the
+// pool, threads started for this call and joined before it returns). When fewer threads can be
+// had (a process limit, or more than WorkerPool::kMaxThreads asked for), on_fewer(started) runs
+// before any fn call of the calling thread, so that a barrier sized for `threads` can be resized;
+// work must therefore be claimed dynamically, not by worker index. Returns the number of workers.
+// fn must not throw.
 template <typename F, typename G>
 int run_workers(int threads, F&& fn, G&& on_fewer) {
+  if (threads > 1) {
+    WorkerPool& pool = WorkerPool::of_this_process();
+    std::unique_lock<std::mutex> lease(pool.call_mutex(), std::try_to_lock);
+    if (lease.owns_lock()) {
+      const int workers = std::min(pool.grow(threads - 1), threads - 1);
+      if (workers + 1 < threads) on_fewer(workers + 1);
+      pool.run(workers, fn);
+      return workers + 1;
+    }
+  }
   std::vector<std::thread> pool;
   if (threads > 1) {
     pool.reserve(threads - 1);
@@ -96,22 +108,12 @@ class BlockingBarrier {
       return;
     }
     lock.unlock();
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-    while (!released_flag_.load(std::memory_order_acquire)) {
-      for (int i = 0; i < 64; ++i) pause();
-      if (std::chrono::steady_clock::now() > give_up) break;
-    }
+    poll_for(kSpinMicros, [this] { return released_flag_.load(std::memory_order_acquire); });
     lock.lock();
     released_.wait(lock, [this] { return done_; });
   }
 
  private:
-  static void pause() {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
-
   std::mutex mutex_;
   std::condition_variable released_;
   std::atomic<bool> released_flag_{false};  // done_, readable without the mutex

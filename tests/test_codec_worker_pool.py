@@ -1,0 +1,105 @@
+"""The host codecs' worker pool (csrc/codec/worker_pool.h): threads kept between calls. A forked
+child gets a pool of its own, concurrent calls from Python threads each finish with the
+single-thread bytes, and a call asking for more threads than the pool holds still runs."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ep_comm.codecs import fp8, lossless
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def message(seed: int, rows: int = 64, hidden: int = 4096) -> torch.Tensor:
+    """[rows, hidden] bf16 with a run of +0.0 rows: several chunks, so that 2 threads both work."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 0.05).bfloat16()
+    x[rows // 4: rows // 3] = 0
+    return x
+
+
+def fp8_bytes(x: torch.Tensor) -> bytes:
+    """FP8 codes and scales of x (from 2^19 values, the host quantizer uses every hardware thread)."""
+    q, scales = fp8.quantize(x)
+    return q.view(torch.uint8).numpy().tobytes() + scales.numpy().tobytes()
+
+
+def code_in_child(queue, x: torch.Tensor, wide: torch.Tensor) -> None:
+    """Runs in a forked child: codes with 2 threads and reports the blob, the decoded bits and the
+    FP8 bytes. (No torch op that runs OpenMP threads here: the parent's OpenMP runtime does not
+    survive a fork, which is why its inputs are made before it.)"""
+    blob = lossless.encode(x, threads=2)
+    out = lossless.decode(blob, threads=2)
+    queue.put((blob.numpy().tobytes(), out.view(torch.int16).numpy().tobytes(), fp8_bytes(wide)))
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs fork")
+def test_forked_child_gets_its_own_pool():
+    x = message(1)
+    expected = lossless.encode(x, threads=2)  # the parent's pool now has a thread
+    assert torch.equal(lossless.decode(expected, threads=2).view(torch.int16), x.view(torch.int16))
+    wide = message(2, rows=256)
+    expected_fp8 = fp8_bytes(wide)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=code_in_child, args=(queue, x, wide))
+    child.start()
+    try:  # read before joining: the child exits only once its results are through the pipe
+        blob, out, fp8_out = queue.get(timeout=60)
+    except Exception:  # waiting for the parent's pool threads, which the child does not have
+        child.kill()
+        pytest.fail("a forked child hung coding with 2 threads")
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert blob == expected.numpy().tobytes()
+    assert out == x.view(torch.int16).numpy().tobytes()
+    assert fp8_out == expected_fp8
+
+
+def test_concurrent_calls_from_python_threads():
+    """Four Python threads code with 2 threads each at once (one holds the pool, the others start
+    their own threads): every blob and decode equals the single-thread one."""
+    inputs = [message(seed) for seed in range(4)]
+    expected = [lossless.encode(x, threads=1) for x in inputs]
+    failures: list[str] = []
+
+    def work(k: int) -> None:
+        for _ in range(20):
+            blob = lossless.encode(inputs[k], threads=2)
+            if not torch.equal(blob, expected[k]):
+                failures.append(f"encode {k}")
+            if not torch.equal(lossless.decode(blob, threads=2).view(torch.int16), inputs[k].view(torch.int16)):
+                failures.append(f"decode {k}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a coding thread hung"
+    assert failures == []
+
+
+def test_more_threads_than_the_pool_holds():
+    """threads=300 (the pool holds 255) in a fresh process: the same bytes as 1 thread, and the
+    pool's threads are reused by the next call."""
+    script = """
+import torch
+from ep_comm.codecs import lossless
+g = torch.Generator().manual_seed(3)
+x = (torch.randn(40000, generator=g) * 0.05).bfloat16()
+single = lossless.encode(x, chunk_values=32, threads=1)
+for _ in range(2):
+    assert torch.equal(lossless.encode(x, chunk_values=32, threads=300), single)
+    assert torch.equal(lossless.decode(single, threads=300).view(torch.int16), x.view(torch.int16))
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
