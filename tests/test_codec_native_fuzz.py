@@ -1,7 +1,8 @@
 """The host lossless coders' SIMD paths under AddressSanitizer and UBSan: tests/native/lossless_fuzz.cpp
 decodes real-data blobs and ~4,000 mutations of them from exact-size heap copies on every path
 the CPU has (portable, AVX2, AVX-512: same status, same values; a read past the blob aborts), and
-checks the rANS encoding passes against the portable one on random chunks."""
+checks the rANS encoding passes against the portable one on random chunks (the AVX-512 one also
+with two chunks in lockstep)."""
 from __future__ import annotations
 
 import os
@@ -66,6 +67,9 @@ def test_simd_paths_are_memory_safe_and_agree(tmp_path):
     # chunks without +0.0 also went through the AVX2 pass's staged-entry loop (where AVX2 runs)
     staged = int(re.search(r"encoders: 1500 trials \((\d+) without", report).group(1))
     assert staged > 300 or "avx2" not in report.splitlines()[0], report
+    # every random chunk was also coded by the AVX-512 pass beside another in lockstep (where it runs)
+    lockstep = int(re.search(r"encoders: 1500 trials \(\d+ without \+0\.0, (\d+) in lockstep", report).group(1))
+    assert lockstep == (1500 if "avx512" in report.splitlines()[0] else 0), report
     assert "division: " in report and "mismatch" not in report.replace(" 0 mismatches", ""), report
     # the paths the module runs are the ones checked
     assert ("avx512" in report.splitlines()[0]) == ("avx512" in lossless.simd_paths()), report

@@ -71,39 +71,60 @@ uint64_t scratch_bytes(uint32_t cv) {
   return (kStateBytes + 2 * kSlackWords + 2ull * cv + cv + 16 + 63) & ~uint64_t(63);
 }
 
-// Codes chunk values v[0, n) in `scratch` (scratch_bytes(n) bytes); returns the payload's first
-// byte (payload_bytes(e, n) bytes: in scratch, or v itself for a chunk stored raw) and fills `e`.
-// `survey` is the chunk's ChunkSurvey from pass 1 (checksum, +0.0 count); `level` picks the
-// passes: kSimdAvx2 or kSimdAvx512 (with `simd_tables`, a SimdEncTables), else the portable ones.
-const uint8_t* encode_chunk_in(const uint16_t* v, uint32_t n, const EncSym* syms, const void* simd_tables,
-                               const ChunkSurvey& survey, int level, uint8_t* scratch, ChunkEntry& e) {
-  uint16_t* words_end = reinterpret_cast<uint16_t*>(scratch + kStateBytes) + kSlackWords + n;
-  uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
-  uint32_t states[kLanes];
-  e.mode = kModeRans;
-  e.checksum = survey.checksum;
+// Chunks coded together by one worker: at most 2 (the AVX-512 rANS pass takes two in lockstep).
+constexpr int kMaxChunksPerClaim = 2;
+int chunks_per_claim(int level) { return level == kSimdAvx512 ? 2 : 1; }
+
+// Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) in scratch[k] (scratch_bytes(n[k])
+// bytes each); payload[k] gets its payload's first byte (payload_bytes(*e[k], n[k]) bytes: in
+// scratch, or v[k] itself for a chunk stored raw) and *e[k] its entry. survey[k] is the chunk's
+// ChunkSurvey from pass 1 (checksum, +0.0 count); `level` picks the passes: kSimdAvx2 or kSimdAvx512
+// (with `simd_tables`, a SimdEncTables), else the portable ones.
+void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const EncSym* syms,
+                      const void* simd_tables, const ChunkSurvey* const* survey, int level,
+                      uint8_t* const* scratch, ChunkEntry* const* e, const uint8_t** payload) {
+  uint16_t* words_end[kMaxChunksPerClaim];
+  uint32_t states[kMaxChunksPerClaim][kLanes];
+  uint32_t* state_ptrs[kMaxChunksPerClaim] = {states[0], states[1]};
+  uint32_t num_words[kMaxChunksPerClaim];
+  for (int k = 0; k < count; ++k) {
+    words_end[k] = reinterpret_cast<uint16_t*>(scratch[k] + kStateBytes) + kSlackWords + n[k];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(words_end[k]);
+    e[k]->mode = kModeRans;
+    e[k]->checksum = survey[k]->checksum;
 #if defined(__x86_64__)
-  if (level >= kSimdAvx2) {
-    e.num_raw = split_fields_avx2(v, n, survey.zeros, raw);
-    const SimdEncTables& tables = *static_cast<const SimdEncTables*>(simd_tables);
-    e.num_words = level == kSimdAvx512 ? rans_encode_chunk_avx512(v, n, syms, tables, states, words_end)
-                                       : rans_encode_chunk_avx2(v, n, syms, tables, states, words_end,
-                                                                survey.zeros != 0);
+    if (level >= kSimdAvx2) {
+      e[k]->num_raw = split_fields_avx2(v[k], n[k], survey[k]->zeros, raw);
+      continue;
+    }
+#endif
+    e[k]->num_raw = split_fields_scalar(v[k], n[k], survey[k]->zeros, raw);
+  }
+#if defined(__x86_64__)
+  if (level == kSimdAvx512) {
+    rans_encode_chunks_avx512(count, v, n, syms, *static_cast<const SimdEncTables*>(simd_tables), state_ptrs,
+                              words_end, num_words);
+  } else if (level == kSimdAvx2) {
+    for (int k = 0; k < count; ++k)
+      num_words[k] = rans_encode_chunk_avx2(v[k], n[k], syms, *static_cast<const SimdEncTables*>(simd_tables),
+                                            states[k], words_end[k], survey[k]->zeros != 0);
   } else
 #endif
   {
-    (void)simd_tables;
-    (void)level;  // used above on x86-64 only
-    e.num_raw = split_fields_scalar(v, n, survey.zeros, raw);
-    e.num_words = rans_encode_chunk(v, n, syms, states, words_end);
+    (void)simd_tables;  // used above on x86-64 only
+    for (int k = 0; k < count; ++k) num_words[k] = rans_encode_chunk(v[k], n[k], syms, states[k], words_end[k]);
   }
-  if (payload_bytes(e, n) >= 2ull * n) {  // rANS does not shrink it: stored raw
-    e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
-    return reinterpret_cast<const uint8_t*>(v);
+  for (int k = 0; k < count; ++k) {
+    e[k]->num_words = num_words[k];
+    if (payload_bytes(*e[k], n[k]) >= 2ull * n[k]) {  // rANS does not shrink it: stored raw
+      *e[k] = ChunkEntry{kModeRaw, 0, 0, e[k]->checksum};
+      payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
+      continue;
+    }
+    uint8_t* p = reinterpret_cast<uint8_t*>(words_end[k] - num_words[k]) - kStateBytes;
+    std::memcpy(p, states[k], kStateBytes);
+    payload[k] = p;
   }
-  uint8_t* payload = reinterpret_cast<uint8_t*>(words_end - e.num_words) - kStateBytes;
-  std::memcpy(payload, states, kStateBytes);
-  return payload;
 }
 
 // bf16 bit patterns at `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
@@ -157,7 +178,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     //   other; with 8 pieces per thread, a 64x7168 message's threads arrived up to 19 us apart),
     //   counted per thread;
     // the last thread to finish it builds the tables (BlockingBarrier);
-    // pass 2, per chunk, claimed in order: split and rANS in the worker's scratch, then the
+    // pass 2, per chunk (per 2 consecutive chunks on the AVX-512 level, whose rANS passes run in
+    //   lockstep), claimed in order: split and rANS in the worker's scratch, then the
     //   payload is copied to its place, which follows the previous chunk's (published through
     //   chunk_end: a worker waits, yielding, for its predecessor's size; the lowest unfinished
     //   chunk never waits, so the loop always progresses).
@@ -204,10 +226,11 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     std::unique_ptr<std::atomic<uint64_t>[]> chunk_end(new std::atomic<uint64_t>[num_chunks]);
     for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
     const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
+    const int per_claim = chunks_per_claim(level);
     // uninitialised (every byte a payload uses is written first)
-    ScratchBuffer scratch(scratch_stride * uint64_t(nt));
+    ScratchBuffer scratch(scratch_stride * uint64_t(per_claim) * uint64_t(nt));
     uint64_t data_off = 0;
-    WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), 1);
+    WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), per_claim);
     BlockingBarrier tables_ready(nt);
     // allocated here: the workers must not throw
     std::unique_ptr<SymbolHistogram[]> local_hists(new SymbolHistogram[nt]);
@@ -233,19 +256,35 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         build_tables();
         data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
       });
-      uint8_t* my_scratch = scratch.data() + scratch_stride * uint64_t(worker);
-      for (int64_t c, unused; chunks.claim(c, unused);) {
-        const uint32_t n = chunk_n(c);
-        ChunkEntry& e = dir[c];
-        const uint8_t* payload = encode_chunk_in(v + uint64_t(c) * cv, n, syms.data(), simd_tables,
-                                                 surveys[uint64_t(c)], level, my_scratch, e);
-        uint64_t begin = data_off;
-        if (c > 0)
-          while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();
-        const uint64_t used = payload_bytes(e, n), end = begin + align4(used);
-        chunk_end[c].store(end, std::memory_order_release);
-        std::memcpy(o + begin, payload, used);
-        std::memset(o + begin + used, 0, end - begin - used);
+      uint8_t* my_scratch[kMaxChunksPerClaim];
+      for (int k = 0; k < per_claim; ++k)
+        my_scratch[k] = scratch.data() + scratch_stride * (uint64_t(worker) * uint64_t(per_claim) + uint64_t(k));
+      for (int64_t first, last; chunks.claim(first, last);) {
+        const int count = static_cast<int>(last - first);
+        const uint16_t* values[kMaxChunksPerClaim];
+        uint32_t counts[kMaxChunksPerClaim];
+        const ChunkSurvey* chunk_surveys[kMaxChunksPerClaim];
+        ChunkEntry* entries_out[kMaxChunksPerClaim];
+        const uint8_t* payloads[kMaxChunksPerClaim];
+        for (int k = 0; k < count; ++k) {
+          const int64_t c = first + k;
+          values[k] = v + uint64_t(c) * cv;
+          counts[k] = chunk_n(c);
+          chunk_surveys[k] = &surveys[uint64_t(c)];
+          entries_out[k] = &dir[uint64_t(c)];
+        }
+        encode_chunks_in(count, values, counts, syms.data(), simd_tables, chunk_surveys, level, my_scratch,
+                         entries_out, payloads);
+        for (int k = 0; k < count; ++k) {
+          const int64_t c = first + k;
+          uint64_t begin = data_off;
+          if (c > 0)
+            while ((begin = chunk_end[c - 1].load(std::memory_order_acquire)) == kNotReady) std::this_thread::yield();
+          const uint64_t used = payload_bytes(dir[uint64_t(c)], counts[k]), end = begin + align4(used);
+          chunk_end[c].store(end, std::memory_order_release);
+          std::memcpy(o + begin, payloads[k], used);
+          std::memset(o + begin + used, 0, end - begin - used);
+        }
       }
     }, [&](int started) { tables_ready.expect(nt, started); });  // fewer threads started: fewer arrive
     offsets[0] = data_off;

@@ -151,7 +151,7 @@ long check_decoders(const std::string& dir, int num_blobs, int mutations, const 
 
 // Mismatches between the rANS passes on random chunks.
 long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
-  long mismatches = 0, staged_trials = 0;
+  long mismatches = 0, staged_trials = 0, lockstep_trials = 0;
   for (int trial = 0; trial < trials; ++trial) {
     const uint32_t n = 1 + static_cast<uint32_t>(rng() % 5000);
     const int pattern = static_cast<int>(rng() % 5);
@@ -193,6 +193,34 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
     }
     if (avx512 && !same(rans_encode_chunk_avx512(v.data(), n, syms.data(), *tables, states, a5.data() + n), a5.data() + n))
       ++mismatches;
+    // two chunks in lockstep: this one and its last m values (fewer, as many or, as the first of
+    // the two, more steps than the other), each against its own portable pass
+    if (avx512) {
+      ++lockstep_trials;
+      const uint32_t m = 1 + static_cast<uint32_t>(rng() % n);
+      const uint16_t* tail = v.data() + (n - m);
+      std::vector<uint16_t> ref_tail(m), b5(n), c5(m);
+      uint32_t ref_tail_states[kLanes], tail_states[kLanes];
+      const uint32_t tail_words = rans_encode_chunk(tail, m, syms.data(), ref_tail_states, ref_tail.data() + m);
+      const bool tail_first = rng() % 2 == 0;
+      const uint16_t* pair_v[2] = {v.data(), tail};
+      uint32_t pair_n[2] = {n, m};
+      uint32_t* pair_states[2] = {states, tail_states};
+      uint16_t* pair_end[2] = {b5.data() + n, c5.data() + m};
+      uint32_t pair_words[2];
+      if (tail_first) {
+        std::swap(pair_v[0], pair_v[1]);
+        std::swap(pair_n[0], pair_n[1]);
+        std::swap(pair_states[0], pair_states[1]);
+        std::swap(pair_end[0], pair_end[1]);
+      }
+      rans_encode_chunks_avx512(2, pair_v, pair_n, syms.data(), *tables, pair_states, pair_end, pair_words);
+      if (tail_first) std::swap(pair_words[0], pair_words[1]);
+      if (!same(pair_words[0], b5.data() + n)) ++mismatches;
+      if (pair_words[1] != tail_words || std::memcmp(tail_states, ref_tail_states, sizeof(tail_states)) != 0 ||
+          std::memcmp(c5.data() + m - tail_words, ref_tail.data() + m - tail_words, 2ull * tail_words) != 0)
+        ++mismatches;
+    }
     // the portable first pass (from a random piece start) and raw-field split, into an exact-size
     // buffer of n + 16 bytes (what the host's scratch gives them), against split_chunk
     std::vector<uint8_t> ref_raw(n + 8), raw(n + 16);
@@ -210,7 +238,8 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
          std::memcmp(raw.data(), ref_raw.data(), raw_bytes(ref_num_raw)) == 0;
     if (!ok) ++mismatches;
   }
-  std::printf("encoders: %d trials (%ld without +0.0), %ld mismatches\n", trials, staged_trials, mismatches);
+  std::printf("encoders: %d trials (%ld without +0.0, %ld in lockstep pairs), %ld mismatches\n", trials, staged_trials,
+              lockstep_trials, mismatches);
   return mismatches;
 }
 
