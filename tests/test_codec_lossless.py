@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_comm.codecs import lossless
+from ep_comm.codecs import lossless, lossless_device
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -754,10 +754,11 @@ def test_chunk_values_is_checked_by_name():
     import numpy as np
 
     x = torch.randn(100).to(torch.bfloat16)
-    for bad in (0, 16, 33, 1 << 25, 64.0, "64", None):
+    for bad in (0, 16, 33, 1 << 25, 64.0, "64"):
         with pytest.raises(ValueError, match="chunk_values must be a multiple of 32"):
             lossless.encode(x, chunk_values=bad)
     assert torch.equal(lossless.encode(x, chunk_values=np.int64(64)), lossless.encode(x, chunk_values=64))
+    assert torch.equal(lossless.encode(x, chunk_values=None), lossless.encode(x, chunk_values=128))  # the default
 
 
 # ---- several blobs per call (one per message)
@@ -793,7 +794,26 @@ def test_many_calls_name_the_bad_argument():
 
 
 def test_message_chunk_values_by_device():
-    assert lossless.message_chunk_values("cpu") == lossless.DEFAULT_CHUNK_VALUES
-    assert lossless.message_chunk_values(torch.device("cpu")) == lossless.DEFAULT_CHUNK_VALUES
+    assert lossless.message_chunk_values("cpu") is None  # each message's default_chunk_values
+    assert lossless.message_chunk_values(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="device must be a torch.device"):
         lossless.message_chunk_values(3.5)
+
+
+@pytest.mark.parametrize("num_values,expected", [
+    (0, 32), (1, 32), (33, 64), (65536, 65536), (65537, 32800), (3 * 65536, 49152),
+    (64 * 7168, 57344), (10 * 65536 + 5, 54624)])
+def test_default_chunking_gives_an_even_number_of_equal_chunks(num_values, expected):
+    """encode's default: the fewest chunks of at most 65,536 values, an even number of them when
+    more than one (the AVX-512 coders pair chunks), equal sizes rounded up to a multiple of 32."""
+    cv = lossless.default_chunk_values(num_values)
+    assert cv == expected
+    chunks = -(-num_values // cv)
+    assert cv % 32 == 0 and cv <= lossless.DEFAULT_CHUNK_VALUES and (chunks <= 1 or chunks % 2 == 0)
+    x = (torch.randn(num_values, generator=torch.Generator().manual_seed(num_values)) * 0.1).bfloat16()
+    blob = lossless.encode(x)
+    assert torch.equal(blob, lossless.encode(x, chunk_values=cv))
+    assert lossless_device.header(blob)[1] == cv
+    assert torch.equal(bits(lossless.decode(blob)), bits(x))
+    assert all(torch.equal(b, lossless.encode(t, chunk_values=lossless.default_chunk_values(t.numel())))
+               for b, t in zip(lossless.encode_many([x, x[:100]]), [x, x[:100]]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 
 import numpy as np
 import pytest
@@ -179,7 +180,8 @@ def test_payload_path_through_the_device_codec(kernels, monkeypatch):
     monkeypatch.setattr(device_kernels, "codec_kernels", lambda device: None)  # the host path
     host_message = pack(fmt, values, splits, "lossless")
     host_blob = host_message.data[80 + 8:80 + 8 + int(host_message.data[80:88].clone().view(torch.int64)[0])]
-    assert lossless_device.header(host_blob)[1] == lossless.DEFAULT_CHUNK_VALUES
+    host_shape, host_chunk_values = lossless_device.header(host_blob)
+    assert host_chunk_values == lossless.default_chunk_values(math.prod(host_shape))  # host messages: the default
     assert torch.equal(unpack(fmt, host_message.data, splits, host_message.byte_splits, "lossless")["x"],
                        received["x"])
 
