@@ -800,6 +800,17 @@ def test_message_chunk_values_by_device():
         lossless.message_chunk_values(3.5)
 
 
+def test_default_chunking_is_even_for_large_inputs_too():
+    """Rounding chunk sizes up to 32 can leave an odd count from about 2^27 values (first at
+    134,283,201): the size then drops by 32 until the count is even. Sizes only, computed."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [134_283_201] + torch.randint(1 << 17, 1 << 40, (20000,), generator=g).tolist()
+    for n in sizes:
+        cv = lossless.default_chunk_values(n)
+        assert cv % 32 == 0 and 32 <= cv <= lossless.DEFAULT_CHUNK_VALUES and -(-n // cv) % 2 == 0, n
+    assert lossless.default_chunk_values(134_283_201) == 65472
+
+
 @pytest.mark.parametrize("num_values,expected", [
     (0, 32), (1, 32), (33, 64), (65536, 65536), (65537, 32800), (3 * 65536, 49152),
     (64 * 7168, 57344), (10 * 65536 + 5, 54624)])

@@ -4,6 +4,7 @@ single-thread bytes, and a call asking for more threads than the pool holds stil
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import threading
@@ -103,3 +104,45 @@ print("ok")
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+@pytest.mark.skipif(not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK), reason="needs to set the next pid")
+def test_grandchild_with_a_reused_pid_gets_its_own_pool():
+    """A process that used the pool forks a child and exits; the child forks a grandchild that is
+    given the first process's pid (ns_last_pid). The grandchild codes with 2 threads: it must not
+    take the first process's pool, which has threads in no process (a pid check did, and hung).
+    (The forked processes run no torch op: the parent's OpenMP runtime does not survive a fork.)"""
+    script = """
+import os, signal, time
+import torch
+from ep_comm.codecs import lossless
+x = (torch.randn(300000, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+expected = lossless.encode(x, threads=1).numpy().tobytes()
+read, write = os.pipe()
+first = os.fork()
+if first == 0:  # the first process: uses the pool, forks the child, exits
+    lossless.encode(x, threads=2)
+    if os.fork() != 0:
+        os._exit(0)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the script reaps the first process: its pid is free
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(parent - 1))
+    if os.fork() == 0:  # the grandchild
+        signal.alarm(20)  # a hang ends it
+        if os.getpid() != parent:
+            os.write(write, b"reuse")
+        else:
+            os.write(write, b"ok" if lossless.encode(x, threads=2).numpy().tobytes() == expected else b"bad")
+    os._exit(0)
+os.close(write)
+os.waitpid(first, 0)
+print(os.read(read, 16).decode() or "hung")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = run.stdout.strip()
+    if out == "reuse":
+        pytest.skip("the pid was not reused (another process took it)")
+    assert out == "ok", run.stdout + run.stderr

@@ -7,11 +7,13 @@
 // machine, measured with bench/codec_bench.py).
 //
 // One call uses the pool at a time (a concurrent call, from another Python thread, starts threads
-// of its own instead). A forked child gets a pool of its own: it has none of its parent's threads,
-// and the parent's pool mutexes may have been held at the fork. Pool threads are detached and the
-// pool is never destroyed, so nothing waits for them at exit.
+// of its own instead). A forked child gets a pool of its own (a pthread_atfork child handler drops
+// the parent's): it has none of its parent's threads, and the parent's pool mutexes may have been
+// held at the fork. (A pid check would not do: a grandchild can be given the pid of a grandparent
+// that used the pool.) Pool threads are detached and the pool is never destroyed, so nothing
+// waits for them at exit.
 #pragma once
-#include <unistd.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -49,13 +51,16 @@ class WorkerPool {
 
   // This process's pool (created on first use, without threads).
   static WorkerPool& of_this_process() {
-    static std::atomic<WorkerPool*> current{nullptr};
-    const pid_t pid = getpid();
-    WorkerPool* pool = current.load(std::memory_order_acquire);
-    while (pool == nullptr || pool->owner_ != pid) {
-      // a parent's pool (after fork) is left as it is: its threads are not in this process
-      WorkerPool* fresh = new WorkerPool(pid);
-      if (current.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
+    static const bool fork_handler = [] {
+      // in a forked child: forget the parent's pool (left as it is: its threads are not here)
+      pthread_atfork(nullptr, nullptr, [] { current().store(nullptr, std::memory_order_relaxed); });
+      return true;
+    }();
+    (void)fork_handler;
+    WorkerPool* pool = current().load(std::memory_order_acquire);
+    while (pool == nullptr) {
+      WorkerPool* fresh = new WorkerPool();
+      if (current().compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
       delete fresh;  // another thread installed one: `pool` now holds it
     }
     return *pool;
@@ -111,7 +116,12 @@ class WorkerPool {
     std::condition_variable wake;
   };
 
-  explicit WorkerPool(pid_t owner) : owner_(owner), workers_(new Worker[kMaxThreads + 1]) {}
+  WorkerPool() : workers_(new Worker[kMaxThreads + 1]) {}
+
+  static std::atomic<WorkerPool*>& current() {
+    static std::atomic<WorkerPool*> pool{nullptr};
+    return pool;
+  }
 
   // Pool thread `index` (>= 1): runs the job of each call that bumps its ticket, forever.
   void serve(int index, uint64_t seen) {
@@ -132,7 +142,6 @@ class WorkerPool {
     }
   }
 
-  const pid_t owner_;
   std::mutex call_;
   std::mutex mutex_;  // guards job_, job_data_ and the tickets' changes; paired with the condition variables
   std::condition_variable done_;

@@ -71,9 +71,13 @@ uint64_t scratch_bytes(uint32_t cv) {
   return (kStateBytes + 2 * kSlackWords + 2ull * cv + cv + 16 + 63) & ~uint64_t(63);
 }
 
-// Chunks coded together by one worker: at most 2 (the AVX-512 rANS pass takes two in lockstep).
+// Chunks coded together by one worker: at most 2 (the AVX-512 rANS pass takes two in lockstep),
+// and only when that leaves every one of `threads` workers at least one pair (pairing 2 chunks
+// on 2 threads made a 2-thread encode of 131,072 values as slow as 1 thread).
 constexpr int kMaxChunksPerClaim = 2;
-int chunks_per_claim(int level) { return level == kSimdAvx512 ? 2 : 1; }
+int chunks_per_claim(int level, uint64_t num_chunks, int threads) {
+  return level == kSimdAvx512 && num_chunks >= 2 * uint64_t(threads) ? 2 : 1;
+}
 
 // Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) in scratch[k] (scratch_bytes(n[k])
 // bytes each); payload[k] gets its payload's first byte (payload_bytes(*e[k], n[k]) bytes: in
@@ -226,7 +230,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     std::unique_ptr<std::atomic<uint64_t>[]> chunk_end(new std::atomic<uint64_t>[num_chunks]);
     for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
     const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
-    const int per_claim = chunks_per_claim(level);
+    const int per_claim = chunks_per_claim(level, num_chunks, nt);
     // uninitialised (every byte a payload uses is written first)
     ScratchBuffer scratch(scratch_stride * uint64_t(per_claim) * uint64_t(nt));
     uint64_t data_off = 0;

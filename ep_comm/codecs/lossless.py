@@ -199,13 +199,22 @@ def default_chunk_values(num_values: int) -> int:
     chunks of at most DEFAULT_CHUNK_VALUES, made even when more than one (the AVX-512 coders take
     chunks two at a time, in lockstep: a 64x7168 message as 8 chunks instead of 7 decoded in
     0.91-0.96x the time on 1 thread, for 144 more bytes), of equal sizes rounded up to a multiple
-    of 32."""
+    of 32 (above about 2^27 values, 32 values less per chunk, as many times as keeps the count
+    even)."""
     num_values = operator.index(num_values)
     chunks = max(1, -(-num_values // DEFAULT_CHUNK_VALUES))
     if chunks > 1 and chunks % 2:
         chunks += 1
     per_chunk = -(-num_values // chunks)
-    return min(DEFAULT_CHUNK_VALUES, max(MIN_CHUNK_VALUES, -(-per_chunk // 32) * 32))
+    size = min(DEFAULT_CHUNK_VALUES, max(MIN_CHUNK_VALUES, -(-per_chunk // 32) * 32))
+    # rounding up to 32 can leave an odd count (first from about 2^27 values): 32 fewer values per
+    # chunk until it is even (bounded: an odd count costs speed, never correctness)
+    for _ in range(64):
+        made = -(-num_values // size)
+        if made <= 1 or made % 2 == 0 or size == MIN_CHUNK_VALUES:
+            break
+        size -= 32
+    return size
 
 
 def _chunk_values(chunk_values: object, num_values: int) -> int:
