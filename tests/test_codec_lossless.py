@@ -809,6 +809,9 @@ def test_default_chunking_is_even_for_large_inputs_too():
         cv = lossless.default_chunk_values(n)
         assert cv % 32 == 0 and 32 <= cv <= lossless.DEFAULT_CHUNK_VALUES and -(-n // cv) % 2 == 0, n
     assert lossless.default_chunk_values(134_283_201) == 65472
+    for bad in (-1, 2.5, "7", None):
+        with pytest.raises(ValueError, match="num_values must be a non-negative int"):
+            lossless.default_chunk_values(bad)
 
 
 @pytest.mark.parametrize("num_values,expected", [

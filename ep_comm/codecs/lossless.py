@@ -201,7 +201,13 @@ def default_chunk_values(num_values: int) -> int:
     0.91-0.96x the time on 1 thread, for 144 more bytes), of equal sizes rounded up to a multiple
     of 32 (above about 2^27 values, 32 values less per chunk, as many times as keeps the count
     even)."""
-    num_values = operator.index(num_values)
+    try:
+        count = operator.index(num_values)
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"num_values must be a non-negative int, got {num_values!r}")
+    num_values = count
     chunks = max(1, -(-num_values // DEFAULT_CHUNK_VALUES))
     if chunks > 1 and chunks % 2:
         chunks += 1
