@@ -1,4 +1,5 @@
-"""The host codecs' worker pool (csrc/codec/worker_pool.h): threads kept between calls. A forked
+"""The host codecs' threads: the worker pool (csrc/codec/worker_pool.h), threads kept between calls, and
+the bindings' GIL release (csrc/host/gil.h). A forked
 child gets a pool of its own, concurrent calls from Python threads each finish with the
 single-thread bytes, and a call asking for more threads than the pool holds still runs."""
 from __future__ import annotations
@@ -146,3 +147,32 @@ print(os.read(read, 16).decode() or "hung")
     if out == "reuse":
         pytest.skip("the pid was not reused (another process took it)")
     assert out == "ok", run.stdout + run.stderr
+
+
+def test_daemon_threads_coding_at_exit_do_not_abort():
+    """Daemon threads still inside the host codecs when the interpreter exits: Python ends them
+    when they take the GIL back (pthread_exit). Taking it back in a destructor
+    (py::gil_scoped_release) aborted the process every time ("terminate called without an active
+    exception"); the bindings take it back in plain code (csrc/host/gil.h). NumPy arrays only:
+    torch's own tensor deallocation has the same abort, which is not this library's."""
+    script = """
+import threading, time
+import numpy as np
+from ep_comm import _host
+x = (np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+q = np.empty(x.size, dtype=np.uint8)
+scales = np.empty(x.size // 128, dtype=np.float32)
+def work(threads):
+    while True:
+        blob = _host.lossless_encode(x.ctypes.data, x.size, [x.size], 65536, threads, 2)
+        _host.lossless_decode(blob.ctypes.data, blob.size, threads, 2, None)
+        _host.fp8_quantize(x.view(np.int16), x.size // 4096, 4096, False, False, q, scales, threads)
+workers = [threading.Thread(target=work, args=(threads,), daemon=True) for threads in (1, 2, 1)]
+for worker in workers:
+    worker.start()
+time.sleep(0.3)
+print(sum(worker.is_alive() for worker in workers))  # still coding (an error would have ended one)
+"""
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 0 and run.stdout.strip() == "3", run.stdout + run.stderr[-2000:]

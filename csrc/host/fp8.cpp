@@ -6,6 +6,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "gil.h"
 #include "codec/fp8_core.h"
 #include "codec/host_parallel.h"
 
@@ -61,9 +62,10 @@ void quantize(const py::buffer& x, int64_t rows, int64_t hidden, bool round_scal
       quantize_row([row](int64_t i) { return row[i]; }, hidden, round_scale, use_ue8m0, qr, sf, su);
     }
   };
-  py::gil_scoped_release release;
-  parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, nt, [&](int64_t task) {
-    for (int64_t r = task * kRowsPerTask; r < rows && r < (task + 1) * kRowsPerTask; ++r) quantize_one(r);
+  without_gil([&] {
+    parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, nt, [&](int64_t task) {
+      for (int64_t r = task * kRowsPerTask; r < rows && r < (task + 1) * kRowsPerTask; ++r) quantize_one(r);
+    });
   });
 }
 
@@ -80,8 +82,9 @@ void register_fp8(py::module_& m) {
     const int64_t n = si.shape[0];
     const auto* s = static_cast<const float*>(contiguous(si, n, 4, "src"));
     auto* d = static_cast<uint8_t*>(contiguous(di, n, 1, "dst"));
-    py::gil_scoped_release release;
-    for (int64_t i = 0; i < n; ++i) d[i] = float_to_e4m3(s[i]);
+    without_gil([&] {
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_e4m3(s[i]);
+    });
   }, py::arg("src"), py::arg("dst"), "float32 [n] -> e4m3fn bytes [n] (round-to-nearest-even, saturating)");
   m.def("fp8_to_float", [](uint8_t b) { return e4m3_to_float(b); }, py::arg("byte"), "e4m3fn byte -> float32");
 }

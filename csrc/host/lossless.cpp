@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "codec/lossless_avx2.h"  // x86-64 only; other hosts use the portable core
 #include "codec/lossless_avx512.h"
 #include "codec/host_parallel.h"
@@ -167,8 +168,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
   uint32_t entries = 0;
   std::vector<ChunkEntry> dir(num_chunks);
   std::vector<uint64_t> offsets(num_chunks + 1);
-  {
-    py::gil_scoped_release release;
+  without_gil([&] {
     const int level = simd_level(simd);
     [[maybe_unused]] const bool use_simd = level >= kSimdAvx2;
     const auto chunk_n = [&](int64_t c) {
@@ -322,7 +322,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       store_le<uint32_t>(d + 8, dir[c].num_raw);
       store_le<uint32_t>(d + 12, dir[c].checksum);
     }
-  }
+  });
   const uint64_t blob_bytes = offsets[num_chunks];
   if (is_page_backed(capacity)) {
     // a view of the first blob_bytes bytes (keeps `out` alive as its base). When the blob is under
@@ -440,62 +440,63 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
   int status = kOk;
   const int level = simd_level(simd);
-  py::gil_scoped_release release;
-  std::vector<ChunkEntry> entries(h.num_chunks);
-  std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
-  status = read_directory(b, size, h, entries.data(), offsets.data());
-  if (status != kOk) return status;
-  std::unique_ptr<DecodeTable> table(new DecodeTable());
-  if (h.num_values > 0) build_decode_table(p.freq, p.start, *table);
-  std::vector<int> chunk_status(h.num_chunks, kOk);
-  const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
-  const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
-  parallel_for(tasks, nt, [&](int64_t task) {
-    // rANS chunks of this task whose padding is zero, for the SIMD decoders
-    const uint8_t* payloads[2];
-    const ChunkEntry* rans_entries[2];
-    uint32_t counts[2];
-    uint16_t* dsts[2];
-    int64_t rans_chunks[2];
-    int num_rans = 0;
-    for (int64_t c = task * per_task; c < std::min<int64_t>((task + 1) * per_task, h.num_chunks); ++c) {
-      const ChunkEntry& e = entries[c];
-      const uint32_t n = chunk_count(h, uint64_t(c));
-      const uint8_t* payload = b + offsets[c];
-      int st = kOk;
-      for (uint64_t q = offsets[c] + payload_bytes(e, n); q < offsets[c + 1]; ++q)
-        if (b[q] != 0) st = kErrPadding;
-      uint16_t* dst = o + uint64_t(c) * h.chunk_values;
-      if (st == kOk) {
-        if (e.mode == kModeRaw) {
-          st = decode_raw_chunk(payload, e, n, dst);
-        } else if (level >= kSimdAvx2) {
-          payloads[num_rans] = payload;
-          rans_entries[num_rans] = &e;
-          counts[num_rans] = n;
-          dsts[num_rans] = dst;
-          rans_chunks[num_rans++] = c;
-          continue;
-        } else {
-          st = decode_chunk_scalar(payload, e, n, *table, dst);
+  return without_gil([&]() -> int {
+    std::vector<ChunkEntry> entries(h.num_chunks);
+    std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
+    status = read_directory(b, size, h, entries.data(), offsets.data());
+    if (status != kOk) return status;
+    std::unique_ptr<DecodeTable> table(new DecodeTable());
+    if (h.num_values > 0) build_decode_table(p.freq, p.start, *table);
+    std::vector<int> chunk_status(h.num_chunks, kOk);
+    const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
+    const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
+    parallel_for(tasks, nt, [&](int64_t task) {
+      // rANS chunks of this task whose padding is zero, for the SIMD decoders
+      const uint8_t* payloads[2];
+      const ChunkEntry* rans_entries[2];
+      uint32_t counts[2];
+      uint16_t* dsts[2];
+      int64_t rans_chunks[2];
+      int num_rans = 0;
+      for (int64_t c = task * per_task; c < std::min<int64_t>((task + 1) * per_task, h.num_chunks); ++c) {
+        const ChunkEntry& e = entries[c];
+        const uint32_t n = chunk_count(h, uint64_t(c));
+        const uint8_t* payload = b + offsets[c];
+        int st = kOk;
+        for (uint64_t q = offsets[c] + payload_bytes(e, n); q < offsets[c + 1]; ++q)
+          if (b[q] != 0) st = kErrPadding;
+        uint16_t* dst = o + uint64_t(c) * h.chunk_values;
+        if (st == kOk) {
+          if (e.mode == kModeRaw) {
+            st = decode_raw_chunk(payload, e, n, dst);
+          } else if (level >= kSimdAvx2) {
+            payloads[num_rans] = payload;
+            rans_entries[num_rans] = &e;
+            counts[num_rans] = n;
+            dsts[num_rans] = dst;
+            rans_chunks[num_rans++] = c;
+            continue;
+          } else {
+            st = decode_chunk_scalar(payload, e, n, *table, dst);
+          }
         }
+        chunk_status[c] = st;
       }
-      chunk_status[c] = st;
-    }
-    if (num_rans == 0) return;
+      if (num_rans == 0) return;
 #if defined(__x86_64__)
-    int st[2];
-    if (level == kSimdAvx512) {
-      decode_chunks_avx512(num_rans, payloads, rans_entries, counts, *table, dsts, st);
-    } else {
-      for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table, dsts[k]);
-    }
-    for (int k = 0; k < num_rans; ++k) chunk_status[rans_chunks[k]] = st[k];
+      int st[2];
+      if (level == kSimdAvx512) {
+        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, *table, dsts, st);
+      } else {
+        for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table, dsts[k]);
+      }
+      for (int k = 0; k < num_rans; ++k) chunk_status[rans_chunks[k]] = st[k];
 #endif
-  }, page_grain(tasks, nt, 2ull * h.chunk_values * uint64_t(per_task)));
-  for (int st : chunk_status)
-    if (st != kOk) return st;
-  return kOk;
+    }, page_grain(tasks, nt, 2ull * h.chunk_values * uint64_t(per_task)));
+    for (int st : chunk_status)
+      if (st != kOk) return st;
+    return kOk;
+  });
 }
 
 // Text of a shape, as Python prints a tuple.
