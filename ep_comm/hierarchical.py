@@ -33,11 +33,11 @@ from .normal import (
     _payload_values,
     _row_rank,
     _start_count_exchange,
-    reduce_by_source,
 )
 from .payload import RowSource, pack, unpack
 from .placement_map import ExpertPlacement
 from .plan import build_send_plan, forward_counts, node_receive_order
+from .row_sum import reduce_by_source
 from .stats import CommStats
 from .wire import FieldSpec, RowFormat
 

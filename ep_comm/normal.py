@@ -16,7 +16,8 @@ from .handle import DispatchHandle
 from .layout import count_per_local_expert, localize_rows
 from .payload import RowSource, chunk_bytes, pack, unpack
 from .placement_map import ExpertPlacement
-from .plan import SendPlan, build_send_plan
+from .plan import build_send_plan
+from .row_sum import reduce_by_source
 from .stats import CommStats
 from .wire import FieldSpec, RowFormat
 
@@ -213,7 +214,7 @@ def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
     bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, "combine/counts")
     received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
                                         "combine/payload").wait()
-    fields_in = unpack(fmt, received, rows_from, bytes_from, codec)
+    fields_in = unpack(fmt, received, rows_from, bytes_from, codec, as_blocks=("x",))
     combined = reduce_by_source(fields_in["x"], handle.send_plan, handle.num_tokens, bias)
     combined_w = None
     if topk_weights is not None:
@@ -221,24 +222,3 @@ def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
     stats = _stats("combine", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
                    [n * fmt.row_bytes for n in rows_from], bytes_from, before)
     return combined, combined_w, stats
-
-
-def reduce_by_source(rows: torch.Tensor, plan: SendPlan, num_tokens: int,
-                     bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Sums returned rows per source token, one destination rank at a time (deterministic).
-
-    Args:
-        rows: ``[S, W]`` returned rows in ``plan.token_index`` order.
-    Returns:
-        ``[num_tokens, W]`` in ``rows``' dtype, accumulated in float32 (float64 for float64).
-    """
-    acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    acc = torch.zeros(num_tokens, rows.shape[1], dtype=acc_dtype, device=rows.device)
-    start = 0
-    for count in plan.splits():
-        segment = slice(start, start + count)
-        acc.index_add_(0, plan.token_index[segment], rows[segment].to(acc_dtype))
-        start += count
-    for b in bias:
-        acc += b.to(acc_dtype)
-    return acc.to(rows.dtype)

@@ -87,8 +87,9 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
                  if (blob is not None and f.name == payload_field)
                  else _round(n * f.nbytes, align) for f in fmt.fields)
              for n, blob in zip(row_splits, blobs)]
-    # zeros: the padding after blocks and blobs goes on the wire too (no stale memory sent)
-    data = torch.zeros(sum(sizes), dtype=torch.uint8, device=_device(values))
+    # every byte is written: blocks and blobs, and zeros in the padding after them (it goes on
+    # the wire too: no stale memory sent); not zero-filled first (a second pass over the message)
+    data = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(values))
     offset = start = 0
     for n, blob, size in zip(row_splits, blobs, sizes):
         position = offset
@@ -98,17 +99,21 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
                 data[position:position + BLOB_LENGTH_BYTES] = length.to(data.device)
                 data[position + BLOB_LENGTH_BYTES:position + BLOB_LENGTH_BYTES + blob.numel()] = \
                     blob.to(data.device)
-                position += _round(BLOB_LENGTH_BYTES + blob.numel(), align)
-                continue
-            block = data[position:position + n * f.nbytes].view(f.dtype).view(n, f.width)
-            source = values[f.name]
-            tensor = source.tensor.detach()  # Buffer calls are not differentiable; autograd.py is
-            if source.index is None:
-                block.copy_(tensor[start:start + n].reshape(n, f.width))
+                used = BLOB_LENGTH_BYTES + blob.numel()
             else:
-                out, rows = wide_pair(block, tensor.reshape(-1, f.width))
-                torch.index_select(rows, 0, source.index[start:start + n], out=out)
-            position += _round(n * f.nbytes, align)
+                block = data[position:position + n * f.nbytes].view(f.dtype).view(n, f.width)
+                source = values[f.name]
+                tensor = source.tensor.detach()  # Buffer calls are not differentiable; autograd.py is
+                if source.index is None:
+                    block.copy_(tensor[start:start + n].reshape(n, f.width))
+                else:
+                    out, rows = wide_pair(block, tensor.reshape(-1, f.width))
+                    torch.index_select(rows, 0, source.index[start:start + n], out=out)
+                used = n * f.nbytes
+            padded = _round(used, align)
+            if padded > used:
+                data[position + used:position + padded] = 0
+            position += padded
         offset += size
         start += n
     return Outbox(data, sizes, raw)
@@ -134,8 +139,14 @@ def _device(values: dict[str, RowSource]) -> torch.device:
 
 
 def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_from: list[int],
-           codec: str, payload_field: str = "x") -> dict[str, torch.Tensor]:
-    """Inverse of :func:`pack` on the receiver: ``{name: [M, width]}`` ordered by source rank."""
+           codec: str, payload_field: str = "x",
+           as_blocks: tuple[str, ...] = ()) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """Inverse of :func:`pack` on the receiver: ``{name: [M, width]}`` ordered by source rank.
+
+    Fields named in ``as_blocks`` come as a list of consecutive row blocks instead (``[m_i,
+    width]`` views of ``received`` or of the decoded rows, in source order, concatenated the
+    ``[M, width]`` rows; one ``[0, width]`` block when no rows came), for a caller that reads
+    them without concatenating them (combine's reduction)."""
     total = sum(rows_from)
     if len(rows_from) != len(bytes_from) or any(n < 0 for n in rows_from) or any(b < 0 for b in bytes_from):
         raise ValueError(f"rows_from {rows_from} and bytes_from {bytes_from} must be non-negative, one per source")
@@ -144,8 +155,10 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
     if len(fmt.fields) == 1 and codec != "lossless":
         (spec,) = fmt.fields
         if total == 0:
-            return {spec.name: torch.empty(0, spec.width, dtype=spec.dtype, device=received.device)}
-        return {spec.name: received.view(spec.dtype).view(total, spec.width)}
+            empty = torch.empty(0, spec.width, dtype=spec.dtype, device=received.device)
+            return {spec.name: [empty] if spec.name in as_blocks else empty}
+        rows = received.view(spec.dtype).view(total, spec.width)
+        return {spec.name: [rows] if spec.name in as_blocks else rows}
     align = _align(fmt)
     order = _layout_order(fmt, codec, payload_field)
     blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in fmt.fields}
@@ -190,11 +203,15 @@ def unpack(fmt: RowFormat, received: torch.Tensor, rows_from: list[int], bytes_f
         # each blob must hold exactly its rows (checked before anything is written)
         _lossless().decode_into_many(blobs, [decoded[c.first_row:c.first_row + c.rows] for c in coded],
                                      threads=_lossless().message_threads())
-    out = {}
+    out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
     for f in fmt.fields:
         parts = blocks[f.name]
         if decoded is not None and f.name == payload_field:
             out[f.name] = decoded.to(received.device)
+            if f.name in as_blocks:
+                out[f.name] = [out[f.name]]
+        elif f.name in as_blocks:
+            out[f.name] = parts or [torch.empty(0, f.width, dtype=f.dtype, device=received.device)]
         elif not parts:
             out[f.name] = torch.empty(0, f.width, dtype=f.dtype, device=received.device)
         elif len(parts) == 1:

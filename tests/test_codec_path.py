@@ -209,6 +209,44 @@ def test_lossless_message_padding_is_zero():
     assert torch.equal(again.data, out.data)
 
 
+@pytest.mark.parametrize("codec", ["none", "lossless"])
+def test_message_padding_is_zero_whatever_the_memory_held(codec, monkeypatch):
+    """pack does not zero-fill its buffer first: it writes every byte, the padding after each
+    block and blob as zeros. Here every fresh buffer starts as 0xAB bytes."""
+    from ep_comm.payload import RowSource, pack
+    from ep_comm.wire import FieldSpec, RowFormat
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(0xAB)
+                        if k.get("dtype") == torch.uint8 else real_empty(*a, **k))
+    fmt = RowFormat((FieldSpec("x", torch.bfloat16, 200), FieldSpec("src", torch.int32, 1),
+                     FieldSpec("w", torch.float32, 3)))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 200, generator=g).to(torch.bfloat16)
+    src = torch.arange(40, dtype=torch.int32).unsqueeze(1)
+    w = torch.rand(40, 3, generator=g)
+    splits = [7, 0, 13, 20]
+    out = pack(fmt, {"x": RowSource(x), "src": RowSource(src), "w": RowSource(w)}, splits, codec)
+    assert not bool((out.data == 0xAB).all())
+    offset = 0
+    for n, size in zip(splits, out.byte_splits):
+        chunk = out.data[offset:offset + size]
+        position = 0
+        # field order; a lossless blob goes last
+        blocks = ([("x", 400)] if codec == "none" else []) + [("src", 4), ("w", 12)]
+        for _, row_bytes in blocks:
+            used = n * row_bytes
+            padded = (used + 7) // 8 * 8
+            assert bool((chunk[position + used:position + padded] == 0).all()), f"{n}-row chunk"
+            position += padded
+        if codec == "lossless":
+            length = int(chunk[position:position + 8].clone().view(torch.int64)[0])
+            assert bool((chunk[position + 8 + length:] == 0).all())
+        else:
+            assert position == size
+        offset += size
+
+
 def test_lossless_message_damage_is_a_value_error():
     """A received lossless message whose chunk sizes, blob lengths or blobs are wrong raises
     ValueError, never reads past a chunk or writes a wrong row."""

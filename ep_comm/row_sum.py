@@ -1,0 +1,80 @@
+"""Combine's reduction: the rows returned to a rank, summed per source token in a fixed order.
+
+One result on every device: token ``t``'s sum is ``((0 + r_a) + r_b) + ...`` in float32 (float64
+for float64 rows) over its returned rows ``a < b < ...`` in row order (destination rank
+ascending), then each bias added, then cast to the rows' dtype. On the GPU (and for float16 /
+float64 rows) that is one ``index_add_`` per destination rank; for bf16 / float32 rows on the CPU
+it is ``ep_comm._host.sum_rows_by_token``, which makes the same additions in the same order
+straight from the received blocks (no float32 copy of the rows, no concatenation of the blocks).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .plan import SendPlan
+
+try:  # the C++ host module; without it the torch path does the same sums
+    from ep_comm import _host
+except ImportError:  # pragma: no cover - only an unbuilt checkout
+    _host = None
+
+_HOST_DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
+
+
+def reduce_by_source(rows: torch.Tensor | Sequence[torch.Tensor], plan: SendPlan, num_tokens: int,
+                     bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Sums returned rows per source token (deterministic: see the module docstring).
+
+    Args:
+        rows: ``[S, W]`` returned rows in ``plan.token_index`` order, or consecutive blocks of
+            them (``[s_i, W]`` each, e.g. one per source rank as received; concatenated they are
+            the ``[S, W]`` rows; at least one block, possibly ``[0, W]``), all of one dtype and
+            device.
+        plan: the send plan whose ``token_index [S]`` int64 names each row's token.
+        num_tokens: ``N``, rows of the result.
+        bias: up to two ``[N, W]`` tensors added to the sums.
+    Returns:
+        ``[N, W]`` in the rows' dtype, accumulated in float32 (float64 for float64 rows).
+    """
+    blocks = [rows] if isinstance(rows, torch.Tensor) else list(rows)
+    if not blocks:
+        raise ValueError("rows must be a tensor or a non-empty list of row blocks")
+    dtype, device, width = blocks[0].dtype, blocks[0].device, blocks[0].shape[1]
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if _host_can_sum(blocks, plan):
+        acc = torch.empty(num_tokens, width, dtype=torch.float32)
+        index = plan.token_index
+        _host.sum_rows_by_token(acc.data_ptr(), num_tokens, width, [b.data_ptr() for b in blocks],
+                                [b.shape[0] for b in blocks], index.data_ptr(), index.numel(),
+                                _HOST_DTYPE_CODES[dtype], max(1, torch.get_num_threads()))
+    else:
+        flat = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        acc = torch.zeros(num_tokens, width, dtype=acc_dtype, device=device)
+        start = 0
+        for count in plan.splits():
+            segment = slice(start, start + count)
+            acc.index_add_(0, plan.token_index[segment], flat[segment].to(acc_dtype))
+            start += count
+    for b in bias:
+        acc += b.to(acc_dtype)
+    return acc.to(dtype)
+
+
+def _host_can_sum(blocks: list[torch.Tensor], plan: SendPlan) -> bool:
+    """Whether the C++ host sum takes these blocks: CPU, bf16 or float32, 2-D, contiguous and
+    aligned, one dtype and width, with a CPU int64 contiguous token index of their rows."""
+    if _host is None or not hasattr(_host, "sum_rows_by_token"):
+        return False
+    first = blocks[0]
+    if first.dtype not in _HOST_DTYPE_CODES:
+        return False
+    index = plan.token_index
+    if not (index.is_cpu and index.dtype == torch.int64 and index.is_contiguous()):
+        return False
+    if index.numel() != sum(b.shape[0] for b in blocks):
+        return False
+    return all(b.is_cpu and b.dim() == 2 and b.dtype == first.dtype and b.shape[1] == first.shape[1]
+               and b.is_contiguous() and b.data_ptr() % b.element_size() == 0 and not b.is_neg()
+               and not b.is_conj() for b in blocks)
