@@ -39,15 +39,23 @@ KINDS = ("activations", "weights", "gradients")
 def build_library(out: Path, arch: str | None = None, defines: tuple[str, ...] = ()) -> Path:
     """Compiles lossless_kernels.cu into ``out`` (a shared library with the static CUDA runtime).
     ``arch``: e.g. "90"; default the current device's. ``defines``: e.g. ("EP_LOSSLESS_DEC_WARPS=8",),
-    the kernel file's tuning knobs."""
+    the kernel file's tuning knobs. ptxas's register and spill report of each kernel goes to
+    ``<out>.ptxas.txt``."""
     if arch is None:
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
-                    *(f"-D{d}" for d in defines),
-                    f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}",
-                    str(ROOT / "csrc" / "cuda" / "lossless_kernels.cu"), "-o", str(out)], check=True)
+    done = subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
+                           "-Xptxas", "-v", *(f"-D{d}" for d in defines),
+                           f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}",
+                           str(ROOT / "csrc" / "cuda" / "lossless_kernels.cu"), "-o", str(out)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise subprocess.CalledProcessError(done.returncode, done.args)
+    report = [line for line in done.stderr.splitlines()
+              if "Compiling entry function" in line or "registers" in line or "spill" in line]
+    Path(f"{out}.ptxas.txt").write_text(f"{out.name} ({' '.join(defines) or 'default'}):\n" + "\n".join(report) + "\n")
     return out
 
 

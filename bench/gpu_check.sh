@@ -5,12 +5,17 @@
 #   bench/gpu_check.sh            # OUT=dir for the logs (default bench/out), PYTHON=... to pick python
 #   bench/gpu_check.sh codec      # only the codec steps (1 without the CUDA build, and 2)
 #
-# Order (most wanted first; each step has its own time limit, a failing step does not stop the rest):
+# Order (most wanted first; each step has its own time limit, a failing step does not stop the rest,
+# and the whole run keeps to DEADLINE seconds, default 540, under the device tool's 600 s per
+# command: a step gets at most the time left, and a step that would get under 20 s is skipped):
 #   1. the host codec build (g++), then in the background the CUDA extension build;
-#   2. meanwhile the lossless codec kernels: GPU tests (byte identity with the host encoder,
-#      corruption statuses) and bench/codec_gpu.py (throughput vs the device copy);
-#   3. the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
-#   4. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy).
+#   2. meanwhile the lossless codec kernels (default build): GPU tests (byte identity with the
+#      host encoder, corruption statuses) and bench/codec_gpu.py (throughput vs the device copy);
+#   3. the codecs through the public API on CUDA tensors (never run on a GPU yet): their tests
+#      and bench/codec_device_api.py (needs the CUDA build);
+#   4. the decoder variants prepared by gpu_prepare.sh: tests and throughput, registers logged;
+#   5. the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
+#   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy); 7. ncu profiles.
 # Prepared pieces in .gpu_carry/ (made by bench/gpu_prepare.sh on a machine without a GPU) are used
 # when they match: real tensors for the codec benchmark, the codec kernel library, and the CUDA
 # objects (only when csrc/ and the NVSHMEM wheel's version are those they were built from).
@@ -31,92 +36,122 @@ LOG="$OUT/log.txt"
 say() { echo "== [$(( $(date +%s) - start )) s] $*" | tee -a "$LOG"; }
 csrc_hash() { find csrc -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16; }
 
+DEADLINE=${DEADLINE:-540}
+# step NAME SECONDS: announces a step and sets T to its time limit (SECONDS, or the time left
+# before DEADLINE when less); returns 1 (step skipped) when under 20 s would be left
+step() {
+  local left=$(( DEADLINE - ($(date +%s) - start) ))
+  T=$(( $2 < left ? $2 : left ))
+  if [ $T -lt 20 ]; then say "SKIPPED (${left} s left before the ${DEADLINE} s deadline): $1"; return 1; fi
+  say "$1 (limit ${T} s)"
+}
+
 say "environment"
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())'
-  $PY -m pip list 2>/dev/null | grep -iE "^(nvidia-nvshmem|cuda-bindings|cuda-python|pybind11|pytest|hypothesis|rich|numpy) "
-  $CUDA_HOME/bin/nvcc --version | tail -2
-  $PY -c 'import sysconfig, os; p = sysconfig.get_paths()["include"]; print("Python.h:", os.path.exists(p + "/Python.h"), p)'
+  timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  timeout 60 $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+  timeout 30 $PY -m pip list 2>/dev/null | grep -iE "^(nvidia-nvshmem|cuda-bindings|cuda-python|pybind11|pytest|hypothesis|rich|numpy) "
+  timeout 20 $CUDA_HOME/bin/nvcc --version | tail -2
+  timeout 20 $PY -c 'import sysconfig, os; p = sysconfig.get_paths()["include"]; print("Python.h:", os.path.exists(p + "/Python.h"), p)'
 } 2>&1 | tee -a "$LOG"
 
-say "host build (EP_COMM_CUDA=0)"
-EP_COMM_CUDA=0 timeout 90 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; say "HOST BUILD FAILED"; }
+step "host build (EP_COMM_CUDA=0)" 90 || true
+EP_COMM_CUDA=0 timeout $T $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; say "HOST BUILD FAILED"; }
 
 # CUDA objects prepared elsewhere: only when the sources and NVSHMEM's version match
 nvshmem_version=$($PY -m pip show nvidia-nvshmem-cu13 2>/dev/null | sed -n 's/^Version: //p')
 temp=build/$($PY -c 'import sys, sysconfig; print(f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")')/ep_comm_cuda
-if [ -d $CARRY/ep_comm_cuda ] && [ "$(cat $CARRY/nvshmem_version 2>/dev/null)" = "$nvshmem_version" ] \
-   && [ "$(cat $CARRY/csrc_hash 2>/dev/null)" = "$(csrc_hash)" ]; then
+prepared=0; [ "$(cat $CARRY/csrc_hash 2>/dev/null)" = "$(csrc_hash)" ] && prepared=1
+if [ -d $CARRY/ep_comm_cuda ] && [ "$(cat $CARRY/nvshmem_version 2>/dev/null)" = "$nvshmem_version" ] && [ $prepared = 1 ]; then
   mkdir -p "$temp" && cp $CARRY/ep_comm_cuda/*.o "$temp/" && touch -d "@$(date +%s)" "$temp"/*.o
   say "using the prepared CUDA objects (NVSHMEM $nvshmem_version)"
 else
-  say "building every CUDA object here (NVSHMEM here: $nvshmem_version)"
+  say "building every CUDA object here (NVSHMEM here: $nvshmem_version; prepared csrc hash matches: $prepared)"
 fi
 ONLY=${1:-all}
-[ "$ONLY" = codec ] || say "CUDA build in the background"
 if [ "$ONLY" = codec ]; then build_pid=""; else
-( EP_COMM_CUDA=1 timeout 240 $PY setup.py build_ext --inplace >> "$OUT/build.log" 2>&1; echo $? > "$OUT/.cuda_build_rc" ) &
-build_pid=$!
+  say "CUDA build in the background"
+  ( EP_COMM_CUDA=1 timeout 240 $PY setup.py build_ext --inplace >> "$OUT/build.log" 2>&1; echo $? > "$OUT/.cuda_build_rc" ) &
+  build_pid=$!
 fi
 
-say "lossless codec: GPU tests"
-libs=""
-if [ "$(cat $CARRY/csrc_hash 2>/dev/null)" = "$(csrc_hash)" ]; then libs=$(ls $PWD/$CARRY/libep_codec*.so 2>/dev/null); fi
+# the codec kernel libraries: the prepared default build and its variants (or one built here)
+libs=""; [ $prepared = 1 ] && libs=$(ls $PWD/$CARRY/libep_codec*.so 2>/dev/null)
 lib=""; [ -f $CARRY/libep_codec.so ] && [ -n "$libs" ] && lib=$PWD/$CARRY/libep_codec.so
-for l in ${libs:-""}; do  # the default build and each prepared variant (or one built here)
-  EP_COMM_CODEC_GPU_LIB=$l timeout 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_codec_lossless_gpu.py \
+codec_tests() {  # $1: library ("" = build one here)
+  EP_COMM_CODEC_GPU_LIB=$1 timeout $T $PY -m pytest -q -p no:cacheprovider tests/gpu/test_codec_lossless_gpu.py \
     -rfE -x --maxfail=3 >> "$OUT/codec_tests.log" 2>&1
-  say "codec tests ${l##*/} rc=$?: $(tail -1 "$OUT/codec_tests.log")"
-done
-
-say "lossless codec: GPU throughput"
+  say "codec tests ${1##*/} rc=$?: $(tail -1 "$OUT/codec_tests.log")"
+}
+if step "lossless codec: GPU tests (default build)" 90; then codec_tests "$lib"; fi
 if [ -f $CARRY/tensors.pt ]; then
-  timeout 100 $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --chunk-values 65536,16384 \
-    --json "$OUT/codec_gpu.json" >> "$LOG" 2>&1
-  say "codec bench rc=$?"
-  if [ "$(echo $libs | wc -w)" -gt 1 ]; then
-    timeout 100 $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt $(for l in $libs; do echo --lib $l; done) \
-      --kinds activations,gradients --chunk-values 65536 >> "$LOG" 2>&1
-    say "codec variants rc=$?"
-  fi
-  if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
-    timeout 120 ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-      $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --once --gpu-mb 256 \
-      > "$OUT/ncu.log" 2>&1
-    say "ncu rc=$?"
+  if step "lossless codec: GPU throughput (default build)" 100; then
+    timeout $T $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --chunk-values 65536,8192 \
+      --json "$OUT/codec_gpu.json" >> "$LOG" 2>&1
+    say "codec bench rc=$?"
   fi
 else
   say "no $CARRY/tensors.pt (bench/gpu_prepare.sh makes it): codec throughput skipped"
 fi
 
+if [ "$ONLY" != codec ]; then
+  say "waiting for the CUDA build"
+  wait $build_pid
+  say "CUDA build rc=$(cat "$OUT/.cuda_build_rc" 2>/dev/null) ($(grep -c 'bin/nvcc ' "$OUT/build.log") nvcc runs)"
+  timeout 60 $PY -c "import json, ep_comm._build as b; print(json.dumps(b.build_info()))" >> "$LOG" 2>&1 || tail -30 "$OUT/build.log" >> "$LOG"
+  export EP_COMM_GPU_REPORT="$OUT/report.txt"; rm -f "$EP_COMM_GPU_REPORT"
+  per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 100"
+  if step "codecs through the public API on CUDA tensors: tests" 90; then
+    timeout $T $PY -m pytest -q -p no:cacheprovider tests/gpu/test_codecs_device.py -rA $per_test \
+      > "$OUT/codecs_device_tests.log" 2>&1
+    say "codecs device tests rc=$?: $(tail -1 "$OUT/codecs_device_tests.log")"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/codecs_device_tests.log" | cut -c1-300 >> "$LOG"
+  fi
+  if step "codecs through the public API on CUDA tensors: per-message cost" 60; then
+    tensors_arg=""; [ -f $CARRY/tensors.pt ] && tensors_arg="--tensors $CARRY/tensors.pt"
+    timeout $T $PY bench/codec_device_api.py $tensors_arg --json "$OUT/codec_device_api.json" \
+      > "$OUT/codec_device_api.log" 2>&1
+    say "codec_device_api rc=$?"
+    cut -c1-300 "$OUT/codec_device_api.log" >> "$LOG"
+  fi
+fi
+
+# decoder variants: registers and spills as ptxas reported them (gpu_prepare.sh), tests, throughput
+if [ "$(echo $libs | wc -w)" -gt 1 ]; then
+  cat $CARRY/*.ptxas.txt >> "$LOG" 2>/dev/null
+  for l in $libs; do
+    [ "$l" = "$lib" ] && continue
+    if step "codec tests, variant ${l##*/}" 60; then codec_tests "$l"; fi
+  done
+  if [ -f $CARRY/tensors.pt ] && step "codec throughput, every build" 100; then
+    timeout $T $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt $(for l in $libs; do echo --lib $l; done) \
+      --kinds activations,gradients --chunk-values 65536 >> "$LOG" 2>&1
+    say "codec variants rc=$?"
+  fi
+fi
 if [ "$ONLY" = codec ]; then say "done (codec only)"; exit 0; fi
-say "waiting for the CUDA build"
-wait $build_pid
-say "CUDA build rc=$(cat "$OUT/.cuda_build_rc" 2>/dev/null) ($(grep -c 'bin/nvcc ' "$OUT/build.log") nvcc runs)"
-$PY -c "import json, ep_comm._build as b; print(json.dumps(b.build_info()))" >> "$LOG" 2>&1 || tail -30 "$OUT/build.log" >> "$LOG"
 
-say "other GPU tests"
-export EP_COMM_GPU_REPORT="$OUT/report.txt"; rm -f "$EP_COMM_GPU_REPORT"
-per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 100"
-timeout 170 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_codec_lossless_gpu.py \
-  -rA $per_test > "$OUT/gpu_tests.log" 2>&1
-say "GPU tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests.log" | cut -c1-300 >> "$LOG"
+if step "other GPU tests" 170; then
+  timeout $T $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_codec_lossless_gpu.py \
+    --ignore tests/gpu/test_codecs_device.py -rA $per_test > "$OUT/gpu_tests.log" 2>&1
+  say "GPU tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests.log" | cut -c1-300 >> "$LOG"
+fi
 
-say "codecs through the public API on CUDA tensors (per-message cost)"
-tensors_arg=""; [ -f $CARRY/tensors.pt ] && tensors_arg="--tensors $CARRY/tensors.pt"
-timeout 60 $PY bench/codec_device_api.py $tensors_arg --json "$OUT/codec_device_api.json" \
-  > "$OUT/codec_device_api.log" 2>&1
-say "codec_device_api rc=$?"
-cat "$OUT/codec_device_api.log" | cut -c1-300 >> "$LOG"
-
-say "dispatch/combine benchmark"
 for channels in 8 24; do  # intranode channels (two SMs each): DeepEP's default uses about 24 SMs
-  timeout 40 $PY bench/gpu_bench.py --channels $channels >> "$OUT/gpu_bench.log" 2>&1
-  say "gpu_bench --channels $channels rc=$?"
-  tail -1 "$OUT/gpu_bench.log" | cut -c1-2000 >> "$LOG"
+  if step "dispatch/combine benchmark, $channels channels" 40; then
+    timeout $T $PY bench/gpu_bench.py --channels $channels >> "$OUT/gpu_bench.log" 2>&1
+    say "gpu_bench --channels $channels rc=$?"
+    tail -1 "$OUT/gpu_bench.log" | cut -c1-2000 >> "$LOG"
+  fi
 done
+
+if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && [ -f $CARRY/tensors.pt ] && step "ncu profile of the codec kernels" 120; then
+  timeout $T ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --once --gpu-mb 256 \
+    > "$OUT/ncu.log" 2>&1
+  say "ncu rc=$?"
+fi
 rm -f "$OUT/.cuda_build_rc"
 say "done"

@@ -13,16 +13,18 @@ PY=${PYTHON:-.venv/bin/python}
 CARRY=.gpu_carry
 mkdir -p $CARRY/ep_comm_cuda
 [ -f $CARRY/tensors.pt ] || $PY bench/codec_bench.py --save-tensors $CARRY/tensors.pt --max-mb 10
-$PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
 # tuning variants of the same kernels (gpu_check.sh tests and times each beside the default):
 # "name:MACRO=value[,MACRO=value...]" separated by spaces. By default the decoder options not yet
-# measured on a GPU: L1 prefetch 256 B / 1 KiB ahead (with L1 left beside shared memory), register windows at 48 and 64 registers
-# (EP_CODEC_VARIANTS="" for none).
-rm -f $CARRY/libep_codec_*.so
+# measured on a GPU: L1 prefetch 256 B / 1 KiB ahead (with L1 left beside shared memory), register
+# windows capped at 48 registers (10 blocks per SM; ptxas spills about 20 bytes there) and at 64
+# (8 blocks per SM: 62 registers, no spills); each library's ptxas report is kept beside it
+# (<lib>.ptxas.txt, logged by gpu_check.sh). EP_CODEC_VARIANTS="" for none.
+rm -f $CARRY/libep_codec*.so $CARRY/libep_codec*.ptxas.txt
 default_variants="dec_pf256:EP_LOSSLESS_DEC_PREFETCH=256,EP_LOSSLESS_DEC_CARVEOUT=60"
 default_variants+=" dec_pf1k:EP_LOSSLESS_DEC_PREFETCH=1024,EP_LOSSLESS_DEC_CARVEOUT=60"
 default_variants+=" dec_win48:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
-default_variants+=" dec_win64:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_FULL_OCCUPANCY=0"
+default_variants+=" dec_win64:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=8"
+$PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
 for variant in ${EP_CODEC_VARIANTS-$default_variants}; do
   defines=()
   IFS=, read -ra macros <<< "${variant#*:}"

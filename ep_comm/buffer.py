@@ -1,8 +1,10 @@
 """Buffer: the public facade with DeepEP's V1 calls (layout, dispatch, combine, low-latency)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -47,6 +49,11 @@ class Buffer:
             portable backend allocates per call and ignores them).
         low_latency_mode: whether the low-latency calls will be used (kept for DeepEP parity).
         num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM backend).
+        allow_nvlink_for_low_latency_mode / allow_mnnvl / use_fabric / explicitly_destroy: DeepEP's
+            flags, accepted and kept as attributes (the low-latency kernels here use NVLink peers
+            whenever NVSHMEM reaches them; ``destroy()`` may be called either way).
+        enable_shrink: must be False (DeepEP's mask-buffer calls are not provided: ``mask_ranks``
+            / ``unmask_ranks`` take failed ranks out instead); comm: must be None.
         backend: ``"auto"`` (NVSHMEM when built and on NVIDIA GPUs, else torch), ``"torch"`` or
             ``"nvshmem"``. With NVSHMEM and 1..8 ranks on one host, normal and low-latency calls
             run the fused CUDA kernels (``ep_comm.fused``; ``kernel_plan`` says which and why);
@@ -75,11 +82,24 @@ class Buffer:
     num_sms: int = 20
 
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24, *, backend: str = "auto",
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: object | None = None, *, backend: str = "auto",
                  timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None,
                  ranks_per_node: int | None = None) -> None:
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+        for name, flag in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                           ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
+                           ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
+            if not isinstance(flag, (bool, int)) or flag not in (0, 1):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if enable_shrink:
+            raise ValueError("enable_shrink=True: DeepEP's low-latency mask-buffer calls are not provided; "
+                             "Buffer.mask_ranks / unmask_ranks take failed ranks out of every call instead")
+        if comm is not None:
+            raise ValueError("comm: ep_comm runs over the torch.distributed group only; pass comm=None")
         check_nonneg_int("num_nvl_bytes", num_nvl_bytes)
         check_nonneg_int("num_rdma_bytes", num_rdma_bytes)
         check_nonneg_int("num_qps_per_rank", num_qps_per_rank, positive=True)
@@ -99,6 +119,10 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.allow_mnnvl = bool(allow_mnnvl)
+        self.use_fabric = bool(use_fabric)
+        self.explicitly_destroy = bool(explicitly_destroy)
         self.timeout_s = float(timeout_s)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -187,6 +211,11 @@ class Buffer:
             self._fused.close()
         if self._two_hop is not None:
             self._two_hop.close()
+
+    def destroy(self) -> None:
+        """DeepEP's name for releasing the Buffer (code built with ``explicitly_destroy=True``
+        calls it): the same as :meth:`close`."""
+        self.close()
 
     def placement(self, num_experts: int) -> ExpertPlacement:
         """The expert -> rank map for ``num_experts`` experts."""
@@ -406,9 +435,8 @@ class Buffer:
 
         if handle is not None:
             self._check_handle(handle, "handle")
-            if num_tokens != handle.num_tokens or hidden != handle.hidden:
-                raise ValueError(f"x has shape [{num_tokens}, {hidden}] but handle was made for "
-                                 f"[{handle.num_tokens}, {handle.hidden}]")
+            if num_tokens != handle.num_tokens:  # the hidden size may differ (the layout is per token)
+                raise ValueError(f"x has {num_tokens} tokens but handle was made for {handle.num_tokens}")
             if handle.node_plan is not None:
                 recv_x, stats = hierarchical.cached_dispatch(self._node_transports, handle, x, codec_name)
             else:
@@ -417,10 +445,12 @@ class Buffer:
             recv_x = self._pad_rows(recv_x, handle.num_worst_tokens)
             return recv_x, None, None, None, None, finish_event(async_finish, self.device)
 
-        if topk_idx is None:
-            raise ValueError("topk_idx is required for a dispatch without a handle")
-        num_experts = self._infer_num_experts(num_tokens_per_expert)
         x_device = (x[0] if isinstance(x, tuple) else x).device
+        if topk_idx is None:
+            return self._dispatch_without_topk(x, num_tokens, is_token_in_rank, num_tokens_per_expert,
+                                               topk_weights, expert_alignment, num_worst_tokens, codec_name,
+                                               async_finish, x_device)
+        num_experts = self._infer_num_experts(num_tokens_per_expert)
         topk_idx = check_topk_idx(topk_idx, num_experts, x_device, num_tokens)
         if topk_weights is not None:
             topk_weights = check_topk_weights(topk_weights, topk_idx, x_device)
@@ -452,6 +482,11 @@ class Buffer:
             out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
                                   is_token_in_rank, placement, codec_name)
         self._record(out.stats, dropped)
+        return self._dispatch_result(out, out.counts_per_expert, expert_alignment, num_worst_tokens, async_finish)
+
+    def _dispatch_result(self, out: normal.DispatchOutput, counts_per_expert: torch.Tensor,
+                         expert_alignment: int, num_worst_tokens: int, async_finish: bool):
+        """A fresh dispatch's return tuple (padded to ``num_worst_tokens`` when > 0)."""
         handle_out = replace(out.handle, mask_epoch=self.mask_epoch)
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
         if num_worst_tokens > 0:
@@ -464,9 +499,50 @@ class Buffer:
             recv_w = _pad(recv_w, num_worst_tokens, 0)
             counts_list: list[int] = []
         else:
-            counts_list = align_up(out.counts_per_expert.tolist(), expert_alignment)
+            counts_list = align_up(counts_per_expert.tolist(), expert_alignment)
         event = finish_event(async_finish, self.device)
         return recv_x, recv_topk, recv_w, counts_list, handle_out, event
+
+    def _dispatch_without_topk(self, x, num_tokens: int, is_token_in_rank: torch.Tensor | None,
+                               num_tokens_per_expert: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                               expert_alignment: int, num_worst_tokens: int, codec: str, async_finish: bool,
+                               x_device: torch.device):
+        """DeepEP's dispatch from the layout alone: rows go where ``is_token_in_rank`` says;
+        ``recv_topk_idx`` / ``recv_topk_weights`` are None and the per-expert counts are the
+        senders' ``num_tokens_per_expert`` for this rank's experts, summed (one more exchange)."""
+        if topk_weights is not None:
+            raise ValueError("topk_weights needs topk_idx (which experts the weights belong to)")
+        if is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("a dispatch without topk_idx (and without a handle) needs is_token_in_rank "
+                             "and num_tokens_per_expert, as get_dispatch_layout returns them")
+        require_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), dim=2, device=x_device)
+        require_shape("is_token_in_rank", is_token_in_rank, (num_tokens, self.group_size))
+        num_experts = self._infer_num_experts(num_tokens_per_expert)
+        check_num_experts(num_experts, self.group_size, self._placement is not None)
+        if num_tokens_per_expert.dtype not in (torch.int32, torch.int64) or bool((num_tokens_per_expert < 0).any()):
+            raise ValueError("num_tokens_per_expert must hold non-negative int32/int64 counts")
+        placement = self.placement(num_experts)
+        if self.masked_ranks:
+            dead = torch.zeros(self.group_size, dtype=torch.bool, device=is_token_in_rank.device)
+            dead[list(self.masked_ranks)] = True
+            is_token_in_rank = is_token_in_rank & ~dead
+        if self._node_transports is not None:
+            out = hierarchical.dispatch(self._node_transports, self.buffer_id, x, None, None,
+                                        is_token_in_rank, placement, codec)
+        else:
+            out = normal.dispatch(self.transport, self.buffer_id, x, None, None, is_token_in_rank, placement, codec)
+        self._record(out.stats)
+        # rank r is sent the counts of its own experts (rows padded to the largest expert count)
+        per_rank = [placement.local_experts(r) for r in range(self.group_size)]
+        width = max(1, max(e.numel() for e in per_rank))
+        table = torch.zeros(self.group_size, width, dtype=torch.int64)
+        counts = num_tokens_per_expert.to("cpu", torch.int64)
+        for r, experts in enumerate(per_rank):
+            table[r, :experts.numel()] = counts[experts]
+        received = self.transport.exchange_counts(table, "dispatch/expert_counts")
+        live = [r for r in range(self.group_size) if r not in self.masked_ranks]
+        mine = received[live].sum(0)[:per_rank[self.rank].numel()]
+        return self._dispatch_result(out, mine, expert_alignment, num_worst_tokens, async_finish)
 
     def _infer_num_experts(self, num_tokens_per_expert: torch.Tensor | None) -> int:
         if num_tokens_per_expert is not None:
@@ -571,7 +647,8 @@ class Buffer:
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False, *,
-                             cumulative_local_expert_recv_stats: torch.Tensor | None = None):
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None):
         """Decode-time dispatch into fixed per-expert slots.
 
         Args:
@@ -581,6 +658,9 @@ class Buffer:
                 scales (power-of-two with ``round_scale``; packed UE8M0 with ``use_ue8m0``).
             return_recv_hook: return right after sending; calling the hook completes the receive.
             cumulative_local_expert_recv_stats: optional ``[L]`` int32, incremented by recv_count.
+            dispatch_wait_recv_cost_stats: optional ``[R]`` int64 (DeepEP's slow-peer statistics):
+                each entry of a live source rank grows by the nanoseconds this rank waited in the
+                receive (the transports here receive from every source at once, so all grow alike).
         Returns:
             ``(recv_x, recv_count [L]`` int32, ``handle``, ``event``, ``hook`` or None): ``recv_x``
             is ``[L, R * T, H]`` bf16 or ``(e4m3 [L, R*T, H], scales [L, R*T, H // 128]`` float32
@@ -616,6 +696,7 @@ class Buffer:
                            dtypes=(torch.int32, torch.int64), dim=1, device=self._input_device)
             require_shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           (num_local,))
+        self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
         area = self._low_latency_receive_area(num_local, num_max_dispatch_tokens_per_rank, x, use_fp8,
                                               use_ue8m0)
@@ -633,7 +714,8 @@ class Buffer:
             mask_epoch=self.mask_epoch, kernel=out.kernel)
 
         def receive() -> None:
-            out.receive()
+            with self._waited(dispatch_wait_recv_cost_stats):
+                out.receive()
             if cumulative_local_expert_recv_stats is not None and not handle.stats_added:
                 cumulative_local_expert_recv_stats.add_(out.recv_count.to(
                     cumulative_local_expert_recv_stats.dtype))
@@ -663,10 +745,47 @@ class Buffer:
         self._ll_turn ^= 1
         return areas[self._ll_turn]
 
+    def _check_wait_stats(self, name: str, stats: torch.Tensor | None) -> None:
+        if stats is not None:
+            require_tensor(name, stats, dtypes=(torch.int64,), dim=1, device=self._input_device)
+            require_shape(name, stats, (self.group_size,))
+            if not stats.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+
+    @contextlib.contextmanager
+    def _waited(self, stats: torch.Tensor | None):
+        """Adds the nanoseconds spent in the block to every live source rank's entry of ``stats``."""
+        started = time.perf_counter_ns()
+        yield
+        if stats is not None:
+            live = torch.ones(self.group_size, dtype=torch.bool)
+            live[list(self.masked_ranks)] = False
+            stats.add_(live.to(stats.device, torch.int64) * (time.perf_counter_ns() - started))
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """DeepEP's reset of the low-latency buffer before low-latency calls that follow normal
+        ones. The calls here keep no state across them that needs it: this checks the arguments
+        and drops the Buffer's cached low-latency receive tensors. No communication."""
+        check_nonneg_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, positive=True)
+        check_nonneg_int("hidden", hidden, positive=True)
+        check_num_experts(num_experts, self.group_size, self._placement is not None)
+        self._ll_receive_areas.clear()
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A ``[L, R * T, H]`` bf16 tensor for the expert outputs of ``handle``'s tokens, to fill
+        and pass as ``x`` to :meth:`low_latency_combine` (DeepEP's zero-copy combine input; here a
+        new tensor on the dispatch's device each call, so two batches in flight never share one)."""
+        self._check_handle(handle, "handle", LowLatencyHandle)
+        slots = self.group_size * handle.num_max_dispatch_tokens_per_rank
+        return torch.empty(handle.num_local_experts, slots, handle.hidden, dtype=torch.bfloat16,
+                           device=handle.topk_idx.device)
+
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, async_finish: bool = False,
                             return_recv_hook: bool = False, *, zero_copy: bool = False,
-                            out: torch.Tensor | None = None):
+                            out: torch.Tensor | None = None, use_logfmt: bool = False,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
         """Returns expert outputs and reduces them with the top-k weights.
 
         Args:
@@ -676,8 +795,13 @@ class Buffer:
             handle: the ``LowLatencyHandle`` of the dispatch (its receive must be complete).
             return_recv_hook: return after sending; the hook completes the receive into the
                 returned tensor.
-            zero_copy: accepted for DeepEP parity (no effect on this backend).
+            zero_copy: accepted for DeepEP parity (no effect: ``x`` may come from
+                :meth:`get_next_low_latency_combine_buffer` or anywhere else).
             out: optional ``[N, H]`` bf16 output tensor.
+            use_logfmt: accepted for DeepEP parity; the expert outputs are sent as exact bf16
+                either way (no LogFMT compression).
+            combine_wait_recv_cost_stats: optional ``[R]`` int64, as ``dispatch_wait_recv_cost_stats``
+                of :meth:`low_latency_dispatch`.
         Returns:
             ``(combined_x [N, H]`` bf16, ``event``, ``hook`` or None), where
             ``combined_x[i] = sum_k topk_weights[i, k] * x[expert of k][slot of i]``.
@@ -698,6 +822,9 @@ class Buffer:
         if out is not None:
             require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
             require_shape("out", out, (topk_idx.shape[0], handle.hidden))
+        if not isinstance(use_logfmt, (bool, int)) or use_logfmt not in (0, 1):
+            raise ValueError(f"use_logfmt must be a bool, got {use_logfmt!r}")
+        self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
         if handle.kernel is not None and self._fused is not None:
             finish, stats = self._fused.low_latency_combine(x, topk_idx, topk_weights, handle.kernel, out)
         else:
@@ -710,7 +837,9 @@ class Buffer:
 
         def receive() -> None:
             if not done[0]:
-                result.copy_(finish())
+                with self._waited(combine_wait_recv_cost_stats):
+                    received = finish()
+                result.copy_(received)
                 done[0] = True
 
         hook: Callable[[], None] | None = receive

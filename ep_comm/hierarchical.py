@@ -33,6 +33,7 @@ from .normal import (
     _payload_values,
     _row_rank,
     _start_count_exchange,
+    quantize_for_codec,
 )
 from .payload import RowSource, pack, unpack
 from .placement_map import ExpertPlacement
@@ -78,11 +79,13 @@ class _Ledger:
 
 
 def _hop(groups: NodeTransports, on_rail: bool, fmt: RowFormat, values: dict[str, RowSource],
-         row_splits: list[int], codec: str, phase: str, rows_from: list[int] | None) -> _Hop:
-    """Packs, sends and unpacks one hop; ``rows_from`` None: learn the row counts first."""
+         row_splits: list[int], codec: str, phase: str, rows_from: list[int] | None,
+         raw_delta: int = 0) -> _Hop:
+    """Packs, sends and unpacks one hop; ``rows_from`` None: learn the row counts first.
+    ``raw_delta``: raw bytes per row beyond ``fmt`` (FP8-quantized rows, see pack)."""
     transport: Transport = groups.rail if on_rail else groups.node
     try:
-        outbox = pack(fmt, values, row_splits, codec)
+        outbox = pack(fmt, values, row_splits, codec, raw_row_delta=raw_delta)
         if rows_from is None:
             table = _start_count_exchange(transport, row_splits, outbox.byte_splits, f"{phase}/counts").wait()
             table = table.view(torch.int64).view(transport.num_ranks, 2).cpu()
@@ -95,7 +98,7 @@ def _hop(groups: NodeTransports, on_rail: bool, fmt: RowFormat, values: dict[str
         raise groups.map_timeout(error, on_rail) from error
     fields = unpack(fmt, received, rows_from, bytes_from, codec)
     return _Hop(fields, rows_from, outbox.raw_byte_splits, outbox.byte_splits,
-                [n * fmt.row_bytes for n in rows_from], bytes_from)
+                [n * (fmt.row_bytes + raw_delta) for n in rows_from], bytes_from)
 
 
 def _payload(fields: dict[str, torch.Tensor], like: Payload) -> Payload:
@@ -128,10 +131,7 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
     """
     topo = groups.topology
     before = groups.num_collectives
-    if codec == "fp8":
-        from .codecs import fp8
-
-        x = fp8.quantize(x)
+    x, raw_delta = quantize_for_codec(x, codec)
     me = groups.rank
     nodes, per_node = topo.num_nodes, topo.ranks_per_node
     ledger = _Ledger(topo.num_ranks)
@@ -153,7 +153,7 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
             fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
             values["weights"] = RowSource(topk_weights, rail_plan.token_index)
     rail_fmt = RowFormat(tuple(fields))
-    hop1 = _hop(groups, True, rail_fmt, values, rail_plan.splits(), codec, "dispatch/rail", None)
+    hop1 = _hop(groups, True, rail_fmt, values, rail_plan.splits(), codec, "dispatch/rail", None, raw_delta)
     ledger.add(hop1, groups.rail_members)
     got = hop1.fields
     rail_recv_counts = torch.tensor(hop1.rows_from, dtype=torch.int64)
@@ -184,7 +184,7 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
     except CommTimeoutError as error:
         raise groups.map_timeout(error, False) from error
     hop2 = _hop(groups, False, node_fmt, values2, forward_plan.splits(), codec, "dispatch/node",
-                node_table.sum(1).tolist())
+                node_table.sum(1).tolist(), raw_delta)
     ledger.add(hop2, groups.node_members)
 
     order = node_receive_order(node_table)
@@ -208,16 +208,16 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
 
 
 def _forwarded(groups: NodeTransports, plan: NodePlan, fmt: RowFormat, rail_values: dict[str, RowSource],
-               codec: str, phase: str, ledger: _Ledger) -> dict[str, torch.Tensor]:
+               codec: str, phase: str, ledger: _Ledger, raw_delta: int = 0) -> dict[str, torch.Tensor]:
     """Cached two-hop send of fields that need no per-destination rewrite; returns them in
     contract order on the receiver."""
     hop1 = _hop(groups, True, fmt, rail_values, plan.rail_plan.splits(), codec, f"{phase}/rail",
-                plan.rail_recv_counts.tolist())
+                plan.rail_recv_counts.tolist(), raw_delta)
     ledger.add(hop1, groups.rail_members)
     fwd = plan.forward_plan.token_index
     values = {name: RowSource(t, fwd) for name, t in hop1.fields.items()}
     hop2 = _hop(groups, False, fmt, values, plan.forward_plan.splits(), codec, f"{phase}/node",
-                plan.node_recv_counts.sum(1).tolist())
+                plan.node_recv_counts.sum(1).tolist(), raw_delta)
     ledger.add(hop2, groups.node_members)
     return _take(hop2.fields, plan.recv_order)
 
@@ -230,14 +230,11 @@ def cached_dispatch(groups: NodeTransports, handle: DispatchHandle, x: Payload,
     if plan is None:
         raise ValueError("handle was made by a flat dispatch: it has no node plan")
     before = groups.num_collectives
-    if codec == "fp8":
-        from .codecs import fp8
-
-        x = fp8.quantize(x)
+    x, raw_delta = quantize_for_codec(x, codec)
     ledger = _Ledger(groups.topology.num_ranks)
     fmt = RowFormat(_payload_fields(x))
     final = _forwarded(groups, plan, fmt, _payload_values(x, plan.rail_plan.token_index), codec,
-                       "cached_dispatch", ledger)
+                       "cached_dispatch", ledger, raw_delta)
     stats = ledger.stats("cached_dispatch", codec, groups.rank, groups.num_collectives - before)
     return _payload(final, x), stats
 

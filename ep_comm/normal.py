@@ -14,7 +14,7 @@ import torch
 from .backends.base import Transport
 from .handle import DispatchHandle
 from .layout import count_per_local_expert, localize_rows
-from .payload import RowSource, chunk_bytes, pack, unpack
+from .payload import RowSource, chunk_bytes, fp8_raw_row_delta, pack, unpack
 from .placement_map import ExpertPlacement
 from .plan import build_send_plan
 from .row_sum import reduce_by_source
@@ -82,10 +82,7 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
     """
     before = transport.num_collectives
     rank = transport.rank
-    if codec == "fp8":
-        from .codecs import fp8
-
-        x = fp8.quantize(x)
+    x, raw_delta = quantize_for_codec(x, codec)
     plan = build_send_plan(is_token_in_rank)
     row_splits = plan.splits()
     fields = list(_payload_fields(x))
@@ -108,7 +105,7 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
         values["topk"] = RowSource(local.to(torch.int32))
         if local_w is not None:
             values["weights"] = RowSource(local_w)
-    outbox = pack(fmt, values, row_splits, codec)
+    outbox = pack(fmt, values, row_splits, codec, raw_row_delta=raw_delta)
     if pending_counts is None:
         pending_counts = _start_count_exchange(transport, row_splits, outbox.byte_splits)
     received_table = pending_counts.wait().view(torch.int64).view(transport.num_ranks, 2).cpu()
@@ -138,7 +135,7 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
         num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0, hidden=hidden,
         num_experts=placement.num_experts,
         recv_src_token_index=fields_in["src"].reshape(-1).to(torch.int64))
-    recv_raw = [n * fmt.row_bytes for n in rows_from]
+    recv_raw = [n * (fmt.row_bytes + raw_delta) for n in rows_from]
     stats = _stats("dispatch", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
                    recv_raw, bytes_from, before)
     return DispatchOutput(recv_x, recv_topk, recv_w, counts, handle, stats)
@@ -152,13 +149,10 @@ def cached_dispatch(transport: Transport, handle: DispatchHandle,
     Returns ``([M, H]`` rows ordered like the original dispatch, stats).
     """
     before = transport.num_collectives
-    if codec == "fp8":
-        from .codecs import fp8
-
-        x = fp8.quantize(x)
+    x, raw_delta = quantize_for_codec(x, codec)
     plan = handle.send_plan
     fmt = RowFormat(_payload_fields(x))
-    outbox = pack(fmt, _payload_values(x, plan.token_index), plan.splits(), codec)
+    outbox = pack(fmt, _payload_values(x, plan.token_index), plan.splits(), codec, raw_row_delta=raw_delta)
     rows_from = handle.recv_counts.tolist()
     bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, "cached_dispatch/counts")
     received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
@@ -167,8 +161,20 @@ def cached_dispatch(transport: Transport, handle: DispatchHandle,
     recv_x = ((fields_in["x"].view(torch.float8_e4m3fn), fields_in["scales"])
               if isinstance(x, tuple) else fields_in["x"])
     stats = _stats("cached_dispatch", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
-                   [n * fmt.row_bytes for n in rows_from], bytes_from, before)
+                   [n * (fmt.row_bytes + raw_delta) for n in rows_from], bytes_from, before)
     return recv_x, stats
+
+
+def quantize_for_codec(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], codec: str):
+    """``(payload to send, raw_row_delta)``: with codec="fp8", ``x [N, H]`` quantized to
+    ``(e4m3 [N, H], scales [N, H // 128])`` and the bytes per row it saves (reported as raw);
+    otherwise ``(x, 0)``."""
+    if codec != "fp8":
+        return x, 0
+    from .codecs import fp8
+
+    quantized = fp8.quantize(x)
+    return quantized, fp8_raw_row_delta(x, quantized)
 
 
 def _start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int],

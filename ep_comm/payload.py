@@ -63,12 +63,14 @@ def chunk_bytes(fmt: RowFormat, rows: int) -> int:
 
 
 def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], codec: str,
-         payload_field: str = "x") -> Outbox:
+         payload_field: str = "x", raw_row_delta: int = 0) -> Outbox:
     """Packs ``values`` (each field's rows, grouped by destination per ``row_splits``).
 
     With ``codec == "lossless"`` the ``payload_field`` (bf16) is entropy-coded per destination.
+    ``raw_row_delta``: bytes per row that the rows' uncompressed form has beyond ``fmt``'s (rows
+    quantized to FP8 before packing: see :func:`fp8_raw_row_delta`), for ``raw_byte_splits``.
     """
-    raw = [n * fmt.row_bytes for n in row_splits]
+    raw = [n * (fmt.row_bytes + raw_row_delta) for n in row_splits]
     if len(fmt.fields) == 1 and codec != "lossless":
         (spec,) = fmt.fields
         source = values[spec.name]
@@ -117,6 +119,14 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
         offset += size
         start += n
     return Outbox(data, sizes, raw)
+
+
+def fp8_raw_row_delta(original: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bytes per row that ``original [N, H]`` takes beyond its FP8 form ``(e4m3 [N, H], scales
+    [N, G])``: what codec="fp8" saves per row, added back to report raw (uncompressed) bytes."""
+    q, scales = quantized
+    return original.shape[1] * original.element_size() - (q.shape[1] * q.element_size()
+                                                          + scales.shape[1] * scales.element_size())
 
 
 def _layout_order(fmt: RowFormat, codec: str, payload_field: str):

@@ -113,6 +113,17 @@ def test_device_path_round_trip_gives_the_host_blob(kernels, shape):
     assert kernels.calls == ["encode", "decode", "decode"]
 
 
+def test_device_path_takes_negative_and_strided_views(kernels):
+    """A lazily negated view (its negative bit set) and a transposed one code as their values."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    for view in (torch._neg_view(x), x.t()):
+        values = view.clone().resolve_neg()
+        blob = lossless.encode(view, chunk_values=256)
+        assert torch.equal(blob, _host_encode(values, 256))
+        assert torch.equal(_bits(lossless.decode(blob)), _bits(values))
+
+
 def test_device_path_rejects_bad_blobs_before_the_kernel(kernels):
     x = torch.randn(300, 7).to(torch.bfloat16)
     blob = lossless.encode(x, chunk_values=64)

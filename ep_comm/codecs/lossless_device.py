@@ -50,7 +50,8 @@ def encode_many(xs: list[torch.Tensor], chunk_values: int) -> list[torch.Tensor]
         return []
     device = xs[0].device
     kernels = device_kernels.codec_kernels(device)
-    flats = [x.detach().contiguous().view(torch.int16).reshape(-1) for x in xs]
+    # resolve_neg: a lazily negated view (negative bit set, e.g. torch._neg_view) cannot be viewed as int16
+    flats = [x.detach().resolve_neg().contiguous().view(torch.int16).reshape(-1) for x in xs]
     shapes = [[int(d) for d in x.shape] for x in xs]
     starts = [0]
     for flat, shape in zip(flats, shapes):
