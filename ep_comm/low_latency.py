@@ -26,11 +26,13 @@ from .handle import LowLatencyReceiveState
 from .layout import token_rank_mask
 from .placement_map import ExpertPlacement
 from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
+from .row_copy import copy_rows
+from .row_sum import weighted_sum_by_token
 from .stats import CommStats
-from .wire import FieldSpec, RowFormat, wide_pair, widest_view
+from .wire import FieldSpec, RowFormat, widest_view
 
 COMBINE_BLOCK_ROWS = 128
-"""Rows reduced per step in the low-latency combine (bounds its float32 temporaries)."""
+"""Rows reduced per step in the low-latency combine's torch path (bounds its float32 temporaries)."""
 
 
 @dataclass
@@ -117,8 +119,7 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     send_fields = fmt.views(send.view(num_ranks * slots_per_block, fmt.row_bytes))
     send_row = dest * slots_per_block + position[token, dest]
     for name, value in payload.items():
-        target, source = wide_pair(send_fields[name], value)
-        target.index_copy_(0, send_row, source.index_select(0, token))
+        copy_rows(send_fields[name], send_row, value, token)
     send_fields["topk"].index_copy_(0, send_row, torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
     counts = mask.sum(0, dtype=torch.int64)
     send[:, max_tokens, :8] = counts.unsqueeze(1).view(torch.uint8)
@@ -158,8 +159,7 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         pair_row = src_row[slot_plan.row]
         target_row = slot_plan.local_expert * slots_per_expert + slot_plan.slot
         for name, target in targets.items():
-            flat, source = wide_pair(target.view(num_local * slots_per_expert, target.shape[-1]), fields[name])
-            flat.index_copy_(0, target_row, source.index_select(0, pair_row))
+            copy_rows(target.view(num_local * slots_per_expert, target.shape[-1]), target_row, fields[name], pair_row)
         pair_rank = src_rank[slot_plan.row]
         recv_count.copy_(slot_plan.recv_count.to(torch.int32))
         state.pair_rank = pair_rank
@@ -199,19 +199,12 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
     def finish() -> torch.Tensor:
         rows = pending.wait().view(x.dtype).reshape(-1, hidden)
         num_tokens, topk = topk_idx.shape
-        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-        # one index_add_ over the pairs sorted by (token, k): each token's terms are added in
-        # k-ascending order (index_add_ walks its index in order), the reference's order
+        # the pairs sorted by (token, k): each token's terms are added in k-ascending order, the
+        # reference's order
         order = torch.argsort(pair_token * topk + pair_k)
         tokens, ks = pair_token[order], pair_k[order]
-        weights = topk_weights.float()[tokens, ks].unsqueeze(1)
-        wide_rows = widest_view(rows)
-        # consecutive blocks of the sorted pairs keep each token's k order, and keep the float32
-        # temporaries small enough to be reused instead of faulted in
-        for start in range(0, order.numel(), COMBINE_BLOCK_ROWS):
-            block = slice(start, start + COMBINE_BLOCK_ROWS)
-            scaled = wide_rows.index_select(0, order[block]).view(x.dtype).float().mul_(weights[block])
-            acc.index_add_(0, tokens[block], scaled)
+        acc = weighted_sum_by_token(rows, order, tokens, topk_weights.float()[tokens, ks], num_tokens,
+                                    COMBINE_BLOCK_ROWS)
         stats.num_collectives = transport.num_collectives - before
         result = acc.to(x.dtype)
         if out is not None:

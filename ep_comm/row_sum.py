@@ -1,11 +1,13 @@
-"""Combine's reduction: the rows returned to a rank, summed per source token in a fixed order.
+"""Combines' reductions: the rows returned to a rank, summed per source token in a fixed order.
 
-One result on every device: token ``t``'s sum is ``((0 + r_a) + r_b) + ...`` in float32 (float64
-for float64 rows) over its returned rows ``a < b < ...`` in row order (destination rank
-ascending), then each bias added, then cast to the rows' dtype. On the GPU (and for float16 /
-float64 rows) that is one ``index_add_`` per destination rank; for bf16 / float32 rows on the CPU
-it is ``ep_comm._host.sum_rows_by_token``, which makes the same additions in the same order
-straight from the received blocks (no float32 copy of the rows, no concatenation of the blocks).
+One result on every device. Normal mode (:func:`reduce_by_source`): token ``t``'s sum is
+``((0 + r_a) + r_b) + ...`` in float32 (float64 for float64 rows) over its returned rows
+``a < b < ...`` in row order (destination rank ascending), then each bias added, then cast to the
+rows' dtype. Low-latency mode (:func:`weighted_sum_by_token`): the same over each token's rows in
+top-k order, each row times its top-k weight first (the product rounded to float32). On the GPU
+(and for float16 / float64 rows) these are ``index_add_`` calls; for bf16 / float32 rows on the
+CPU ``ep_comm._host.sum_rows_by_token`` makes the same float operations in the same order straight
+from the received buffer (no gathered or float32 copies of the rows).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .plan import SendPlan
+from .wire import widest_view
 
 try:  # the C++ host module; without it the torch path does the same sums
     from ep_comm import _host
@@ -78,3 +81,42 @@ def _host_can_sum(blocks: list[torch.Tensor], plan: SendPlan) -> bool:
     return all(b.is_cpu and b.dim() == 2 and b.dtype == first.dtype and b.shape[1] == first.shape[1]
                and b.is_contiguous() and b.data_ptr() % b.element_size() == 0 and not b.is_neg()
                and not b.is_conj() for b in blocks)
+
+
+def weighted_sum_by_token(rows: torch.Tensor, order: torch.Tensor, tokens: torch.Tensor,
+                          weights: torch.Tensor, num_tokens: int, block_rows: int) -> torch.Tensor:
+    """Low-latency combine's sum: ``acc[tokens[i]] += rows[order[i]].float() * weights[i]`` for
+    ``i`` ascending, into float32 zeros.
+
+    Args:
+        rows: ``[P, H]`` bf16 returned rows, as received.
+        order: ``[P]`` int64, the rows in summation order (each token's rows in top-k order).
+        tokens: ``[P]`` int64, the token of each row of ``order``; weights: ``[P]`` float32, its
+            top-k weight.
+        block_rows: rows gathered and converted at a time on the torch path (bounds its float32
+            temporaries).
+    Returns:
+        ``[num_tokens, H]`` float32.
+    """
+    hidden = rows.shape[1]
+    if (_host is not None and hasattr(_host, "sum_rows_by_token") and rows.dtype in _HOST_DTYPE_CODES
+            and rows.is_cpu and rows.is_contiguous() and not rows.is_neg()
+            and rows.data_ptr() % rows.element_size() == 0):
+        acc = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        order = order.to(torch.int64).contiguous()
+        tokens = tokens.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        _host.sum_rows_by_token(acc.data_ptr(), num_tokens, hidden, [rows.data_ptr()], [rows.shape[0]],
+                                tokens.data_ptr(), tokens.numel(), _HOST_DTYPE_CODES[rows.dtype],
+                                max(1, torch.get_num_threads()), order.data_ptr(), weights.data_ptr())
+        return acc
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=rows.device)
+    wide_rows = widest_view(rows)
+    column = weights.to(torch.float32).unsqueeze(1)
+    # consecutive blocks keep each token's order and keep the float32 temporaries small enough to
+    # be reused instead of faulted in
+    for start in range(0, order.numel(), block_rows):
+        block = slice(start, start + block_rows)
+        scaled = wide_rows.index_select(0, order[block]).view(rows.dtype).float().mul_(column[block])
+        acc.index_add_(0, tokens[block], scaled)
+    return acc

@@ -7,7 +7,7 @@ import torch
 
 from ep_comm import _host
 from ep_comm.plan import SendPlan, build_send_plan
-from ep_comm.row_sum import _host_can_sum, reduce_by_source
+from ep_comm.row_sum import _host_can_sum, reduce_by_source, weighted_sum_by_token
 
 
 def _plain_sum(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
@@ -109,3 +109,28 @@ def test_other_dtypes_and_layouts_take_the_torch_path():
     got = reduce_by_source(rows, plan, 10, ())
     want = torch.zeros(10, 8, dtype=torch.float64).index_add_(0, plan.token_index, rows)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weighted_sum_equals_the_torch_path(threads, monkeypatch):
+    """Low-latency combine's sum: the host path against the blockwise index_add_ path (float16
+    rows force it), bit for bit, with specials in rows and weights and any row order."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(threads)
+    rows = _special_rows(300, 72, torch.bfloat16, seed=13)
+    order = torch.randperm(300, generator=g)[:250]
+    tokens = torch.randint(0, 40, (250,), generator=g)
+    weights = torch.rand(250, generator=g) * 3 - 1
+    weights[::17] = 0.0
+    weights[5] = float("inf")
+    host = weighted_sum_by_token(rows, order, tokens, weights, 40, 64)
+    plain = torch.zeros(40, 72)
+    for i in range(250):
+        t = int(tokens[i])
+        plain[t] = plain[t] + rows[order[i]].float() * weights[i]
+    assert torch.equal(_bits(host), _bits(plain))
+    # the torch path on values exact in float16 (float16 rows take it)
+    small = torch.randint(-64, 64, (300, 72)).to(torch.bfloat16)
+    want = weighted_sum_by_token(small.to(torch.float16), order, tokens, weights.round(), 40, 64)
+    got = weighted_sum_by_token(small, order, tokens, weights.round(), 40, 64)
+    assert torch.equal(_bits(got), _bits(want))

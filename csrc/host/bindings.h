@@ -9,4 +9,5 @@ void register_fp8(pybind11::module_& m);
 void register_routing(pybind11::module_& m);
 void register_hierarchy(pybind11::module_& m);
 void register_row_reduce(pybind11::module_& m);
+void register_row_copy(pybind11::module_& m);
 }  // namespace ep_comm::host

@@ -9,4 +9,5 @@ PYBIND11_MODULE(_host, m) {
   ep_comm::host::register_routing(m);
   ep_comm::host::register_hierarchy(m);
   ep_comm::host::register_row_reduce(m);
+  ep_comm::host::register_row_copy(m);
 }
