@@ -16,7 +16,7 @@ from .backends.base import Transport
 from .codecs.auto import AutoCodecPolicy, choose_codec
 from .config import Config, default_combine_config, default_dispatch_config
 from .errors import CommTimeoutError
-from .event import EventOverlap, finish_event, wait_previous
+from .event import EventHandle, EventOverlap, finish_event, wait_previous
 from .fused import FusedKernels, KernelCapabilities, KernelPlan, gather_hostnames, plan_kernels
 from .handle import DispatchHandle, LowLatencyHandle
 from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout
@@ -211,6 +211,27 @@ class Buffer:
             self._fused.close()
         if self._two_hop is not None:
             self._two_hop.close()
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event at this point of the current stream (DeepEP's ``Buffer.capture``; on the CPU
+        an event that is already complete)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether ``ep_comm._cuda`` is built for sm_90 (Hopper)."""
+        from ._build import build_info
+
+        return "90" in build_info()["archs"]
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The stream the Buffer's calls run on: this rank's current CUDA stream (the calls here
+        enqueue their kernels there, no separate communication stream), or None on the CPU
+        (``torch.cuda.stream(None)`` is a no-op, so DeepEP-style ``with`` blocks still work)."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(self.device)
 
     def destroy(self) -> None:
         """DeepEP's name for releasing the Buffer (code built with ``explicitly_destroy=True``

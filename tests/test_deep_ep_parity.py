@@ -16,6 +16,11 @@ NUM_EXPERTS, HIDDEN = 8, 256
 def _constructor_flags(rank, world, group):
     buf = ep_comm.Buffer(group, 0, 0, False, 24, True, False, False, True)  # DeepEP's positional order
     flags = (buf.allow_nvlink_for_low_latency_mode, buf.allow_mnnvl, buf.use_fabric, buf.explicitly_destroy)
+    event = ep_comm.Buffer.capture()
+    event.current_stream_wait()
+    with torch.cuda.stream(buf.get_comm_stream()):  # None on the CPU: a no-op, as DeepEP code uses it
+        pass
+    flags += (isinstance(ep_comm.Buffer.is_sm90_compiled(), bool), buf.get_comm_stream() is None)
     buf.destroy()
     errors = {}
     for name, kwargs in (("enable_shrink", dict(enable_shrink=True)), ("comm", dict(comm=object())),
@@ -29,7 +34,7 @@ def _constructor_flags(rank, world, group):
 
 def test_deep_ep_constructor_flags_and_destroy(ranks):
     for flags, errors in ranks(2, _constructor_flags):
-        assert flags == (True, False, False, True)
+        assert flags == (True, False, False, True, True, True)
         assert set(errors) == {"enable_shrink", "comm", "allow_mnnvl"}
         for name, text in errors.items():
             assert name in text
