@@ -19,6 +19,13 @@ from cuda_build import CudaBuildExt, cuda_extensions  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# -ffp-contract=off: no fused multiply-adds (GCC's C++ default contracts `a * b + c` wherever FMA
+# instructions are available, e.g. on aarch64 or with -march=native), so the float sums of
+# csrc/host/row_reduce.cpp round each product as torch does (tests/test_row_sum.py checks the flag
+# keeps FMA out of a build for an FMA-capable x86 target)
+HOST_COMPILE_ARGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
 def cpu_extensions():
     """The host build of the codec cores (the same sources the GPU build compiles)."""
     sources = sorted(glob.glob("csrc/host/*.cpp"))
@@ -28,7 +35,7 @@ def cpu_extensions():
     headers = sorted(glob.glob("csrc/host/*.h") + glob.glob("csrc/codec/*.h") + glob.glob("csrc/common/*.h"))
     return [Pybind11Extension(
         "ep_comm._host", sources, include_dirs=[os.path.join(HERE, "csrc")], depends=headers,
-        cxx_std=17, extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
+        cxx_std=17, extra_compile_args=HOST_COMPILE_ARGS, extra_link_args=["-fopenmp"])]
 
 
 # the host extension's sources compile in parallel (one job per core; EP_COMM_BUILD_JOBS=N to cap)

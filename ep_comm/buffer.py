@@ -21,6 +21,7 @@ from .fused import FusedKernels, KernelCapabilities, KernelPlan, gather_hostname
 from .handle import DispatchHandle, LowLatencyHandle
 from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout
 from .placement_map import ExpertPlacement
+from .scratch import ScratchPool
 from .stats import CommStats
 from .two_hop import TwoHopKernels, TwoHopPlan
 from .validation import (
@@ -157,6 +158,7 @@ class Buffer:
         self._unmasked_transport = self.transport
         self._formations: dict[tuple[int, ...], int] = {}
         self._ll_receive_areas: dict[object, list[tuple[torch.Tensor, ...]]] = {}
+        self._scratch = ScratchPool()  # low-latency message bytes, reused across calls
         self._ll_turn = 0
         self.auto_codec = AutoCodecPolicy()
         """The rule ``codec="auto"`` follows (see ep_comm.codecs.auto); set its fields to tune."""
@@ -552,7 +554,6 @@ class Buffer:
                                         is_token_in_rank, placement, codec)
         else:
             out = normal.dispatch(self.transport, self.buffer_id, x, None, None, is_token_in_rank, placement, codec)
-        self._record(out.stats)
         # rank r is sent the counts of its own experts (rows padded to the largest expert count)
         per_rank = [placement.local_experts(r) for r in range(self.group_size)]
         width = max(1, max(e.numel() for e in per_rank))
@@ -561,6 +562,8 @@ class Buffer:
         for r, experts in enumerate(per_rank):
             table[r, :experts.numel()] = counts[experts]
         received = self.transport.exchange_counts(table, "dispatch/expert_counts")
+        out.stats.num_collectives += 1
+        self._record(out.stats)
         live = [r for r in range(self.group_size) if r not in self.masked_ranks]
         mine = received[live].sum(0)[:per_rank[self.rank].numel()]
         return self._dispatch_result(out, mine, expert_alignment, num_worst_tokens, async_finish)
@@ -726,7 +729,7 @@ class Buffer:
                                                    use_fp8, round_scale, use_ue8m0, area)
         else:
             out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       placement, use_fp8, round_scale, use_ue8m0, area)
+                                       placement, use_fp8, round_scale, use_ue8m0, area, self._scratch)
         self._record(out.stats, dropped)
         handle = LowLatencyHandle(
             buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -787,11 +790,13 @@ class Buffer:
                                  num_experts: int) -> None:
         """DeepEP's reset of the low-latency buffer before low-latency calls that follow normal
         ones. The calls here keep no state across them that needs it: this checks the arguments
-        and drops the Buffer's cached low-latency receive tensors. No communication."""
+        and drops the Buffer's cached low-latency receive tensors and message buffers. No
+        communication."""
         check_nonneg_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, positive=True)
         check_nonneg_int("hidden", hidden, positive=True)
         check_num_experts(num_experts, self.group_size, self._placement is not None)
         self._ll_receive_areas.clear()
+        self._scratch.clear()
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """A ``[L, R * T, H]`` bf16 tensor for the expert outputs of ``handle``'s tokens, to fill
@@ -850,7 +855,7 @@ class Buffer:
             finish, stats = self._fused.low_latency_combine(x, topk_idx, topk_weights, handle.kernel, out)
         else:
             finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
-                                                placement, out)
+                                                placement, out, self._scratch)
         self._record(stats, dropped)
         result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self._input_device) \
             if out is None else out

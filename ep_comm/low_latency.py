@@ -28,8 +28,9 @@ from .placement_map import ExpertPlacement
 from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
 from .row_copy import copy_rows
 from .row_sum import weighted_sum_by_token
+from .scratch import ScratchPool
 from .stats import CommStats
-from .wire import FieldSpec, RowFormat, widest_view
+from .wire import FieldSpec, RowFormat
 
 COMBINE_BLOCK_ROWS = 128
 """Rows reduced per step in the low-latency combine's torch path (bounds its float32 temporaries)."""
@@ -85,13 +86,16 @@ def receive_area_spec(num_local: int, slots_per_expert: int, hidden: int, use_fp
 
 def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
              placement: ExpertPlacement, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-             receive_area: tuple[torch.Tensor, ...] | None = None) -> LowLatencyDispatchOutput:
+             receive_area: tuple[torch.Tensor, ...] | None = None,
+             scratch: ScratchPool | None = None) -> LowLatencyDispatchOutput:
     """Sends this rank's tokens (``x [N, H]`` bf16, ``topk_idx [N, K]`` int64, ``N <= T``) and
     returns outputs whose ``receive()`` completes the exchange.
 
     ``receive_area``: tensors of :func:`receive_area_spec` to receive into (reused across calls by
-    the Buffer, so their pages stay resident); fresh ones when None.
+    the Buffer, so their pages stay resident); fresh ones when None. ``scratch``: the Buffer's
+    pool for the message bytes sent and received (given back once ``receive()`` has read them).
     """
+    scratch = scratch or ScratchPool(keep=0)
     rank, num_ranks = transport.rank, transport.num_ranks
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
@@ -115,7 +119,10 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     local = placement.expert_to_local.to(x.device)[safe]
 
     # slots beyond each block's count are never read: no need to clear them
-    send = torch.empty(num_ranks, slots_per_block, fmt.row_bytes, dtype=torch.uint8, device=x.device)
+    total_bytes = num_ranks * block_bytes
+    send_buffer, send_bytes = scratch.take("low_latency_dispatch/send", total_bytes, x.device)
+    recv_buffer, recv_bytes = scratch.take("low_latency_dispatch/recv", total_bytes, x.device)
+    send = send_bytes.view(num_ranks, slots_per_block, fmt.row_bytes)
     send_fields = fmt.views(send.view(num_ranks * slots_per_block, fmt.row_bytes))
     send_row = dest * slots_per_block + position[token, dest]
     for name, value in payload.items():
@@ -125,7 +132,7 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     send[:, max_tokens, :8] = counts.unsqueeze(1).view(torch.uint8)
     splits = [block_bytes] * num_ranks
     pending: PendingExchange = transport.exchange_bytes(send.reshape(-1), splits, splits,
-                                                        "low_latency_dispatch/payload")
+                                                        "low_latency_dispatch/payload", out=recv_bytes)
 
     # DeepEP's layout: rows past recv_count[j] of recv_x[j] hold no data and are left unwritten
     slots_per_expert = num_ranks * max_tokens
@@ -169,6 +176,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         state.layout_range = slot_plan.layout_range
         stats.bytes_recv_raw = [int(c) * raw_row for c in rows_from.tolist()]
         stats.num_collectives = transport.num_collectives - before
+        scratch.give("low_latency_dispatch/send", send_buffer)
+        scratch.give("low_latency_dispatch/recv", recv_buffer)
         state.done = True
 
     return LowLatencyDispatchOutput(recv_x, recv_count, state, receive, stats)
@@ -176,23 +185,29 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
 
 def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             state: LowLatencyReceiveState, placement: ExpertPlacement,
-            out: torch.Tensor | None = None) -> tuple[Callable[[], torch.Tensor], CommStats]:
+            out: torch.Tensor | None = None,
+            scratch: ScratchPool | None = None) -> tuple[Callable[[], torch.Tensor], CommStats]:
     """Starts returning expert outputs ``x [L, R*T, H]`` bf16; the returned callable finishes
-    and gives ``[N, H]`` bf16 (written into ``out`` when given)."""
+    and gives ``[N, H]`` bf16 (written into ``out`` when given). ``scratch``: as in
+    :func:`dispatch`."""
+    scratch = scratch or ScratchPool(keep=0)
     rank = transport.rank
     before = transport.num_collectives
     hidden = x.shape[2]
     row_bytes = hidden * x.element_size()
     slots = x.shape[1]
-    rows_in = widest_view(x.reshape(-1, hidden))
-    back = rows_in.index_select(0, state.pair_expert * slots + state.pair_slot)  # [P, H] as wide ints
+    pair_rows = state.pair_expert * slots + state.pair_slot
+    send_buffer, send_bytes = scratch.take("low_latency_combine/send", pair_rows.numel() * row_bytes, x.device)
+    back = send_bytes.view(pair_rows.numel(), row_bytes)  # [P, H] bf16 as bytes: the row each pair returns
+    copy_rows(back, torch.arange(pair_rows.numel(), device=x.device), x.reshape(-1, hidden), pair_rows)
     send_splits = [int(n) * row_bytes for n in state.pairs_from_rank.tolist()]
     plan = build_send_plan(token_rank_mask(topk_idx, placement))
     pair_token, pair_k, pairs_per_rank = combine_pair_order(topk_idx, plan.token_index,
                                                             plan.send_counts, placement)
     recv_splits = [int(n) * row_bytes for n in pairs_per_rank.tolist()]
-    pending = transport.exchange_bytes(back.contiguous().view(torch.uint8).reshape(-1), send_splits,
-                                       recv_splits, "low_latency_combine/payload")
+    recv_buffer, recv_bytes = scratch.take("low_latency_combine/recv", sum(recv_splits), x.device)
+    pending = transport.exchange_bytes(send_bytes, send_splits, recv_splits, "low_latency_combine/payload",
+                                       out=recv_bytes)
     stats = CommStats("low_latency_combine", "none", send_splits, send_splits, recv_splits,
                       recv_splits, rank=rank)
 
@@ -205,6 +220,8 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         tokens, ks = pair_token[order], pair_k[order]
         acc = weighted_sum_by_token(rows, order, tokens, topk_weights.float()[tokens, ks], num_tokens,
                                     COMBINE_BLOCK_ROWS)
+        scratch.give("low_latency_combine/send", send_buffer)
+        scratch.give("low_latency_combine/recv", recv_buffer)
         stats.num_collectives = transport.num_collectives - before
         result = acc.to(x.dtype)
         if out is not None:

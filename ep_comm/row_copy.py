@@ -42,8 +42,11 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src
 
 
 def _host_can_copy(dst: torch.Tensor, src: torch.Tensor, dst_index: torch.Tensor, src_index: torch.Tensor) -> bool:
+    """CPU rows whose elements are adjacent and which do not overlap one another (a row stride of
+    at least a row; a broadcast ``expand``-ed source, stride 0, takes the torch form)."""
     if _host is None or not hasattr(_host, "copy_rows"):
         return False
-    tensors_ok = all(t.is_cpu and t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) and t.stride(0) >= 0
+    tensors_ok = all(t.is_cpu and t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1)
+                     and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
                      and not t.is_neg() and not t.is_conj() for t in (dst, src))
     return tensors_ok and dst_index.is_cpu and src_index.is_cpu

@@ -7,7 +7,9 @@ rows' dtype. Low-latency mode (:func:`weighted_sum_by_token`): the same over eac
 top-k order, each row times its top-k weight first (the product rounded to float32). On the GPU
 (and for float16 / float64 rows) these are ``index_add_`` calls; for bf16 / float32 rows on the
 CPU ``ep_comm._host.sum_rows_by_token`` makes the same float operations in the same order straight
-from the received buffer (no gathered or float32 copies of the rows).
+from the received buffer (no gathered or float32 copies of the rows), so the results are the same
+bits, but for NaNs: where a NaN is added to a NaN, which one's sign and payload survive depends
+on the order of the add's operands, which neither torch nor the compiler fixes.
 """
 from __future__ import annotations
 

@@ -132,3 +132,48 @@ def test_receive_tensors_are_double_buffered(ranks):
             assert count.tolist() == ref[rank].count
             for j, c in enumerate(ref[rank].count):
                 assert torch.equal(recv_x[j, :c], ref[rank].x[j, :c])
+
+
+def _two_in_flight_then_repeat(rank, world, group):
+    """Two dispatches sent before either receive hook runs, then their combines with hooks, then
+    the same calls again: the message buffers the Buffer reuses are never shared by two calls in
+    flight, and later calls reuse them (same results, no new buffers)."""
+    buf = ep_comm.Buffer(group)
+    batches = []
+    for seed in (3, 4):
+        idx, w = make_routing(rank, seed, 7, 4, 2, 0.0)
+        batches.append((make_x(rank, seed, 7, 256, torch.bfloat16), idx, w))
+
+    def run():
+        sent = [buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False, return_recv_hook=True)
+                for x, idx, _ in batches]
+        for out in sent:
+            out[4]()
+        combines = [buf.low_latency_combine(out[0] * 3, idx, w, out[2], return_recv_hook=True)
+                    for out, (_, idx, w) in zip(sent, batches)]
+        for c in combines:
+            c[2]()
+        return [(out[0].clone(), out[1].clone()) for out in sent], [c[0] for c in combines]
+
+    first = run()
+    held = buf._scratch.held_bytes()
+    again = run()
+    held_again = buf._scratch.held_bytes()
+    alone = []
+    for x, idx, w in batches:  # one at a time, each receive right away
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
+        alone.append((recv_x.clone(), count.clone(), buf.low_latency_combine(recv_x * 3, idx, w, handle)[0]))
+    return first, again, alone, held, held_again
+
+
+def test_message_buffers_reused_but_never_shared_in_flight(ranks):
+    for first, again, alone, held, held_again in ranks(2, _two_in_flight_then_repeat):
+        assert held > 0 and held_again == held  # the repeated calls took the same buffers
+        for run in (first, again):
+            for b in range(2):
+                recv_x, count = run[0][b]
+                want_x, want_count, want_combined = alone[b]
+                assert torch.equal(count, want_count)
+                for j, c in enumerate(count.tolist()):
+                    assert torch.equal(recv_x[j, :c], want_x[j, :c])
+                assert torch.equal(run[1][b], want_combined)

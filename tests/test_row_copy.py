@@ -59,3 +59,12 @@ def test_bad_indices_and_sizes_raise():
     with pytest.raises(ValueError, match="row_bytes exceeds"):
         _host.copy_rows(dst.data_ptr(), 4, 4, torch.tensor([0]).data_ptr(), src.data_ptr(), 3, 8,
                         torch.tensor([0]).data_ptr(), 1, 8, 1)
+
+
+def test_broadcast_source_takes_the_torch_path():
+    """An expand-ed source (row stride 0, as a broadcast x) is copied correctly, not rejected."""
+    src = torch.arange(4, dtype=torch.float32).unsqueeze(0).expand(5, 4)
+    dst = torch.zeros(3, 4)
+    assert not _host_can_copy(dst, src, torch.tensor([0]), torch.tensor([0]))
+    copy_rows(dst, torch.tensor([2, 0]), src, torch.tensor([4, 1]))
+    assert dst[0].tolist() == [0, 1, 2, 3] and dst[2].tolist() == [0, 1, 2, 3] and int(dst[1].sum()) == 0

@@ -2,12 +2,21 @@
 blocks against a plain per-row float32 loop, bit for bit, and the same result as the torch path."""
 from __future__ import annotations
 
+import ast
+import platform
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
 import pytest
 import torch
 
 from ep_comm import _host
 from ep_comm.plan import SendPlan, build_send_plan
 from ep_comm.row_sum import _host_can_sum, reduce_by_source, weighted_sum_by_token
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _plain_sum(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
@@ -134,3 +143,27 @@ def test_weighted_sum_equals_the_torch_path(threads, monkeypatch):
     want = weighted_sum_by_token(small.to(torch.float16), order, tokens, weights.round(), 40, 64)
     got = weighted_sum_by_token(small, order, tokens, weights.round(), 40, 64)
     assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None or shutil.which("objdump") is None,
+                    reason="needs g++ and objdump on x86-64")
+def test_host_build_flags_keep_fused_multiply_adds_out(tmp_path):
+    """setup.py's flags compile row_reduce.cpp without FMA even for an FMA-capable target (GCC's
+    C++ default would fuse `v * w` into the add there and change the low bits of the sums)."""
+    import pybind11
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    flags = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", "") == "HOST_COMPILE_ARGS" for t in node.targets))
+    assert "-ffp-contract=off" in flags
+
+    def fma_count(extra: list[str]) -> int:
+        obj = tmp_path / "row_reduce.o"
+        subprocess.run(["g++", "-std=c++17", "-fPIC", "-march=haswell", *extra, "-I", str(ROOT / "csrc"),
+                        "-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"], "-c",
+                        str(ROOT / "csrc" / "host" / "row_reduce.cpp"), "-o", str(obj)], check=True, timeout=300)
+        listing = subprocess.run(["objdump", "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+        return listing.count("vfmadd") + listing.count("vfmsub") + listing.count("vfnmadd")
+
+    assert fma_count(flags) == 0
+    assert fma_count([f for f in flags if f != "-ffp-contract=off"]) > 0  # the check can see them

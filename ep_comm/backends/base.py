@@ -38,7 +38,7 @@ class Transport(ABC):
 
     @abstractmethod
     def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                       phase: str) -> PendingExchange:
+                       phase: str, out: torch.Tensor | None = None) -> PendingExchange:
         """Starts an all-to-all of bytes.
 
         Args:
@@ -47,6 +47,9 @@ class Transport(ABC):
             send_splits / recv_splits: ``R`` byte counts each way (the receiver must know its
                 counts, e.g. from ``exchange_counts``).
             phase: a name for error messages (``"dispatch/payload"``).
+            out: optional ``[sum(recv_splits)]`` uint8 contiguous tensor to receive into (a
+                reused buffer); a transport may receive elsewhere instead (e.g. when it stages
+                through host memory), so callers read what ``wait()`` returns.
         Returns:
             a pending exchange whose ``wait()`` gives ``[sum(recv_splits)]`` uint8 ordered by
             source rank.

@@ -32,7 +32,7 @@ class MaskedTransport(Transport):
             self.inner.num_collectives = value
 
     def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                       phase: str) -> PendingExchange:
+                       phase: str, out: torch.Tensor | None = None) -> PendingExchange:  # out: unused
         offsets = [0]
         for n in send_splits:
             offsets.append(offsets[-1] + n)

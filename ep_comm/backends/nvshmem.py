@@ -78,7 +78,7 @@ class NvshmemTransport(Transport):
             self.symmetric = 0
 
     def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                       phase: str) -> PendingExchange:
+                       phase: str, out: torch.Tensor | None = None) -> PendingExchange:  # out: unused
         if send.dtype != torch.uint8 or send.dim() != 1:
             raise ValueError("transport payloads are 1-D uint8 tensors")
         send = send.to(self.device).contiguous()

@@ -71,13 +71,18 @@ class TorchDistTransport(Transport):
 
     # -- exchanges -------------------------------------------------------------------------
     def exchange_bytes(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                       phase: str) -> PendingExchange:
+                       phase: str, out: torch.Tensor | None = None) -> PendingExchange:
         if send.dtype != torch.uint8 or send.dim() != 1:
             raise ValueError("transport payloads are 1-D uint8 tensors")
         comm_device = torch.device("cpu") if self.host_staged else send.device
         result_device = send.device
         send_c = send.to(comm_device).contiguous()
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
+        total = sum(recv_splits)
+        if (out is not None and out.device == comm_device == result_device and out.dtype == torch.uint8
+                and out.dim() == 1 and out.numel() == total and out.is_contiguous()):
+            recv = out
+        else:
+            recv = torch.empty(total, dtype=torch.uint8, device=comm_device)
         self.num_collectives += 1
         started = time.monotonic()
         try:
