@@ -19,8 +19,9 @@ def _constructor_flags(rank, world, group):
     event = ep_comm.Buffer.capture()
     event.current_stream_wait()
     with torch.cuda.stream(buf.get_comm_stream()):  # None on the CPU: a no-op, as DeepEP code uses it
-        pass
-    flags += (isinstance(ep_comm.Buffer.is_sm90_compiled(), bool), buf.get_comm_stream() is None)
+        layout = buf.get_dispatch_layout(torch.zeros(3, 1, dtype=torch.int64), 2)
+    flags += (isinstance(ep_comm.Buffer.is_sm90_compiled(), bool), buf.get_comm_stream() is None,
+              layout[0].tolist() == [3, 0])
     buf.destroy()
     errors = {}
     for name, kwargs in (("enable_shrink", dict(enable_shrink=True)), ("comm", dict(comm=object())),
@@ -34,7 +35,7 @@ def _constructor_flags(rank, world, group):
 
 def test_deep_ep_constructor_flags_and_destroy(ranks):
     for flags, errors in ranks(2, _constructor_flags):
-        assert flags == (True, False, False, True, True, True)
+        assert flags == (True, False, False, True, True, True, True)
         assert set(errors) == {"enable_shrink", "comm", "allow_mnnvl"}
         for name, text in errors.items():
             assert name in text
