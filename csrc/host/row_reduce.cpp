@@ -4,8 +4,10 @@
 // `acc.index_add_(0, token_index, rows[row_index].float() * weights)` into zeros (normal mode's
 // ep_comm/row_sum.py reduce_by_source without weights, low-latency combine with them): token t's
 // value is ((0 + r_a w_a) + r_b w_b) + ... over its logical rows a < b < ...; a token without
-// rows gets 0. Each product is rounded to float32 before it is added (no fused multiply-add: the
-// file builds for baseline x86-64 / without -ffp-contract=fast, and the tests compare bits). It
+// rows gets 0. Each product is rounded to float32 before it is added (no fused multiply-add:
+// setup.py builds with -ffp-contract=off, and the tests compare bits). A NaN added to a NaN may
+// keep the other operand's sign and payload than torch's add does (operand order is not fixed on
+// either side); every other result is the same bits. It
 // differs in what it touches: no gathered or float32 copy of the rows (a 64-token x 7168 message
 // per rank is 1.8 MB of bf16, 3.7 MB as float32) and each token's float32 row is summed while it
 // sits in L1, tile by tile.
