@@ -848,8 +848,9 @@ class Buffer:
         if out is not None:
             require_tensor("out", out, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
             require_shape("out", out, (topk_idx.shape[0], handle.hidden))
-        if not isinstance(use_logfmt, (bool, int)) or use_logfmt not in (0, 1):
-            raise ValueError(f"use_logfmt must be a bool, got {use_logfmt!r}")
+        for name, flag in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy)):
+            if not isinstance(flag, (bool, int)) or flag not in (0, 1):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
         if handle.kernel is not None and self._fused is not None:
             finish, stats = self._fused.low_latency_combine(x, topk_idx, topk_weights, handle.kernel, out)

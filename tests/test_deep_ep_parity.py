@@ -70,6 +70,11 @@ def _low_latency_helpers(rank, world, group):
         buf.clean_low_latency_buffer(0, HIDDEN, NUM_EXPERTS)
     except ValueError as error:
         errors.append("num_max_dispatch_tokens_per_rank" in str(error))
+    for name in ("zero_copy", "use_logfmt"):
+        try:
+            buf.low_latency_combine(expert_out, topk_idx, topk_weights, handle, **{name: "yes"})
+        except ValueError as error:
+            errors.append(name in str(error))
     return dict(same=torch.equal(zero_copy, reference), shape_ok=shape_ok, waits=waits.tolist(),
                 combine_waits=combine_waits.tolist(), errors=errors)
 
@@ -78,7 +83,7 @@ def test_low_latency_helpers(ranks):
     for r in ranks(2, _low_latency_helpers):
         assert r["same"] and r["shape_ok"]
         assert all(w > 0 for w in r["waits"]) and all(w > 0 for w in r["combine_waits"])
-        assert r["errors"] == [True, True, True]
+        assert r["errors"] == [True, True, True, True, True]
 
 
 def _dispatch_without_topk(rank, world, group, alignment):
