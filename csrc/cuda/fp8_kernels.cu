@@ -4,6 +4,7 @@
 
 #include "codec/fp8_core.h"
 #include "codec_launch.h"
+#include "launch.h"
 
 namespace {
 using namespace ep_comm::fp8;
@@ -56,7 +57,7 @@ extern "C" int ep_fp8_quantize_cuda(const uint16_t* x, int64_t rows, int64_t hid
   if (warps == 0) return cudaSuccess;
   int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (blocks > 65535 * 16) blocks = 65535 * 16;
-  quantize_kernel<<<static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, 0, stream>>>(
+  EP_LAUNCH(quantize_kernel, static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, stream)(
       x, rows, hidden, round_scale != 0, use_ue8m0 != 0, q, scales);
   return static_cast<int>(cudaGetLastError());
 }

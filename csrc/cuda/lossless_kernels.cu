@@ -23,6 +23,7 @@
 
 #include "codec/lossless_core.h"
 #include "codec_launch.h"
+#include "launch.h"
 
 namespace {
 using namespace ep_comm::lossless;
@@ -80,7 +81,13 @@ constexpr uint32_t kDecPrefetch = EP_LOSSLESS_DEC_PREFETCH;
 #endif
 
 // A hint: loads the line holding *p into L1 (generic address of global memory).
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#ifdef EP_CUDA_EMULATION
+  __builtin_prefetch(p);
+#else
+  asm volatile("prefetch.L1 [%0];" ::"l"(p));
+#endif
+}
 
 struct ShapeArg {
   uint64_t dims[kMaxDims];
@@ -805,11 +812,12 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
   return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
 }
 
+// The decode kernel's body (Aligned: 2-byte word loads), with the block's shared `table` and
+// `valid_blob`, which the kernels below declare: function-local statics of a template kernel are
+// out of reach of the CUDA emulation's shared-memory poisoning (csrc/emulation/cuda_runtime.h).
 template <bool Aligned>
-__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel(const uint8_t* blob, uint16_t* out, DecWs ws,
-                                                               const int* status) {
-  __shared__ DecodeTable table;
-  __shared__ int valid_blob;
+__device__ __forceinline__ void decode_block(const uint8_t* blob, uint16_t* out, const DecWs& ws, const int* status,
+                                             DecodeTable& table, int& valid_blob) {
   if (threadIdx.x == 0) valid_blob = *status == kOk;  // one read, so the whole block agrees
   __syncthreads();
   if (!valid_blob) return;
@@ -837,6 +845,19 @@ __global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel(c
                                                         : decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane));
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }
+}
+
+__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_aligned(const uint8_t* blob, uint16_t* out,
+                                                                                      DecWs ws, const int* status) {
+  __shared__ DecodeTable table;
+  __shared__ int valid_blob;
+  decode_block<true>(blob, out, ws, status, table, valid_blob);
+}
+__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_unaligned(const uint8_t* blob, uint16_t* out,
+                                                                                        DecWs ws, const int* status) {
+  __shared__ DecodeTable table;
+  __shared__ int valid_blob;
+  decode_block<false>(blob, out, ws, status, table, valid_blob);
 }
 
 // One thread: the status of the lowest failing chunk, as the host decoder reports it.
@@ -886,16 +907,16 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
   cudaMemsetAsync(ws.counts, 0, 8 * kNumSymbols, stream);
   if (chunks > 0)
-    split_kernel<<<grid_for(chunks), kBlockThreads, 0, stream>>>(values, num_values, chunk_values, chunks, aligned,
+    EP_LAUNCH(split_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
                                                                  ws);
-  table_kernel<<<1, kMetaThreads, 0, stream>>>(ws, num_values);
+  EP_LAUNCH(table_kernel, 1, kMetaThreads, stream)(ws, num_values);
   if (chunks > 0)
-    rans_kernel<<<grid_for(chunks), kBlockThreads, 0, stream>>>(values, num_values, chunk_values, chunks, aligned,
+    EP_LAUNCH(rans_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
                                                                 ws);
-  layout_kernel<<<1, kMetaThreads, 0, stream>>>(ws, num_values, shape, ndim, chunk_values, chunks, out, out_size);
+  EP_LAUNCH(layout_kernel, 1, kMetaThreads, stream)(ws, num_values, shape, ndim, chunk_values, chunks, out, out_size);
   if (chunks > 0) {
     const int grid = static_cast<int>(chunks < 65535 ? chunks : 65535);
-    pack_kernel<<<grid, 256, 0, stream>>>(values, num_values, chunk_values, chunks, ws, out,
+    EP_LAUNCH(pack_kernel, grid, 256, stream)(values, num_values, chunk_values, chunks, ws, out,
                                           (reinterpret_cast<uintptr_t>(out) & 3) == 0);
   }
   return static_cast<int>(cudaGetLastError());
@@ -915,23 +936,23 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
     return cudaErrorInvalidValue;
   DecWs ws;
   carve_dec(max_chunks, static_cast<char*>(workspace), &ws);
-  validate_kernel<<<1, kMetaThreads, 0, stream>>>(blob, blob_bytes, num_values, max_chunks, ws, status);
+  EP_LAUNCH(validate_kernel, 1, kMetaThreads, stream)(blob, blob_bytes, num_values, max_chunks, ws, status);
   if (max_chunks > 0) {
     const uint64_t blocks = (max_chunks + kDecWarps - 1) / kDecWarps;
     const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
     // payload offsets are multiples of 4: 2-byte word loads when the blob is 2-byte aligned
     if (EP_LOSSLESS_FULL_OCCUPANCY) {
-      cudaFuncSetAttribute(decode_kernel<true>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      cudaFuncSetAttribute(decode_kernel_aligned, cudaFuncAttributePreferredSharedMemoryCarveout,
                            EP_LOSSLESS_DEC_CARVEOUT);
-      cudaFuncSetAttribute(decode_kernel<false>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      cudaFuncSetAttribute(decode_kernel_unaligned, cudaFuncAttributePreferredSharedMemoryCarveout,
                            EP_LOSSLESS_DEC_CARVEOUT);
     }
     if ((reinterpret_cast<uintptr_t>(blob) & 1) == 0)
-      decode_kernel<true><<<grid, 32 * kDecWarps, 0, stream>>>(blob, out, ws, status);
+      EP_LAUNCH(decode_kernel_aligned, grid, 32 * kDecWarps, stream)(blob, out, ws, status);
     else
-      decode_kernel<false><<<grid, 32 * kDecWarps, 0, stream>>>(blob, out, ws, status);
+      EP_LAUNCH(decode_kernel_unaligned, grid, 32 * kDecWarps, stream)(blob, out, ws, status);
   }
-  report_kernel<<<1, 1, 0, stream>>>(ws, status);
+  EP_LAUNCH(report_kernel, 1, 1, stream)(ws, status);
   return static_cast<int>(cudaGetLastError());
 }
 

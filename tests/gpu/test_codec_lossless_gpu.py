@@ -1,30 +1,28 @@
 """The lossless codec's CUDA kernels (csrc/cuda/lossless_kernels.cu, built as a small library by
-bench/codec_bench.py) against the host build of the same core: device blobs are byte-identical to
+bench/codec_gpu.py) against the host build of the same core: device blobs are byte-identical to
 the host encoder's, device decoding is exact, and the device rejects corrupted blobs with the
-status the host decoder reports."""
+status the host decoder reports. The cases and checks are tests/codec_kernel_cases.py's, which
+tests/test_codec_kernels_emulated.py also runs on the CPU through the CUDA emulation."""
 from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import sys
 
 import pytest
 import torch
-
-from ep_comm.codecs import lossless
+from codec_kernel_cases import (
+    CASES,
+    CHUNK_VALUES,
+    CORRUPTION_CASES,
+    check_blob_is_byte_identical_and_decodes,
+    check_rejects_corrupted_blobs_like_the_host,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEVICE = "cuda"
-# error_message() of csrc/codec/lossless_core.h, in the order of lossless::Status (0 = ok)
-MESSAGES = ["ok", "blob is truncated", "not a lossless bf16 blob (bad magic)", "unsupported lossless blob version",
-            "corrupted header", "shape does not match the number of values", "corrupted frequency table",
-            "corrupted chunk directory", "chunk sizes do not add up to the blob size",
-            "corrupted entropy-coded stream", "checksum mismatch (corrupted payload)",
-            "non-zero padding (corrupted blob)"]
 
 
 @pytest.fixture(scope="module")
@@ -35,157 +33,12 @@ def lib() -> ctypes.CDLL:
     return gpu_library(os.environ.get("EP_COMM_CODEC_GPU_LIB"))
 
 
-def _stream() -> ctypes.c_void_p:
-    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream if DEVICE == "cuda" else None)
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int) -> torch.Tensor:
-    flat = x.contiguous().view(torch.int16).reshape(-1).to(DEVICE)
-    n = flat.numel()
-    shape = (ctypes.c_int64 * max(x.dim(), 1))(*x.shape)
-    # stale bytes in the workspace and the output must not reach the blob
-    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8, device=DEVICE)
-    out = torch.full((lib.ep_lossless_max_blob_bytes(n, x.dim(), cv),), 0x5A, dtype=torch.uint8, device=DEVICE)
-    size = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    rc = lib.ep_lossless_encode_cuda(flat.data_ptr(), n, shape, x.dim(), cv, out.data_ptr(), size.data_ptr(),
-                                     ws.data_ptr(), ws.numel(), _stream())
-    assert rc == 0
-    _sync()
-    return out[:int(size.item())].cpu()
-
-
-def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int) -> tuple[int, torch.Tensor]:
-    b = blob.to(DEVICE) if blob.numel() else torch.zeros(1, dtype=torch.uint8, device=DEVICE)
-    ws = torch.full((lib.ep_lossless_decode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8, device=DEVICE)
-    y = torch.empty(max(n, 1), dtype=torch.int16, device=DEVICE)
-    status = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
-    rc = lib.ep_lossless_decode_cuda(b.data_ptr(), blob.numel(), y.data_ptr(), n, cv, status.data_ptr(),
-                                     ws.data_ptr(), ws.numel(), _stream())
-    assert rc == 0
-    _sync()
-    return int(status.item()), y[:n].cpu()
-
-
-def host_status(blob: torch.Tensor) -> int:
-    try:
-        lossless.decode(blob)
-    except ValueError as error:
-        return MESSAGES.index(str(error).split(": ", 1)[1])
-    return 0
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int16).reshape(-1)
-
-
-def from_bits(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.int32).to(torch.int16).view(torch.bfloat16)
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _sparse_activations() -> torch.Tensor:
-    x = torch.randn(96, 384, generator=_gen(2)).bfloat16()
-    return torch.where(torch.rand(96, 384, generator=_gen(3)) < 0.4, torch.zeros_like(x), torch.relu(x))
-
-
-CASES = {
-    "normal": lambda: torch.randn(70, 1000, generator=_gen(1)).bfloat16(),
-    "sparse": _sparse_activations,
-    "all_patterns": lambda: from_bits(torch.arange(65536)).reshape(256, 256),
-    "shuffled_patterns": lambda: from_bits(torch.randperm(65536, generator=_gen(4))),
-    "zeros": lambda: torch.zeros(5000, dtype=torch.bfloat16),
-    "random_bits": lambda: from_bits(torch.randint(0, 65536, (20000,), generator=_gen(5))),
-    "mixed": lambda: torch.cat([from_bits(torch.randint(0, 65536, (4096,), generator=_gen(6))),
-                                torch.zeros(4096, dtype=torch.bfloat16),
-                                torch.randn(8192, generator=_gen(7)).bfloat16()]),
-    "n0": lambda: torch.empty(0, dtype=torch.bfloat16),
-    "n0_2d": lambda: torch.empty(0, 7168, dtype=torch.bfloat16),
-    "scalar": lambda: torch.tensor(1.5).bfloat16(),
-    "n1": lambda: torch.randn(1, generator=_gen(8)).bfloat16(),
-    "n31": lambda: torch.randn(31, generator=_gen(9)).bfloat16(),
-    "n33": lambda: torch.randn(33, generator=_gen(10)).bfloat16(),
-}
-
-
-@pytest.mark.parametrize("chunk_values", [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES])
+@pytest.mark.parametrize("chunk_values", CHUNK_VALUES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, case: str, chunk_values: int) -> None:
-    x = CASES[case]()
-    host = lossless.encode(x, chunk_values=chunk_values)
-    dev = device_encode(lib, x, chunk_values)
-    assert dev.numel() == host.numel() and torch.equal(dev, host)
-    if case == "random_bits":  # every chunk raw: no table, as on the host
-        assert host[6] == 0 and host[7] == 0
-    status, y = device_decode(lib, dev, x.numel(), chunk_values)
-    assert status == 0 and torch.equal(y, bits(x))
+    check_blob_is_byte_identical_and_decodes(lib, "cuda", case, chunk_values)
 
 
-def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[int, ...]], list[int]]:
-    """Directory offset, entries (mode, num_words, num_raw, checksum) and payload offsets."""
-    b = blob.numpy().tobytes()
-    ndim, entries = b[5], struct.unpack_from("<H", b, 6)[0]
-    cv, chunks = struct.unpack_from("<II", b, 8)
-    directory = (32 + 8 * ndim + 4 * entries + 3) // 4 * 4
-    ents = [struct.unpack_from("<4I", b, directory + 16 * c) for c in range(chunks)]
-    offsets = [directory + 16 * chunks]
-    for c, (mode, nw, nr, _) in enumerate(ents):
-        n = min(cv, num_values - c * cv)
-        used = 2 * n if mode == 1 else 128 + 2 * nw + (6 * nr + 7) // 8
-        offsets.append(offsets[-1] + (used + 3) // 4 * 4)
-    return directory, ents, offsets
-
-
-def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: int) -> torch.Tensor:
-    b = blob.clone()
-    directory, ents, offsets = _chunk_layout(blob, num_values)
-
-    def rand(hi: int) -> int:
-        return int(torch.randint(0, max(hi, 1), (1,), generator=gen))
-
-    for c in sorted({rand(len(ents)) for _ in range(chunks)}):
-        mode, nw, nr, _ = ents[c]
-        kind = rand(5)
-        if kind == 0:  # a payload bit
-            b[offsets[c] + rand(offsets[c + 1] - offsets[c])] ^= 1 << rand(8)
-        elif kind == 1 and mode == 0 and nr * 6 % 8:  # an unused bit of the last raw byte
-            b[offsets[c] + 128 + 2 * nw + nr * 6 // 8] |= 0x80
-        elif kind == 2:  # the padding (or the last payload byte)
-            b[offsets[c + 1] - 1] ^= 0x01
-        elif kind == 3 and mode == 0:  # a rANS state
-            b[offsets[c] + 4 * rand(32) + rand(4)] ^= 1 << rand(8)
-        else:  # a directory field
-            b[directory + 16 * c + rand(16)] ^= 1 << rand(3)
-    return b
-
-
-@pytest.mark.parametrize("case,chunk_values", [("sparse", 1024), ("mixed", 4096), ("normal", 4096),
-                                               ("zeros", 64), ("n33", 32)])
+@pytest.mark.parametrize("case,chunk_values", CORRUPTION_CASES)
 def test_device_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, case: str, chunk_values: int) -> None:
-    x = CASES[case]()
-    n = x.numel()
-    blob = lossless.encode(x, chunk_values=chunk_values)
-    gen = _gen(11)
-    seen = set()
-    for trial in range(120):
-        if trial % 10 == 9:
-            bad = blob[:int(torch.randint(0, blob.numel(), (1,), generator=gen))].clone()  # truncated
-        elif trial % 10 == 8:
-            bad = blob.clone()
-            bad[int(torch.randint(0, min(blob.numel(), 64), (1,), generator=gen))] ^= 0x10  # metadata
-        else:
-            bad = _corrupt(blob, n, gen, chunks=1 + trial % 2)  # one or two chunks
-        want = host_status(bad)
-        status, y = device_decode(lib, bad, n, chunk_values)
-        assert status == want, f"trial {trial}: device {MESSAGES[status]!r}, host {MESSAGES[want]!r}"
-        if want == 0:
-            assert torch.equal(y, bits(x))
-        seen.add(want)
-    assert len(seen - {0}) >= 3, seen
+    check_rejects_corrupted_blobs_like_the_host(lib, "cuda", case, chunk_values)

@@ -1,0 +1,245 @@
+// CUDA emulation on the CPU: the parts of the CUDA runtime and device language that the codec
+// kernels (csrc/cuda/lossless_kernels.cu, fp8_kernels.cu) use, so that the same source compiles as
+// C++ and runs without a GPU. Found first on the include path (-I csrc/emulation) by
+// `#include <cuda_runtime.h>`; built with -DEP_CUDA_EMULATION (tests/emulated_cuda.py builds the
+// libraries). "Device" memory is host memory, launches run to completion before they return
+// (grid blocks one after another, each block's threads as fibers: csrc/emulation/fibers.h),
+// streams are ignored.
+// What the emulation checks that the hardware would not: warp collectives with a full mask reached
+// by every live lane (a divergent barrier is a launch failure, reported by cudaGetLastError), and
+// shared memory read before another thread's write without a barrier gives the old value.
+// What it does not model: memory ordering between concurrently running blocks (blocks run one at a
+// time), partial warp masks (every collective here is over the warp's live lanes), timing.
+// __shared__ variables are function-local statics: one copy per kernel, reused by each block and
+// poisoned before it starts.
+#pragma once
+#ifndef EP_CUDA_EMULATION
+#error "csrc/emulation/cuda_runtime.h is the CUDA emulation: build with -DEP_CUDA_EMULATION"
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "fibers.h"
+
+// ---- language: qualifiers ----
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+// Every __shared__ variable lives in one section, which each block starts with poisoned (shared
+// memory is undefined when a block starts on a GPU; here it would otherwise keep the previous
+// block's values, hiding reads of unwritten shared memory).
+#define __shared__ static __attribute__((section("ep_emu_shared")))
+extern "C" char __start_ep_emu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_ep_emu_shared[] __attribute__((weak, visibility("hidden")));
+
+// ---- runtime types and calls ----
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+using cudaStream_t = struct CUstream_emulated*;
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorLaunchFailure = 719 };
+enum cudaFuncAttribute { cudaFuncAttributePreferredSharedMemoryCarveout = 9 };
+
+namespace ep_emu {
+
+// What the current launch's threads see as blockIdx / blockDim / gridDim; the last error.
+struct LaunchState {
+  dim3 block_idx, block_dim, grid_dim;
+  cudaError_t last_error = cudaSuccess;
+  bool reverse_schedule = false;  // FiberBlock::run's order (ep_emu_set_schedule)
+  uint64_t blocks_run = 0;        // picks the poison of the next block's shared memory
+};
+inline thread_local LaunchState tls_launch;
+
+// Fills all shared memory with 0x00 or 0xA5 bytes, alternating from block to block (a zero and a
+// non-zero pattern: a flag or count read before it is written is wrong one way or the other).
+inline void poison_shared_memory(uint64_t block_number) {
+  char* const begin = __start_ep_emu_shared;  // null when no kernel declares shared memory
+  char* const end = __stop_ep_emu_shared;
+  if (begin != nullptr && end > begin) std::memset(begin, block_number % 2 ? 0xA5 : 0x00, size_t(end - begin));
+}
+
+inline FiberBlock& block() { return *tls_block; }
+
+// Runs kernel(args...) on a grid of `grid` blocks of `threads` threads; a deadlocked block stops
+// the launch with cudaErrorLaunchFailure. Each thread gets its own copy of the arguments.
+template <typename... Params>
+class Launch {
+ public:
+  Launch(void (*kernel)(Params...), unsigned grid, unsigned threads) : kernel_(kernel), grid_(grid), threads_(threads) {}
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+    if (grid_ == 0 || threads_ == 0 || threads_ > 1024) {
+      tls_launch.last_error = cudaErrorInvalidValue;
+      return;
+    }
+    LaunchState& s = tls_launch;
+    s.grid_dim = dim3(grid_);
+    s.block_dim = dim3(threads_);
+    FiberBlock runner;
+    const std::function<void()> body = [&] { std::apply(kernel_, params); };
+    for (unsigned b = 0; b < grid_; ++b) {
+      s.block_idx = dim3(b);
+      poison_shared_memory(s.blocks_run++);
+      if (!runner.run(threads_, body, s.reverse_schedule)) {
+        s.last_error = cudaErrorLaunchFailure;
+        return;
+      }
+    }
+  }
+
+ private:
+  void (*kernel_)(Params...);
+  unsigned grid_, threads_;
+};
+
+template <typename... Params>
+Launch<Params...> launch(void (*kernel)(Params...), unsigned grid, unsigned threads) {
+  return Launch<Params...>(kernel, grid, threads);
+}
+
+template <typename T>
+uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "8-byte values at most");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+template <typename T>
+T from_bits(uint64_t bits) {
+  T v;
+  std::memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+}  // namespace ep_emu
+
+#define threadIdx (::dim3(::ep_emu::block().thread_index()))
+#define blockIdx (::ep_emu::tls_launch.block_idx)
+#define blockDim (::ep_emu::tls_launch.block_dim)
+#define gridDim (::ep_emu::tls_launch.grid_dim)
+
+// The order in which this OS thread's later launches resume their threads: 0 from thread 0 up,
+// 1 from the highest down (tests run kernels both ways). Exported from every emulated library.
+extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_schedule(int reverse) {
+  ep_emu::tls_launch.reverse_schedule = reverse != 0;
+}
+
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t e = ep_emu::tls_launch.last_error;
+  ep_emu::tls_launch.last_error = cudaSuccess;
+  return e;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+template <typename F>
+cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
+
+// ---- device functions ----
+inline void __syncthreads() { ep_emu::block().sync_block(0); }
+inline int __syncthreads_or(int p) { return ep_emu::block().sync_block(p).any; }
+inline int __syncthreads_and(int p) { return ep_emu::block().sync_block(p).all; }
+inline int __syncthreads_count(int p) { return ep_emu::block().sync_block(p).count; }
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { ep_emu::block().sync_warp(); }
+
+inline unsigned __ballot_sync(unsigned, int predicate) {
+  const ep_emu::FiberBlock::WarpView view = ep_emu::block().warp_exchange(predicate != 0);
+  unsigned mask = 0;
+  for (unsigned l = 0; l < ep_emu::kWarpSize; ++l) mask |= unsigned(view.values[l] != 0) << l;
+  return mask;
+}
+inline int __any_sync(unsigned m, int predicate) { return __ballot_sync(m, predicate) != 0; }
+inline int __all_sync(unsigned, int predicate) {
+  const ep_emu::FiberBlock::WarpView view = ep_emu::block().warp_exchange(predicate != 0);
+  for (unsigned l = 0; l < ep_emu::kWarpSize; ++l)
+    if ((view.live >> l & 1) && view.values[l] == 0) return 0;
+  return 1;
+}
+
+// Shuffles over the whole warp (width 32): lane `src` of the exchanged values.
+template <typename T>
+T __shfl_sync(unsigned, T var, int src, int = 32) {
+  const auto view = ep_emu::block().warp_exchange(ep_emu::to_bits(var));
+  return ep_emu::from_bits<T>(view.values[unsigned(src) % ep_emu::kWarpSize]);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned, T var, int lane_mask, int = 32) {
+  const auto view = ep_emu::block().warp_exchange(ep_emu::to_bits(var));
+  return ep_emu::from_bits<T>(view.values[(ep_emu::block().lane() ^ unsigned(lane_mask)) % ep_emu::kWarpSize]);
+}
+template <typename T>
+T __shfl_up_sync(unsigned, T var, unsigned delta, int = 32) {
+  const auto view = ep_emu::block().warp_exchange(ep_emu::to_bits(var));
+  const unsigned lane = ep_emu::block().lane();
+  return lane >= delta ? ep_emu::from_bits<T>(view.values[lane - delta]) : var;
+}
+template <typename T>
+T __shfl_down_sync(unsigned, T var, unsigned delta, int = 32) {
+  const auto view = ep_emu::block().warp_exchange(ep_emu::to_bits(var));
+  const unsigned lane = ep_emu::block().lane();
+  return lane + delta < ep_emu::kWarpSize ? ep_emu::from_bits<T>(view.values[lane + delta]) : var;
+}
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
+inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
+inline unsigned __umulhi(unsigned a, unsigned b) { return static_cast<unsigned>((uint64_t(a) * b) >> 32); }
+inline float __uint_as_float(unsigned v) { return ep_emu::from_bits<float>(v); }
+inline unsigned __float_as_uint(float v) { return static_cast<unsigned>(ep_emu::to_bits(v)); }
+template <typename T>
+T __ldg(const T* p) {
+  return *p;
+}
+template <typename T>
+T min(T a, T b) {
+  return b < a ? b : a;
+}
+template <typename T>
+T max(T a, T b) {
+  return a < b ? b : a;
+}
+
+// Atomics: fibers switch only at synchronisation points, so a plain read-modify-write is atomic.
+template <typename T>
+T atomicAdd(T* p, T v) {
+  const T old = *p;
+  *p = old + v;
+  return old;
+}
+template <typename T>
+T atomicMin(T* p, T v) {
+  const T old = *p;
+  if (v < old) *p = v;
+  return old;
+}
+template <typename T>
+T atomicMax(T* p, T v) {
+  const T old = *p;
+  if (old < v) *p = v;
+  return old;
+}

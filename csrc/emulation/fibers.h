@@ -1,0 +1,233 @@
+// A thread block of the CUDA emulation (csrc/emulation/cuda_runtime.h) as fibers: every CUDA
+// thread is a fiber with its own stack, all on the calling OS thread, switched only at the
+// block's and warps' synchronisation points (__syncthreads, __syncwarp, the warp collectives).
+// So the kernels' CUDA source runs unchanged on the CPU, deterministically: a thread runs until
+// it must wait for others, which is where the real hardware's threads could also be anywhere.
+// A thread that reads shared memory another thread writes without a barrier between them sees
+// the other thread's old value here (the other fiber has not run yet), so a missing __syncwarp
+// shows up as a wrong result rather than a lucky one; a barrier that not every live thread of
+// the block (or warp) reaches is reported as a deadlock (FiberBlock::run returns false).
+// x86-64 (System V) only: the stack switch is six callee-saved registers, the stack pointer and a
+// return, in assembly.
+#pragma once
+#if !defined(__x86_64__)
+#error "the CUDA emulation's fibers switch stacks in x86-64 assembly"
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace ep_emu {
+
+// Saves the callee-saved registers on the current stack, stores the stack pointer to *save_sp,
+// switches to load_sp and restores the registers saved there (by an earlier switch, or the frame
+// FiberBlock::start_fiber lays out), returning into that context.
+extern "C" __attribute__((naked, noinline)) inline void ep_emu_switch_stack(void** /*save_sp*/, void* /*load_sp*/) {
+  asm volatile(
+      "pushq %rbp\n\t"
+      "pushq %rbx\n\t"
+      "pushq %r12\n\t"
+      "pushq %r13\n\t"
+      "pushq %r14\n\t"
+      "pushq %r15\n\t"
+      "movq %rsp, (%rdi)\n\t"
+      "movq %rsi, %rsp\n\t"
+      "popq %r15\n\t"
+      "popq %r14\n\t"
+      "popq %r13\n\t"
+      "popq %r12\n\t"
+      "popq %rbx\n\t"
+      "popq %rbp\n\t"
+      "ret\n\t");
+}
+
+constexpr unsigned kWarpSize = 32;
+
+class FiberBlock;
+// The block whose fibers this OS thread is running (set by FiberBlock::run): how threadIdx and
+// the collectives find their block. Per OS thread, so that two threads may each emulate a launch.
+inline thread_local FiberBlock* tls_block = nullptr;
+
+class FiberBlock {
+ public:
+  static constexpr size_t kStackBytes = 64 << 10;
+
+  // Runs `body` once in each of `threads` fibers (thread indices 0 .. threads - 1) until every
+  // fiber has returned. Returns false if they deadlocked (some wait at a barrier that the others
+  // cannot reach); the waiting fibers are then abandoned. `reverse`: the runnable fibers are
+  // resumed from the highest thread index down (else from 0 up), so that a thread reading what a
+  // lower thread writes without a barrier between them runs first and reads the old value.
+  bool run(unsigned threads, const std::function<void()>& body, bool reverse = false) {
+    if (stacks_.size() < threads) {
+      stacks_.resize(threads);
+      for (auto& s : stacks_)
+        if (!s) s.reset(new char[kStackBytes]);
+    }
+    fibers_.assign(threads, Fiber{});
+    warps_.assign((threads + kWarpSize - 1) / kWarpSize, Warp{});
+    for (unsigned t = 0; t < threads; ++t) {
+      Warp& w = warps_[t / kWarpSize];
+      ++w.alive;
+      w.alive_mask |= 1u << (t % kWarpSize);
+    }
+    alive_ = threads;
+    block_arrived_ = 0;
+    body_ = &body;
+    FiberBlock* outer = tls_block;
+    tls_block = this;
+    for (unsigned t = 0; t < threads; ++t) start_fiber(t);
+    bool ok = true;
+    while (alive_ > 0) {
+      bool progressed = false;
+      for (unsigned k = 0; k < threads; ++k) {
+        const unsigned t = reverse ? threads - 1 - k : k;
+        Fiber& f = fibers_[t];
+        if (f.done || (f.wait_gen != nullptr && *f.wait_gen == f.wait_value)) continue;
+        f.wait_gen = nullptr;
+        current_ = t;
+        ep_emu_switch_stack(&scheduler_sp_, f.sp);
+        progressed = true;
+      }
+      if (!progressed) {
+        ok = false;
+        break;
+      }
+    }
+    tls_block = outer;
+    return ok;
+  }
+
+  unsigned thread_index() const { return current_; }
+  unsigned lane() const { return current_ % kWarpSize; }
+
+  // __syncthreads with the OR, AND and count of the live threads' `predicate`.
+  struct BlockVote {
+    int any, all, count;
+  };
+  BlockVote sync_block(int predicate) {
+    vote_any_ |= predicate != 0;
+    vote_all_ &= predicate != 0;
+    vote_count_ += predicate != 0;
+    if (++block_arrived_ == alive_) {
+      release_block();
+      yield();  // the others go on first, in the scheduler's order, as if this one had waited too
+    } else {
+      wait_while_unchanged(block_gen_);
+    }
+    return result_;
+  }
+
+  // A warp collective: every live lane of the caller's warp passes `value` and gets the values of
+  // all 32 lanes (exited lanes' as 0) and the mask of live lanes. Two barriers: the values are
+  // all written before any lane reads them, and all read before any lane writes the next ones.
+  struct WarpView {
+    uint64_t values[kWarpSize];
+    unsigned live;
+  };
+  WarpView warp_exchange(uint64_t value) {
+    Warp& w = warps_[current_ / kWarpSize];
+    w.slot[lane()] = value;
+    warp_barrier(w);
+    WarpView view;
+    std::memcpy(view.values, w.slot, sizeof(view.values));
+    view.live = w.alive_mask;
+    for (unsigned l = 0; l < kWarpSize; ++l)
+      if (!(view.live >> l & 1)) view.values[l] = 0;
+    warp_barrier(w);
+    return view;
+  }
+  void sync_warp() { warp_barrier(warps_[current_ / kWarpSize]); }
+
+ private:
+  struct Fiber {
+    void* sp = nullptr;
+    bool done = false;
+    const uint64_t* wait_gen = nullptr;  // runnable again once *wait_gen != wait_value
+    uint64_t wait_value = 0;
+  };
+  struct Warp {
+    uint64_t gen = 0;
+    unsigned arrived = 0, alive = 0, alive_mask = 0;
+    uint64_t slot[kWarpSize] = {};
+  };
+
+  // A fresh fiber's stack: the frame ep_emu_switch_stack pops (six registers, then the return
+  // address fiber_main), with the stack 16-byte aligned as at a call when fiber_main starts.
+  void start_fiber(unsigned t) {
+    char* top = stacks_[t].get() + kStackBytes;
+    top = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15));
+    void** sp = reinterpret_cast<void**>(top - 64);
+    for (int k = 0; k < 6; ++k) sp[k] = nullptr;
+    sp[6] = reinterpret_cast<void*>(&fiber_main);
+    sp[7] = nullptr;  // fiber_main's (never used) return address
+    fibers_[t].sp = sp;
+  }
+
+  static void fiber_main() {
+    FiberBlock* b = tls_block;
+    (*b->body_)();
+    b->exit_current();
+  }
+
+  void exit_current() {
+    Fiber& f = fibers_[current_];
+    f.done = true;
+    --alive_;
+    Warp& w = warps_[current_ / kWarpSize];
+    --w.alive;
+    w.alive_mask &= ~(1u << lane());
+    // the threads still running may be waiting for this one only
+    if (block_arrived_ > 0 && block_arrived_ == alive_) release_block();
+    if (w.arrived > 0 && w.arrived == w.alive) release_warp(w);
+    void* dead_sp;
+    ep_emu_switch_stack(&dead_sp, scheduler_sp_);  // never resumed
+    __builtin_unreachable();
+  }
+
+  // Back to the scheduler, runnable.
+  void yield() { ep_emu_switch_stack(&fibers_[current_].sp, scheduler_sp_); }
+
+  void wait_while_unchanged(const uint64_t& gen) {
+    Fiber& f = fibers_[current_];
+    f.wait_gen = &gen;
+    f.wait_value = gen;
+    ep_emu_switch_stack(&f.sp, scheduler_sp_);
+  }
+
+  void release_block() {
+    result_ = BlockVote{vote_any_, vote_all_, vote_count_};
+    vote_any_ = 0;
+    vote_all_ = 1;
+    vote_count_ = 0;
+    block_arrived_ = 0;
+    ++block_gen_;
+  }
+
+  void warp_barrier(Warp& w) {
+    if (++w.arrived == w.alive) {
+      release_warp(w);
+      yield();
+    } else {
+      wait_while_unchanged(w.gen);
+    }
+  }
+  static void release_warp(Warp& w) {
+    w.arrived = 0;
+    ++w.gen;
+  }
+
+  std::vector<std::unique_ptr<char[]>> stacks_;
+  std::vector<Fiber> fibers_;
+  std::vector<Warp> warps_;
+  void* scheduler_sp_ = nullptr;
+  unsigned current_ = 0, alive_ = 0, block_arrived_ = 0;
+  uint64_t block_gen_ = 0;
+  int vote_any_ = 0, vote_all_ = 1, vote_count_ = 0;
+  BlockVote result_{};
+  const std::function<void()>* body_ = nullptr;
+};
+
+}  // namespace ep_emu

@@ -1,0 +1,199 @@
+"""Cases and checks of the lossless codec's kernels (csrc/cuda/lossless_kernels.cu) against the
+host build of the same core, shared by the GPU tests (tests/gpu/test_codec_lossless_gpu.py: the
+kernels built by nvcc, on a CUDA device) and the emulated ones (tests/test_codec_kernels_emulated.py:
+the same source built for the CPU through csrc/emulation/). ``lib`` is the kernels' library loaded
+with ctypes and its argument types set (bench/codec_gpu.py's gpu_library); ``device`` is where its
+pointers point: "cuda" for the GPU build, "cpu" for the emulated one."""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from ep_comm.codecs import lossless
+
+# error_message() of csrc/codec/lossless_core.h, in the order of lossless::Status (0 = ok)
+MESSAGES = ["ok", "blob is truncated", "not a lossless bf16 blob (bad magic)", "unsupported lossless blob version",
+            "corrupted header", "shape does not match the number of values", "corrupted frequency table",
+            "corrupted chunk directory", "chunk sizes do not add up to the blob size",
+            "corrupted entropy-coded stream", "checksum mismatch (corrupted payload)",
+            "non-zero padding (corrupted blob)"]
+
+
+def _stream(device: str) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream if device == "cuda" else None)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str) -> torch.Tensor:
+    """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk, as a CPU uint8 tensor."""
+    flat = x.contiguous().view(torch.int16).reshape(-1).to(device)
+    n = flat.numel()
+    shape = (ctypes.c_int64 * max(x.dim(), 1))(*x.shape)
+    # stale bytes in the workspace and the output must not reach the blob
+    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8, device=device)
+    out = torch.full((lib.ep_lossless_max_blob_bytes(n, x.dim(), cv),), 0x5A, dtype=torch.uint8, device=device)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    rc = lib.ep_lossless_encode_cuda(flat.data_ptr(), n, shape, x.dim(), cv, out.data_ptr(), size.data_ptr(),
+                                     ws.data_ptr(), ws.numel(), _stream(device))
+    assert rc == 0
+    _sync(device)
+    return out[:int(size.item())].cpu()
+
+
+def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int, device: str) -> tuple[int, torch.Tensor]:
+    """(status, values [n] int16 on the CPU) of the kernels decoding ``blob`` (CPU uint8)."""
+    b = blob.to(device) if blob.numel() else torch.zeros(1, dtype=torch.uint8, device=device)
+    ws = torch.full((lib.ep_lossless_decode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8, device=device)
+    # a value the decoder does not write keeps this pattern, not an earlier call's right answer
+    y = torch.full((max(n, 1),), 0x5A5A, dtype=torch.int16, device=device)
+    status = torch.full((1,), -1, dtype=torch.int32, device=device)
+    rc = lib.ep_lossless_decode_cuda(b.data_ptr(), blob.numel(), y.data_ptr(), n, cv, status.data_ptr(),
+                                     ws.data_ptr(), ws.numel(), _stream(device))
+    assert rc == 0
+    _sync(device)
+    return int(status.item()), y[:n].cpu()
+
+
+def host_status(blob: torch.Tensor) -> int:
+    """The host decoder's status for ``blob`` (0 when it decodes)."""
+    try:
+        lossless.decode(blob)
+    except ValueError as error:
+        return MESSAGES.index(str(error).split(": ", 1)[1])
+    return 0
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16).reshape(-1)
+
+
+def from_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _sparse_activations() -> torch.Tensor:
+    x = torch.randn(96, 384, generator=_gen(2)).bfloat16()
+    return torch.where(torch.rand(96, 384, generator=_gen(3)) < 0.4, torch.zeros_like(x), torch.relu(x))
+
+
+def _wide_exponents() -> torch.Tensor:
+    """Random signs and mantissas, exponents uniform over 128 values: about 9 coded bits per
+    value, so a 32-lane step consumes about 18 words (real tensors: about 5), the stress case of
+    the decoder's stream windows; still compressible, so its chunks are rANS-coded."""
+    n = 40000
+    sign = torch.randint(0, 2, (n,), generator=_gen(12)) << 15
+    exponent = torch.randint(64, 192, (n,), generator=_gen(13)) << 7
+    mantissa = torch.randint(0, 128, (n,), generator=_gen(14))
+    return from_bits(sign | exponent | mantissa)
+
+
+CASES = {
+    "normal": lambda: torch.randn(70, 1000, generator=_gen(1)).bfloat16(),
+    "sparse": _sparse_activations,
+    "wide_exponents": _wide_exponents,
+    "all_patterns": lambda: from_bits(torch.arange(65536)).reshape(256, 256),
+    "shuffled_patterns": lambda: from_bits(torch.randperm(65536, generator=_gen(4))),
+    "zeros": lambda: torch.zeros(5000, dtype=torch.bfloat16),
+    "random_bits": lambda: from_bits(torch.randint(0, 65536, (20000,), generator=_gen(5))),
+    "mixed": lambda: torch.cat([from_bits(torch.randint(0, 65536, (4096,), generator=_gen(6))),
+                                torch.zeros(4096, dtype=torch.bfloat16),
+                                torch.randn(8192, generator=_gen(7)).bfloat16()]),
+    "n0": lambda: torch.empty(0, dtype=torch.bfloat16),
+    "n0_2d": lambda: torch.empty(0, 7168, dtype=torch.bfloat16),
+    "scalar": lambda: torch.tensor(1.5).bfloat16(),
+    "n1": lambda: torch.randn(1, generator=_gen(8)).bfloat16(),
+    "n31": lambda: torch.randn(31, generator=_gen(9)).bfloat16(),
+    "n33": lambda: torch.randn(33, generator=_gen(10)).bfloat16(),
+}
+CHUNK_VALUES = [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES]
+# (case, chunk values) of the corruption checks
+CORRUPTION_CASES = [("sparse", 1024), ("mixed", 4096), ("normal", 4096), ("zeros", 64), ("n33", 32),
+                    ("wide_exponents", 4096)]
+
+
+def check_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, device: str, case: str, chunk_values: int) -> None:
+    """The kernels' blob of CASES[case] is the host encoder's, and they decode it exactly."""
+    x = CASES[case]()
+    host = lossless.encode(x, chunk_values=chunk_values)
+    dev = device_encode(lib, x, chunk_values, device)
+    assert dev.numel() == host.numel() and torch.equal(dev, host)
+    if case == "random_bits":  # every chunk raw: no table, as on the host
+        assert host[6] == 0 and host[7] == 0
+    if case == "wide_exponents" and chunk_values >= 4096:  # rANS-coded chunks, as the case means
+        assert host.numel() < 2 * x.numel()
+    status, y = device_decode(lib, dev, x.numel(), chunk_values, device)
+    assert status == 0 and torch.equal(y, bits(x))
+
+
+def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[int, ...]], list[int]]:
+    """Directory offset, entries (mode, num_words, num_raw, checksum) and payload offsets."""
+    b = blob.numpy().tobytes()
+    ndim, entries = b[5], struct.unpack_from("<H", b, 6)[0]
+    cv, chunks = struct.unpack_from("<II", b, 8)
+    directory = (32 + 8 * ndim + 4 * entries + 3) // 4 * 4
+    ents = [struct.unpack_from("<4I", b, directory + 16 * c) for c in range(chunks)]
+    offsets = [directory + 16 * chunks]
+    for c, (mode, nw, nr, _) in enumerate(ents):
+        n = min(cv, num_values - c * cv)
+        used = 2 * n if mode == 1 else 128 + 2 * nw + (6 * nr + 7) // 8
+        offsets.append(offsets[-1] + (used + 3) // 4 * 4)
+    return directory, ents, offsets
+
+
+def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: int) -> torch.Tensor:
+    b = blob.clone()
+    directory, ents, offsets = _chunk_layout(blob, num_values)
+
+    def rand(hi: int) -> int:
+        return int(torch.randint(0, max(hi, 1), (1,), generator=gen))
+
+    for c in sorted({rand(len(ents)) for _ in range(chunks)}):
+        mode, nw, nr, _ = ents[c]
+        kind = rand(5)
+        if kind == 0:  # a payload bit
+            b[offsets[c] + rand(offsets[c + 1] - offsets[c])] ^= 1 << rand(8)
+        elif kind == 1 and mode == 0 and nr * 6 % 8:  # an unused bit of the last raw byte
+            b[offsets[c] + 128 + 2 * nw + nr * 6 // 8] |= 0x80
+        elif kind == 2:  # the padding (or the last payload byte)
+            b[offsets[c + 1] - 1] ^= 0x01
+        elif kind == 3 and mode == 0:  # a rANS state
+            b[offsets[c] + 4 * rand(32) + rand(4)] ^= 1 << rand(8)
+        else:  # a directory field
+            b[directory + 16 * c + rand(16)] ^= 1 << rand(3)
+    return b
+
+
+def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, case: str, chunk_values: int,
+                                                trials: int = 120) -> None:
+    """Corrupted and truncated blobs of CASES[case]: the kernels report the host decoder's status
+    (and decode exactly the blobs the host accepts)."""
+    x = CASES[case]()
+    n = x.numel()
+    blob = lossless.encode(x, chunk_values=chunk_values)
+    gen = _gen(11)
+    seen = set()
+    for trial in range(trials):
+        if trial % 10 == 9:
+            bad = blob[:int(torch.randint(0, blob.numel(), (1,), generator=gen))].clone()  # truncated
+        elif trial % 10 == 8:
+            bad = blob.clone()
+            bad[int(torch.randint(0, min(blob.numel(), 64), (1,), generator=gen))] ^= 0x10  # metadata
+        else:
+            bad = _corrupt(blob, n, gen, chunks=1 + trial % 2)  # one or two chunks
+        want = host_status(bad)
+        status, y = device_decode(lib, bad, n, chunk_values, device)
+        assert status == want, f"trial {trial}: device {MESSAGES[status]!r}, host {MESSAGES[want]!r}"
+        if want == 0:
+            assert torch.equal(y, bits(x))
+        seen.add(want)
+    assert len(seen - {0}) >= 3, seen
