@@ -40,6 +40,41 @@ def build(source: str, out: Path, defines: tuple[str, ...] = ()) -> Path:
     return out
 
 
+def build_codec_module(out_dir: Path):
+    """ep_comm._cuda's codec bindings (csrc/cuda_bindings/codecs.cpp, unchanged) over the emulated
+    codec kernels, built into ``out_dir`` and imported: a module with the binding functions
+    ``lossless_encode`` ... ``fp8_quantize`` that take host pointers (tests/native/emulated_codec_module.cpp)."""
+    import importlib.util
+    import sysconfig
+
+    import pybind11
+
+    cxx = compiler()
+    if cxx is None:
+        raise FileNotFoundError("no host C++ compiler (set CXX)")
+    includes = [f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", f"-I{CSRC / 'cuda_bindings'}",
+                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    objects = []
+    for source in ("csrc/cuda/lossless_kernels.cu", "csrc/cuda/fp8_kernels.cu", "csrc/cuda/codec_launchers.cu",
+                   "csrc/cuda_bindings/codecs.cpp", "tests/native/emulated_codec_module.cpp"):
+        obj = out_dir / (Path(source).name + ".o")
+        cmd = [cxx, "-std=c++17", "-O2", "-g0", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas",
+               "-DEP_CUDA_EMULATION", *includes, "-c", "-x", "c++", str(ROOT / source), "-o", str(obj)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+        objects.append(str(obj))
+    module = out_dir / f"ep_emulated_codecs{sysconfig.get_config_var('EXT_SUFFIX')}"
+    cmd = [cxx, "-shared", *objects, "-o", str(module)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+    spec = importlib.util.spec_from_file_location("ep_emulated_codecs", module)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
 def load(path: Path) -> ctypes.CDLL:
     """An emulated library, with ``ep_emu_set_schedule`` typed."""
     lib = ctypes.CDLL(str(path))
