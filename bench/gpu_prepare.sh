@@ -17,13 +17,17 @@ mkdir -p $CARRY/ep_comm_cuda
 # "name:MACRO=value[,MACRO=value...]" separated by spaces. By default the decoder options not yet
 # measured on a GPU: L1 prefetch 256 B / 1 KiB ahead (with L1 left beside shared memory), register
 # windows capped at 48 registers (10 blocks per SM; ptxas spills about 20 bytes there) and at 64
-# (8 blocks per SM: 62 registers, no spills); each library's ptxas report is kept beside it
+# (8 blocks per SM: 62 registers, no spills), early loads (a step's word and raw-field loads in
+# flight together) at 32 registers (spills 32 bytes) and at 48 (no spills); each library's
+# ptxas report is kept beside it
 # (<lib>.ptxas.txt, logged by gpu_check.sh). EP_CODEC_VARIANTS="" for none.
 rm -f $CARRY/libep_codec*.so $CARRY/libep_codec*.ptxas.txt
 default_variants="dec_pf256:EP_LOSSLESS_DEC_PREFETCH=256,EP_LOSSLESS_DEC_CARVEOUT=60"
 default_variants+=" dec_pf1k:EP_LOSSLESS_DEC_PREFETCH=1024,EP_LOSSLESS_DEC_CARVEOUT=60"
 default_variants+=" dec_win48:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
 default_variants+=" dec_win64:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=8"
+default_variants+=" dec_early:EP_LOSSLESS_DEC_EARLY_LOADS=1"
+default_variants+=" dec_early48:EP_LOSSLESS_DEC_EARLY_LOADS=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
 $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
 for variant in ${EP_CODEC_VARIANTS-$default_variants}; do
   defines=()

@@ -2,7 +2,7 @@
 through the CUDA emulation (csrc/emulation/, built by tests/emulated_cuda.py): the checks the GPU
 tests make (tests/codec_kernel_cases.py: blobs byte-identical to the host encoder's, exact
 decoding, the host's status for corrupted blobs; FP8 equal to the reference), on every build
-variant of the decoder (default, register windows, L1 prefetch, 8 warps per block) and in both
+variant of the decoder (default, register windows, L1 prefetch, early loads, 8 warps per block) and in both
 schedule orders. This tests the kernels' logic and their warp/block synchronisation, not their
 speed or the GPU's memory model (see csrc/emulation/cuda_runtime.h)."""
 from __future__ import annotations
@@ -34,6 +34,7 @@ VARIANTS = {
     "default": (),
     "window": ("EP_LOSSLESS_DEC_WINDOW=1",),
     "prefetch": ("EP_LOSSLESS_DEC_PREFETCH=256",),
+    "early_loads": ("EP_LOSSLESS_DEC_EARLY_LOADS=1",),
     "warps8": ("EP_LOSSLESS_DEC_WARPS=8",),
 }
 
@@ -72,7 +73,7 @@ def test_decoder_variants_decode_exactly(libs, schedule, variant: str, case: str
     check_blob_is_byte_identical_and_decodes(libs[variant], "cpu", case, chunk_values)
 
 
-@pytest.mark.parametrize("variant", ["default", "window"])
+@pytest.mark.parametrize("variant", ["default", "window", "early_loads"])
 @pytest.mark.parametrize("case,chunk_values", CORRUPTION_CASES)
 def test_rejects_corrupted_blobs_like_the_host(libs, variant: str, case: str, chunk_values: int) -> None:
     check_rejects_corrupted_blobs_like_the_host(libs[variant], "cpu", case, chunk_values, trials=60)

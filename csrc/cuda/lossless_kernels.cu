@@ -79,6 +79,16 @@ constexpr uint32_t kDecPrefetch = EP_LOSSLESS_DEC_PREFETCH;
 #ifndef EP_LOSSLESS_DEC_WINDOW
 #define EP_LOSSLESS_DEC_WINDOW 0
 #endif
+// 1: the default decoder's step issues its raw-field loads before it waits for its word load
+// (both ballots first, then every load, then the uses), so a step waits for global memory once
+// instead of twice. Why: as written by default, the word load is used (the state's
+// renormalisation) before the raw fields' position is even computed, and a warp issues in order,
+// so each step waits for two global load latencies one after the other; that fits the measured
+// ~2,500 cycles per step (H200, 1 GiB, 64 resident warps per SM). Not yet run on a GPU
+// (bench/gpu_prepare.sh builds it as a variant); CPU-tested through the CUDA emulation.
+#ifndef EP_LOSSLESS_DEC_EARLY_LOADS
+#define EP_LOSSLESS_DEC_EARLY_LOADS 0
+#endif
 
 // A hint: loads the line holding *p into L1 (generic address of global memory).
 __device__ __forceinline__ void prefetch_l1(const void* p) {
@@ -698,27 +708,44 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
     }
     DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq);
     const unsigned wmask = __ballot_sync(kFull, d.need);
-    if (d.need) {
-      const uint32_t p = wpos + __popc(wmask & below);
-      if (p < st.num_words) d.y = (d.y << 16) | load_word<Aligned>(st.words, p);
-      else bad = true;
-    }
-    wpos += __popc(wmask);
     const bool has_raw = valid && !d.zero;
-    const unsigned rmask = __ballot_sync(kFull, has_raw);
     uint32_t v = 0;
-    if (has_raw) {
-      const uint32_t p = rpos + __popc(rmask & below);
-      if (p < st.num_raw) {  // read_raw_field
-        const uint32_t bit = kRawBits * p, b = bit >> 3;
-        uint32_t w = st.raw[b];
-        if (b + 1 < st.nraw_bytes) w |= uint32_t(st.raw[b + 1]) << 8;
-        v = (entry_hi10(d.entry) << kRawBits) | ((w >> (bit & 7)) & kRawMask);  // join_value
-      } else {
-        bad = true;
+    if constexpr (EP_LOSSLESS_DEC_EARLY_LOADS) {
+      // every load of the step in flight before any is used (same values, checks and statuses)
+      const unsigned rmask = __ballot_sync(kFull, has_raw);
+      const uint32_t wp = wpos + __popc(wmask & below), rp = rpos + __popc(rmask & below);
+      const bool word_ok = d.need && wp < st.num_words, raw_ok = has_raw && rp < st.num_raw;
+      const uint32_t bit = kRawBits * rp, b = bit >> 3;
+      uint32_t word = 0, lo = 0, hi = 0;
+      if (word_ok) word = load_word<Aligned>(st.words, wp);
+      if (raw_ok) lo = st.raw[b];
+      if (raw_ok && b + 1 < st.nraw_bytes) hi = st.raw[b + 1];
+      bad |= (d.need && !word_ok) || (has_raw && !raw_ok);
+      if (word_ok) d.y = (d.y << 16) | word;
+      if (raw_ok) v = (entry_hi10(d.entry) << kRawBits) | (((lo | (hi << 8)) >> (bit & 7)) & kRawMask);
+      wpos += __popc(wmask);
+      rpos += __popc(rmask);
+    } else {
+      if (d.need) {
+        const uint32_t p = wpos + __popc(wmask & below);
+        if (p < st.num_words) d.y = (d.y << 16) | load_word<Aligned>(st.words, p);
+        else bad = true;
       }
+      wpos += __popc(wmask);
+      const unsigned rmask = __ballot_sync(kFull, has_raw);
+      if (has_raw) {
+        const uint32_t p = rpos + __popc(rmask & below);
+        if (p < st.num_raw) {  // read_raw_field
+          const uint32_t bit = kRawBits * p, b = bit >> 3;
+          uint32_t w = st.raw[b];
+          if (b + 1 < st.nraw_bytes) w |= uint32_t(st.raw[b + 1]) << 8;
+          v = (entry_hi10(d.entry) << kRawBits) | ((w >> (bit & 7)) & kRawMask);  // join_value
+        } else {
+          bad = true;
+        }
+      }
+      rpos += __popc(rmask);
     }
-    rpos += __popc(rmask);
     if (valid) keep_value(x, d.y, v, i, dst, checksum);
   }
   return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
