@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
 
 import pytest
@@ -112,8 +113,6 @@ def test_fp8_kernel_is_the_reference(fp8_lib, reverse: int, round_scale: bool, u
 def _local_statics_outside_shared_section(path) -> list[str]:
     """Function-local statics of an emulated kernel library (its kernels' __shared__ variables)
     that lie outside the section the emulation poisons before each block."""
-    import subprocess
-
     lines = subprocess.run(["nm", "-C", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()
     symbols = [(int(line[:16], 16), line[19:]) for line in lines if len(line) > 19 and line[17] in "bBdD"]
     bounds = {name: a for a, name in symbols if name in ("__start_ep_emu_shared", "__stop_ep_emu_shared")}
