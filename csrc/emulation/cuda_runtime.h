@@ -66,6 +66,8 @@ struct LaunchState {
   uint64_t blocks_run = 0;        // picks the poison of the next block's shared memory
 };
 inline thread_local LaunchState tls_launch;
+// The block runner of this OS thread's launches (one at a time: kernels launch no kernels).
+inline thread_local FiberBlock tls_runner;
 
 // Fills all shared memory with 0x00 or 0xA5 bytes, alternating from block to block (a zero and a
 // non-zero pattern: a flag or count read before it is written is wrong one way or the other).
@@ -93,7 +95,7 @@ class Launch {
     LaunchState& s = tls_launch;
     s.grid_dim = dim3(grid_);
     s.block_dim = dim3(threads_);
-    FiberBlock runner;
+    FiberBlock& runner = tls_runner;  // its fiber stacks are kept from launch to launch
     const std::function<void()> body = [&] { std::apply(kernel_, params); };
     for (unsigned b = 0; b < grid_; ++b) {
       s.block_idx = dim3(b);

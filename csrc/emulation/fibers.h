@@ -14,10 +14,13 @@
 #error "the CUDA emulation's fibers switch stacks in x86-64 assembly"
 #endif
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace ep_emu {
@@ -51,9 +54,30 @@ class FiberBlock;
 // the collectives find their block. Per OS thread, so that two threads may each emulate a launch.
 inline thread_local FiberBlock* tls_block = nullptr;
 
+// A fiber's stack: its own mapping, with an inaccessible guard page below it, so that a stack
+// overflow faults at once instead of overwriting another fiber's stack.
+class FiberStack {
+ public:
+  static constexpr size_t kBytes = 64 << 10;
+  static constexpr size_t kGuardBytes = 4096;
+  FiberStack() {
+    void* p = mmap(nullptr, kGuardBytes + kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    mprotect(p, kGuardBytes, PROT_NONE);
+    base_ = static_cast<char*>(p);
+  }
+  FiberStack(const FiberStack&) = delete;
+  FiberStack& operator=(const FiberStack&) = delete;
+  ~FiberStack() { munmap(base_, kGuardBytes + kBytes); }
+  // One past the stack's highest byte (stacks grow down).
+  char* top() const { return base_ + kGuardBytes + kBytes; }
+
+ private:
+  char* base_;
+};
+
 class FiberBlock {
  public:
-  static constexpr size_t kStackBytes = 64 << 10;
 
   // Runs `body` once in each of `threads` fibers (thread indices 0 .. threads - 1) until every
   // fiber has returned. Returns false if they deadlocked (some wait at a barrier that the others
@@ -61,11 +85,7 @@ class FiberBlock {
   // resumed from the highest thread index down (else from 0 up), so that a thread reading what a
   // lower thread writes without a barrier between them runs first and reads the old value.
   bool run(unsigned threads, const std::function<void()>& body, bool reverse = false) {
-    if (stacks_.size() < threads) {
-      stacks_.resize(threads);
-      for (auto& s : stacks_)
-        if (!s) s.reset(new char[kStackBytes]);
-    }
+    while (stacks_.size() < threads) stacks_.emplace_back(new FiberStack());
     fibers_.assign(threads, Fiber{});
     warps_.assign((threads + kWarpSize - 1) / kWarpSize, Warp{});
     for (unsigned t = 0; t < threads; ++t) {
@@ -157,8 +177,7 @@ class FiberBlock {
   // A fresh fiber's stack: the frame ep_emu_switch_stack pops (six registers, then the return
   // address fiber_main), with the stack 16-byte aligned as at a call when fiber_main starts.
   void start_fiber(unsigned t) {
-    char* top = stacks_[t].get() + kStackBytes;
-    top = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15));
+    char* top = stacks_[t]->top();  // page-aligned, so 16-byte aligned
     void** sp = reinterpret_cast<void**>(top - 64);
     for (int k = 0; k < 6; ++k) sp[k] = nullptr;
     sp[6] = reinterpret_cast<void*>(&fiber_main);
@@ -219,7 +238,7 @@ class FiberBlock {
     ++w.gen;
   }
 
-  std::vector<std::unique_ptr<char[]>> stacks_;
+  std::vector<std::unique_ptr<FiberStack>> stacks_;
   std::vector<Fiber> fibers_;
   std::vector<Warp> warps_;
   void* scheduler_sp_ = nullptr;
