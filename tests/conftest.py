@@ -32,3 +32,14 @@ def ranks():
     yield run
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def emulated_codec_module_path(tmp_path_factory):
+    """ep_comm._cuda's codec bindings over the codec kernels built for the CPU through the CUDA
+    emulation (tests/emulated_cuda.py), built once per session: the extension module's path."""
+    from emulated_cuda import build_codec_module, compiler
+
+    if compiler() is None:
+        pytest.skip("no host C++ compiler for the CUDA emulation")
+    return build_codec_module(tmp_path_factory.mktemp("emulated_codecs"))

@@ -9,6 +9,7 @@ come before another thread's write without a barrier in between (0, from thread 
 other order)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -40,11 +41,11 @@ def build(source: str, out: Path, defines: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def build_codec_module(out_dir: Path):
+def build_codec_module(out_dir: Path) -> Path:
     """ep_comm._cuda's codec bindings (csrc/cuda_bindings/codecs.cpp, unchanged) over the emulated
-    codec kernels, built into ``out_dir`` and imported: a module with the binding functions
-    ``lossless_encode`` ... ``fp8_quantize`` that take host pointers (tests/native/emulated_codec_module.cpp)."""
-    import importlib.util
+    codec kernels, built into ``out_dir``: the path of an extension module (import it with
+    :func:`import_codec_module`) with the binding functions ``lossless_encode`` ... ``fp8_quantize``,
+    which take host pointers (tests/native/emulated_codec_module.cpp)."""
     import sysconfig
 
     import pybind11
@@ -69,10 +70,55 @@ def build_codec_module(out_dir: Path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
-    spec = importlib.util.spec_from_file_location("ep_emulated_codecs", module)
+    return module
+
+
+def import_codec_module(path: Path):
+    """The module :func:`build_codec_module` built at ``path``, imported (also in a rank process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ep_emulated_codecs", path)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     return loaded
+
+
+class RecordingKernels:
+    """A codec bindings module (e.g. :func:`import_codec_module`'s) that records its kernel calls:
+    ``calls`` lists "encode", "decode" and "fp8" in call order."""
+
+    _recorded = {"lossless_encode": "encode", "lossless_decode": "decode", "fp8_quantize": "fp8"}
+
+    def __init__(self, module):
+        self.module = module
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        binding = getattr(self.module, name)
+        if name not in self._recorded:
+            return binding
+
+        def call(*args, **kwargs):
+            self.calls.append(self._recorded[name])
+            return binding(*args, **kwargs)
+        return call
+
+
+@contextlib.contextmanager
+def device_codecs_on_cpu(module):
+    """Within the block, CPU tensors take the device codec path (ep_comm/codecs/device_kernels.py)
+    with ``module``'s bindings as their kernels: messages are coded by the emulated GPU kernels,
+    in the GPU's message chunks."""
+    from ep_comm.codecs import device_kernels
+
+    saved = device_kernels.codec_kernels, device_kernels.launch_context, device_kernels.current_stream
+    device_kernels.codec_kernels = lambda device: module
+    device_kernels.launch_context = lambda device: contextlib.nullcontext()
+    device_kernels.current_stream = lambda device: 0
+    try:
+        yield
+    finally:
+        device_kernels.codec_kernels, device_kernels.launch_context, device_kernels.current_stream = saved
 
 
 def load(path: Path) -> ctypes.CDLL:

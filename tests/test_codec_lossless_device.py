@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from emulated_cuda import build_codec_module, compiler
+from emulated_cuda import RecordingKernels, import_codec_module
 
 from ep_comm import _host
 from ep_comm.codecs import device_kernels, fp8, lossless, lossless_device
@@ -78,42 +78,14 @@ class HostKernels:
         _host.fp8_quantize(src, rows, hidden, round_scale, use_ue8m0, q_out, s_out)
 
 
-class EmulatedKernels:
-    """The codec bindings of csrc/cuda_bindings/codecs.cpp over the emulated kernels (host pointers),
-    recording the kernel calls as HostKernels does."""
-
-    _recorded = {"lossless_encode": "encode", "lossless_decode": "decode", "fp8_quantize": "fp8"}
-
-    def __init__(self, module):
-        self.module = module
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        binding = getattr(self.module, name)
-        if name not in self._recorded:
-            return binding
-
-        def call(*args, **kwargs):
-            self.calls.append(self._recorded[name])
-            return binding(*args, **kwargs)
-        return call
-
-
-@pytest.fixture(scope="module")
-def emulated_codec_module(tmp_path_factory):
-    if compiler() is None:
-        pytest.skip("no host C++ compiler for the CUDA emulation")
-    return build_codec_module(tmp_path_factory.mktemp("emulated_codecs"))
-
-
 @pytest.fixture(params=["host_stand_in", "emulated_kernels"])
-def kernels(request, monkeypatch) -> HostKernels | EmulatedKernels:
+def kernels(request, monkeypatch) -> HostKernels | RecordingKernels:
     """CPU tensors routed through lossless_device, with HostKernels (or the real bindings over the
     emulated kernels) in place of ep_comm._cuda."""
     if request.param == "host_stand_in":
         fake = HostKernels()
     else:
-        fake = EmulatedKernels(request.getfixturevalue("emulated_codec_module"))
+        fake = RecordingKernels(import_codec_module(request.getfixturevalue("emulated_codec_module_path")))
     monkeypatch.setattr(device_kernels, "codec_kernels", lambda device: fake)
     monkeypatch.setattr(device_kernels, "launch_context", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(device_kernels, "current_stream", lambda device: 0)
