@@ -35,22 +35,28 @@ def _with_codecs(rank, world, group, case: Case):
     return out
 
 
+def _check_lossless_matches_plain(rank: int, out: dict, case: Case) -> None:
+    """One rank's _with_codecs results: lossless bit-identical to uncompressed, the same raw bytes,
+    and fewer wire bytes to every peer sent 16 rows or more."""
+    plain, packed = out["none"], out["lossless"]
+    for a, b in zip(plain[:7], packed[:7]):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), f"rank {rank}"
+        else:
+            assert a == b
+    stats = packed[7]
+    assert stats.codec == "lossless" and plain[7].codec == "none"
+    assert stats.bytes_sent_raw == plain[7].bytes_sent_raw
+    for peer, raw in enumerate(stats.bytes_sent_raw):
+        if raw >= 16 * case.hidden * 2:
+            assert stats.bytes_sent_wire[peer] < raw, (peer, stats)
+
+
 @pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: f"R{c.world}-K{c.topk}-H{c.hidden}")
 def test_lossless_on_the_wire_is_bit_identical(ranks, case):
     for rank, out in enumerate(ranks(case.world, _with_codecs, case)):
-        plain, packed = out["none"], out["lossless"]
-        for a, b in zip(plain[:7], packed[:7]):
-            if isinstance(a, torch.Tensor):
-                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
-                                   b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), f"rank {rank}"
-            else:
-                assert a == b
-        stats = packed[7]
-        assert stats.codec == "lossless" and plain[7].codec == "none"
-        assert stats.bytes_sent_raw == plain[7].bytes_sent_raw
-        big = [i for i, raw in enumerate(stats.bytes_sent_raw) if raw >= 16 * case.hidden * 2]
-        for peer in big:
-            assert stats.bytes_sent_wire[peer] < stats.bytes_sent_raw[peer], (peer, stats)
+        _check_lossless_matches_plain(rank, out, case)
 
 
 def _with_codecs_on_emulated_kernels(rank, world, group, case: Case, module_path):
@@ -68,25 +74,13 @@ EMULATED_CASES = [c for c in BF16_CASES if c.world > 1 and c.hidden >= 200]
 def test_lossless_through_the_gpu_codec_kernels_is_bit_identical(ranks, emulated_codec_module_path, case):
     """The messages coded and decoded by the CUDA codec kernels (built for the CPU through the CUDA
     emulation, driven by ep_comm._cuda's bindings, in the GPU's 8K-value message chunks): dispatch,
-    combine and cached dispatch equal the uncompressed ones, bit for bit, and match the host codec's
-    wire bytes."""
-    host = ranks(case.world, _with_codecs, case)
+    combine and cached dispatch equal the uncompressed ones, bit for bit, with the raw bytes of
+    the host codec's run."""
     device = ranks(case.world, _with_codecs_on_emulated_kernels, case, emulated_codec_module_path)
-    for rank, (out_host, (out, calls)) in enumerate(zip(host, device)):
+    for rank, (out, calls) in enumerate(device):
         # a blob per peer and message: dispatch, combine and cached dispatch, each way
         assert calls.count("encode") == calls.count("decode") == 3 * case.world, calls
-        plain, packed = out["none"], out["lossless"]
-        for a, b in zip(plain[:7], packed[:7]):
-            if isinstance(a, torch.Tensor):
-                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
-                                   b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), f"rank {rank}"
-            else:
-                assert a == b
-        stats = packed[7]
-        assert stats.bytes_sent_raw == out_host["lossless"][7].bytes_sent_raw
-        for peer, raw in enumerate(stats.bytes_sent_raw):
-            if raw >= 16 * case.hidden * 2:  # messages of 16 rows and more compress
-                assert stats.bytes_sent_wire[peer] < raw, (peer, stats)
+        _check_lossless_matches_plain(rank, out, case)
 
 
 def _fp8_codec(rank, world, group):
