@@ -934,17 +934,17 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
   cudaMemsetAsync(ws.counts, 0, 8 * kNumSymbols, stream);
   if (chunks > 0)
-    EP_LAUNCH(split_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
-                                                                 ws);
+    EP_LAUNCH(split_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks,
+                                                                     aligned, ws);
   EP_LAUNCH(table_kernel, 1, kMetaThreads, stream)(ws, num_values);
   if (chunks > 0)
-    EP_LAUNCH(rans_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
-                                                                ws);
+    EP_LAUNCH(rans_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks,
+                                                                    aligned, ws);
   EP_LAUNCH(layout_kernel, 1, kMetaThreads, stream)(ws, num_values, shape, ndim, chunk_values, chunks, out, out_size);
   if (chunks > 0) {
     const int grid = static_cast<int>(chunks < 65535 ? chunks : 65535);
     EP_LAUNCH(pack_kernel, grid, 256, stream)(values, num_values, chunk_values, chunks, ws, out,
-                                          (reinterpret_cast<uintptr_t>(out) & 3) == 0);
+                                              (reinterpret_cast<uintptr_t>(out) & 3) == 0);
   }
   return static_cast<int>(cudaGetLastError());
 }
