@@ -121,18 +121,26 @@ CORRUPTION_CASES = [("sparse", 1024), ("mixed", 4096), ("normal", 4096), ("zeros
                     ("wide_exponents", 4096)]
 
 
-def check_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, device: str, case: str, chunk_values: int) -> None:
-    """The kernels' blob of CASES[case] is the host encoder's, and they decode it exactly."""
-    x = CASES[case]()
+def check_blob_is_byte_identical_and_decodes_tensor(lib: ctypes.CDLL, device: str, x: torch.Tensor,
+                                                    chunk_values: int) -> torch.Tensor:
+    """The kernels' blob of ``x`` (bf16) is the host encoder's, and they decode it exactly; returns
+    the blob."""
     host = lossless.encode(x, chunk_values=chunk_values)
     dev = device_encode(lib, x, chunk_values, device)
     assert dev.numel() == host.numel() and torch.equal(dev, host)
+    status, y = device_decode(lib, dev, x.numel(), chunk_values, device)
+    assert status == 0 and torch.equal(y, bits(x))
+    return host
+
+
+def check_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, device: str, case: str, chunk_values: int) -> None:
+    """The kernels' blob of CASES[case] is the host encoder's, and they decode it exactly."""
+    x = CASES[case]()
+    host = check_blob_is_byte_identical_and_decodes_tensor(lib, device, x, chunk_values)
     if case == "random_bits":  # every chunk raw: no table, as on the host
         assert host[6] == 0 and host[7] == 0
     if case == "wide_exponents" and chunk_values >= 4096:  # rANS-coded chunks, as the case means
         assert host.numel() < 2 * x.numel()
-    status, y = device_decode(lib, dev, x.numel(), chunk_values, device)
-    assert status == 0 and torch.equal(y, bits(x))
 
 
 def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[int, ...]], list[int]]:

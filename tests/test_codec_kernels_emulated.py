@@ -18,12 +18,20 @@ from codec_kernel_cases import (
     CASES,
     CHUNK_VALUES,
     CORRUPTION_CASES,
+    MESSAGES,
+    bits,
     check_blob_is_byte_identical_and_decodes,
+    check_blob_is_byte_identical_and_decodes_tensor,
     check_rejects_corrupted_blobs_like_the_host,
+    device_decode,
+    from_bits,
+    host_status,
 )
 from emulated_cuda import ROOT, build, compiler, load
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ep_comm.codecs import fp8
+from ep_comm.codecs import fp8, lossless
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler")
 
@@ -78,6 +86,50 @@ def test_decoder_variants_decode_exactly(libs, schedule, variant: str, case: str
 @pytest.mark.parametrize("case,chunk_values", CORRUPTION_CASES)
 def test_rejects_corrupted_blobs_like_the_host(libs, variant: str, case: str, chunk_values: int) -> None:
     check_rejects_corrupted_blobs_like_the_host(libs[variant], "cpu", case, chunk_values, trials=60)
+
+
+@st.composite
+def _bf16_tensors(draw) -> torch.Tensor:
+    """bf16 bit patterns of up to 20,000 values: exponents around a drawn centre with a drawn spread
+    (narrow like activations, wide like the stress case), a drawn share of +0.0, signs."""
+    n = draw(st.integers(0, 20000))
+    seed = draw(st.integers(0, 2**31 - 1))
+    centre, spread = draw(st.integers(1, 254)), draw(st.sampled_from([0, 1, 3, 8, 40, 127]))
+    zeros = draw(st.sampled_from([0.0, 0.01, 0.5, 1.0]))
+    g = torch.Generator().manual_seed(seed)
+    exponent = (centre + torch.randint(-spread, spread + 1, (n,), generator=g)).clamp(0, 255)
+    sign = torch.randint(0, 2, (n,), generator=g)
+    mantissa = torch.randint(0, 128, (n,), generator=g)
+    bits = (sign << 15) | (exponent << 7) | mantissa
+    bits = torch.where(torch.rand(n, generator=g) < zeros, torch.zeros_like(bits), bits)
+    return from_bits(bits)
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=_bf16_tensors(), chunk_values=st.sampled_from([32, 64, 96, 160, 4096, 65536]),
+       variant=st.sampled_from(sorted(VARIANTS)), reverse=st.integers(0, 1))
+def test_hypothesis_kernels_give_the_host_blob_and_decode_it(libs, x, chunk_values, variant, reverse):
+    libs[variant].ep_emu_set_schedule(reverse)
+    try:
+        check_blob_is_byte_identical_and_decodes_tensor(libs[variant], "cpu", x, chunk_values)
+    finally:
+        libs[variant].ep_emu_set_schedule(0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=_bf16_tensors(), chunk_values=st.sampled_from([32, 96, 4096]), variant=st.sampled_from(sorted(VARIANTS)),
+       seed=st.integers(0, 2**31 - 1), damaged=st.integers(1, 3))
+def test_hypothesis_damaged_blobs_get_the_host_status(libs, x, chunk_values, variant, seed, damaged):
+    blob = lossless.encode(x, chunk_values=chunk_values)
+    g = torch.Generator().manual_seed(seed)
+    bad = blob.clone()
+    at = torch.randint(0, blob.numel(), (damaged,), generator=g)
+    bad[at] ^= torch.randint(1, 256, (damaged,), generator=g, dtype=torch.int32).to(torch.uint8)
+    status, y = device_decode(libs[variant], bad, x.numel(), chunk_values, "cpu")
+    want = host_status(bad)
+    assert status == want, (MESSAGES[status], MESSAGES[want])
+    if want == 0:
+        assert torch.equal(y, bits(x))
 
 
 @pytest.fixture(scope="module")
