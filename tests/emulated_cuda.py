@@ -41,6 +41,24 @@ def build(source: str, out: Path, defines: tuple[str, ...] = ()) -> Path:
     return out
 
 
+def build_racecheck(out: Path, defines: tuple[str, ...] = ()) -> Path:
+    """tests/native/emulated_racecheck.cpp with the codec kernels, built through the CUDA emulation
+    with ThreadSanitizer into the executable ``out`` (see that file); raises CalledProcessError
+    with the compiler's output if it fails (e.g. no libtsan)."""
+    cxx = compiler()
+    if cxx is None:
+        raise FileNotFoundError("no host C++ compiler (set CXX)")
+    cmd = [cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-fPIE", "-pie", "-Wall", "-Wno-unknown-pragmas",
+           "-DEP_CUDA_EMULATION", *(f"-D{d}" for d in defines), f"-I{CSRC / 'emulation'}", f"-I{CSRC}",
+           f"-I{CSRC / 'cuda'}", "-x", "c++", str(CSRC / "cuda" / "lossless_kernels.cu"),
+           str(CSRC / "cuda" / "fp8_kernels.cu"), str(ROOT / "tests" / "native" / "emulated_racecheck.cpp"),
+           "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+    return out
+
+
 def build_codec_module(out_dir: Path) -> Path:
     """ep_comm._cuda's codec bindings (csrc/cuda_bindings/codecs.cpp, unchanged) over the emulated
     codec kernels, built into ``out_dir``: the path of an extension module (import it with

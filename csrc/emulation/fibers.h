@@ -16,6 +16,10 @@
 
 #include <sys/mman.h>
 
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -49,6 +53,22 @@ extern "C" __attribute__((naked, noinline)) inline void ep_emu_switch_stack(void
 
 constexpr unsigned kWarpSize = 32;
 
+// Under ThreadSanitizer (a build with -fsanitize=thread) every fiber is a TSan fiber, so TSan
+// reports two CUDA threads of a block that touch the same memory (one of them writing) with no
+// barrier between them: the barriers release before arriving and acquire after passing, the
+// emulated atomics are atomic, and the scheduler's own bookkeeping is not instrumented (NO_TSAN).
+// Blocks are ordered one after another (their shared memory is one reused copy), so races between
+// two blocks are not reported.
+#if defined(__SANITIZE_THREAD__)
+#define EP_EMU_NO_TSAN __attribute__((no_sanitize_thread, noinline))
+inline void tsan_release(const void* sync) { __tsan_release(const_cast<void*>(sync)); }
+inline void tsan_acquire(const void* sync) { __tsan_acquire(const_cast<void*>(sync)); }
+#else
+#define EP_EMU_NO_TSAN
+inline void tsan_release(const void*) {}
+inline void tsan_acquire(const void*) {}
+#endif
+
 class FiberBlock;
 // The block whose fibers this OS thread is running (set by FiberBlock::run): how threadIdx and
 // the collectives find their block. Per OS thread, so that two threads may each emulate a launch.
@@ -78,13 +98,21 @@ class FiberStack {
 
 class FiberBlock {
  public:
+  FiberBlock() = default;
+  FiberBlock(const FiberBlock&) = delete;
+  FiberBlock& operator=(const FiberBlock&) = delete;
+  ~FiberBlock() {
+#if defined(__SANITIZE_THREAD__)
+    for (void* f : tsan_fibers_) __tsan_destroy_fiber(f);
+#endif
+  }
 
   // Runs `body` once in each of `threads` fibers (thread indices 0 .. threads - 1) until every
   // fiber has returned. Returns false if they deadlocked (some wait at a barrier that the others
   // cannot reach); the waiting fibers are then abandoned. `reverse`: the runnable fibers are
   // resumed from the highest thread index down (else from 0 up), so that a thread reading what a
   // lower thread writes without a barrier between them runs first and reads the old value.
-  bool run(unsigned threads, const std::function<void()>& body, bool reverse = false) {
+  EP_EMU_NO_TSAN bool run(unsigned threads, const std::function<void()>& body, bool reverse = false) {
     while (stacks_.size() < threads) stacks_.emplace_back(new FiberStack());
     fibers_.assign(threads, Fiber{});
     warps_.assign((threads + kWarpSize - 1) / kWarpSize, Warp{});
@@ -99,6 +127,10 @@ class FiberBlock {
     FiberBlock* outer = tls_block;
     tls_block = this;
     for (unsigned t = 0; t < threads; ++t) start_fiber(t);
+#if defined(__SANITIZE_THREAD__)
+    scheduler_tsan_ = __tsan_get_current_fiber();
+#endif
+    tsan_release(&tsan_start_);
     bool ok = true;
     while (alive_ > 0) {
       bool progressed = false;
@@ -108,7 +140,7 @@ class FiberBlock {
         if (f.done || (f.wait_gen != nullptr && *f.wait_gen == f.wait_value)) continue;
         f.wait_gen = nullptr;
         current_ = t;
-        ep_emu_switch_stack(&scheduler_sp_, f.sp);
+        to_fiber(f);
         progressed = true;
       }
       if (!progressed) {
@@ -116,27 +148,33 @@ class FiberBlock {
         break;
       }
     }
+    tsan_acquire(&tsan_end_);
     tls_block = outer;
     return ok;
   }
 
-  unsigned thread_index() const { return current_; }
-  unsigned lane() const { return current_ % kWarpSize; }
+  EP_EMU_NO_TSAN unsigned thread_index() const { return current_; }
+  EP_EMU_NO_TSAN unsigned lane() const { return current_ % kWarpSize; }
 
   // __syncthreads with the OR, AND and count of the live threads' `predicate`.
   struct BlockVote {
     int any, all, count;
   };
-  BlockVote sync_block(int predicate) {
+  EP_EMU_NO_TSAN BlockVote sync_block(int predicate) {
     vote_any_ |= predicate != 0;
     vote_all_ &= predicate != 0;
     vote_count_ += predicate != 0;
+    // TSan: one sync object per barrier instance (by generation parity), or a thread arriving late
+    // would acquire what a faster one released at the next barrier, after its later accesses
+    const char* sync = &block_sync_[block_gen_ & 1];
+    tsan_release(sync);
     if (++block_arrived_ == alive_) {
       release_block();
       yield();  // the others go on first, in the scheduler's order, as if this one had waited too
     } else {
       wait_while_unchanged(block_gen_);
     }
+    tsan_acquire(sync);
     return result_;
   }
 
@@ -147,7 +185,7 @@ class FiberBlock {
     uint64_t values[kWarpSize];
     unsigned live;
   };
-  WarpView warp_exchange(uint64_t value) {
+  EP_EMU_NO_TSAN WarpView warp_exchange(uint64_t value) {
     Warp& w = warps_[current_ / kWarpSize];
     w.slot[lane()] = value;
     warp_barrier(w);
@@ -159,11 +197,12 @@ class FiberBlock {
     warp_barrier(w);
     return view;
   }
-  void sync_warp() { warp_barrier(warps_[current_ / kWarpSize]); }
+  EP_EMU_NO_TSAN void sync_warp() { warp_barrier(warps_[current_ / kWarpSize]); }
 
  private:
   struct Fiber {
     void* sp = nullptr;
+    void* tsan = nullptr;  // its TSan fiber (TSan builds)
     bool done = false;
     const uint64_t* wait_gen = nullptr;  // runnable again once *wait_gen != wait_value
     uint64_t wait_value = 0;
@@ -172,26 +211,33 @@ class FiberBlock {
     uint64_t gen = 0;
     unsigned arrived = 0, alive = 0, alive_mask = 0;
     uint64_t slot[kWarpSize] = {};
+    char sync[2] = {};  // TSan sync objects of even and odd barrier generations
   };
 
   // A fresh fiber's stack: the frame ep_emu_switch_stack pops (six registers, then the return
   // address fiber_main), with the stack 16-byte aligned as at a call when fiber_main starts.
-  void start_fiber(unsigned t) {
+  EP_EMU_NO_TSAN void start_fiber(unsigned t) {
     char* top = stacks_[t]->top();  // page-aligned, so 16-byte aligned
     void** sp = reinterpret_cast<void**>(top - 64);
     for (int k = 0; k < 6; ++k) sp[k] = nullptr;
     sp[6] = reinterpret_cast<void*>(&fiber_main);
     sp[7] = nullptr;  // fiber_main's (never used) return address
     fibers_[t].sp = sp;
+#if defined(__SANITIZE_THREAD__)
+    if (tsan_fibers_.size() <= t) tsan_fibers_.resize(t + 1, nullptr);
+    if (tsan_fibers_[t] == nullptr) tsan_fibers_[t] = __tsan_create_fiber(0);  // kept, as the stacks are
+    fibers_[t].tsan = tsan_fibers_[t];
+#endif
   }
 
-  static void fiber_main() {
+  EP_EMU_NO_TSAN static void fiber_main() {
     FiberBlock* b = tls_block;
+    tsan_acquire(&b->tsan_start_);  // what the launching code did happens before this thread
     (*b->body_)();
     b->exit_current();
   }
 
-  void exit_current() {
+  EP_EMU_NO_TSAN void exit_current() {
     Fiber& f = fibers_[current_];
     f.done = true;
     --alive_;
@@ -201,22 +247,38 @@ class FiberBlock {
     // the threads still running may be waiting for this one only
     if (block_arrived_ > 0 && block_arrived_ == alive_) release_block();
     if (w.arrived > 0 && w.arrived == w.alive) release_warp(w);
+    tsan_release(&tsan_end_);  // what this thread did happens before what follows the block
     void* dead_sp;
-    ep_emu_switch_stack(&dead_sp, scheduler_sp_);  // never resumed
+    to_scheduler(&dead_sp);  // never resumed
     __builtin_unreachable();
   }
 
   // Back to the scheduler, runnable.
-  void yield() { ep_emu_switch_stack(&fibers_[current_].sp, scheduler_sp_); }
+  EP_EMU_NO_TSAN void yield() { to_scheduler(&fibers_[current_].sp); }
 
-  void wait_while_unchanged(const uint64_t& gen) {
+  // Stack switches, announced to TSan first (without a happens-before edge: only barriers order
+  // the CUDA threads).
+  EP_EMU_NO_TSAN void to_scheduler(void** save_sp) {
+#if defined(__SANITIZE_THREAD__)
+    __tsan_switch_to_fiber(scheduler_tsan_, __tsan_switch_to_fiber_no_sync);
+#endif
+    ep_emu_switch_stack(save_sp, scheduler_sp_);
+  }
+  EP_EMU_NO_TSAN void to_fiber(Fiber& f) {
+#if defined(__SANITIZE_THREAD__)
+    __tsan_switch_to_fiber(f.tsan, __tsan_switch_to_fiber_no_sync);
+#endif
+    ep_emu_switch_stack(&scheduler_sp_, f.sp);
+  }
+
+  EP_EMU_NO_TSAN void wait_while_unchanged(const uint64_t& gen) {
     Fiber& f = fibers_[current_];
     f.wait_gen = &gen;
     f.wait_value = gen;
-    ep_emu_switch_stack(&f.sp, scheduler_sp_);
+    to_scheduler(&f.sp);
   }
 
-  void release_block() {
+  EP_EMU_NO_TSAN void release_block() {
     result_ = BlockVote{vote_any_, vote_all_, vote_count_};
     vote_any_ = 0;
     vote_all_ = 1;
@@ -225,15 +287,18 @@ class FiberBlock {
     ++block_gen_;
   }
 
-  void warp_barrier(Warp& w) {
+  EP_EMU_NO_TSAN void warp_barrier(Warp& w) {
+    const char* sync = &w.sync[w.gen & 1];  // per barrier instance, as in sync_block
+    tsan_release(sync);
     if (++w.arrived == w.alive) {
       release_warp(w);
       yield();
     } else {
       wait_while_unchanged(w.gen);
     }
+    tsan_acquire(sync);
   }
-  static void release_warp(Warp& w) {
+  EP_EMU_NO_TSAN static void release_warp(Warp& w) {
     w.arrived = 0;
     ++w.gen;
   }
@@ -242,8 +307,12 @@ class FiberBlock {
   std::vector<Fiber> fibers_;
   std::vector<Warp> warps_;
   void* scheduler_sp_ = nullptr;
+  void* scheduler_tsan_ = nullptr;   // the scheduler's TSan fiber (TSan builds)
+  std::vector<void*> tsan_fibers_;  // TSan fiber of each stack (TSan builds)
+  char tsan_start_ = 0, tsan_end_ = 0;  // TSan sync objects: the launcher -> the threads -> the launcher
   unsigned current_ = 0, alive_ = 0, block_arrived_ = 0;
   uint64_t block_gen_ = 0;
+  char block_sync_[2] = {};  // TSan sync objects of even and odd block barrier generations
   int vote_any_ = 0, vote_all_ = 1, vote_count_ = 0;
   BlockVote result_{};
   const std::function<void()>* body_ = nullptr;
