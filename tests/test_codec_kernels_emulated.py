@@ -102,6 +102,8 @@ def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant:
         raise
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
     done = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0 and "FATAL: ThreadSanitizer" in done.stderr and "WARNING:" not in done.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run on this machine: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "0 failure(s)" in done.stdout
 
