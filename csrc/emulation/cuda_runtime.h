@@ -11,7 +11,9 @@
 // What it does not model: memory ordering between concurrently running blocks (blocks run one at a
 // time), partial warp masks (every collective here is over the warp's live lanes), timing.
 // __shared__ variables are function-local statics: one copy per kernel, reused by each block and
-// poisoned before it starts.
+// poisoned before it starts; so a process runs one emulated launch at a time (two OS threads
+// launching at once would share those copies). A template kernel's statics escape the poisoning
+// (GCC places them outside the section): keep kernels plain functions (a test checks it).
 #pragma once
 #ifndef EP_CUDA_EMULATION
 #error "csrc/emulation/cuda_runtime.h is the CUDA emulation: build with -DEP_CUDA_EMULATION"
