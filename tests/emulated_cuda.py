@@ -25,16 +25,18 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def build(source: str, out: Path, defines: tuple[str, ...] = ()) -> Path:
-    """Compiles ``source`` (a path from the repository root, e.g. "csrc/cuda/lossless_kernels.cu")
-    with ``defines`` (e.g. ("EP_LOSSLESS_DEC_WINDOW=1",)) into the shared library ``out``; raises
-    CalledProcessError with the compiler's output if it fails."""
+def build(source: str | list[str], out: Path, defines: tuple[str, ...] = ()) -> Path:
+    """Compiles ``source`` (a path from the repository root, e.g. "csrc/cuda/lossless_kernels.cu",
+    or a list of them) with ``defines`` (e.g. ("EP_LOSSLESS_DEC_WINDOW=1",)) into the shared
+    library ``out``; raises CalledProcessError with the compiler's output if it fails."""
     cxx = compiler()
     if cxx is None:
         raise FileNotFoundError("no host C++ compiler (set CXX)")
+    sources = [source] if isinstance(source, str) else list(source)
     cmd = [cxx, "-std=c++17", "-O2", "-g0", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
            "-x", "c++", "-DEP_CUDA_EMULATION", *(f"-D{d}" for d in defines),
-           f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", str(ROOT / source), "-o", str(out)]
+           f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", *(str(ROOT / s) for s in sources),
+           "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)

@@ -5,6 +5,7 @@
 
 #include "../common/routing.h"
 #include "../cuda_bindings/launchers.h"
+#include "launch.h"
 
 namespace ep_comm::cuda {
 namespace {
@@ -13,7 +14,7 @@ constexpr int kThreads = 256;
 
 // Dynamic shared memory: int32 rank_count[R] | node_count[R / rpn] | expert_count[E].
 __global__ void __launch_bounds__(kThreads) dispatch_layout_kernel(LayoutArgs a) {
-  extern __shared__ int32_t shared_counts[];
+  EP_DYNAMIC_SHARED(int32_t, shared_counts);
   const int num_nodes = a.num_tokens_per_rdma_rank ? a.num_ranks / a.ranks_per_node : 0;
   int32_t* rank_count = shared_counts;
   int32_t* node_count = rank_count + a.num_ranks;
@@ -66,7 +67,7 @@ void launch_dispatch_layout(const LayoutArgs& a, void* stream) {
   if (a.num_tokens == 0) return;
   const size_t shared = sizeof(int32_t) * (a.num_ranks + num_nodes + a.num_experts);
   const int blocks = (a.num_tokens + kThreads - 1) / kThreads;
-  dispatch_layout_kernel<<<blocks, kThreads, shared, s>>>(a);
+  EP_LAUNCH_SMEM(dispatch_layout_kernel, blocks, kThreads, shared, s)(a);
 }
 
 }  // namespace ep_comm::cuda

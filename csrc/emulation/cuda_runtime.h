@@ -26,6 +26,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "fibers.h"
 
@@ -66,6 +67,7 @@ struct LaunchState {
   cudaError_t last_error = cudaSuccess;
   bool reverse_schedule = false;  // FiberBlock::run's order (ep_emu_set_schedule)
   uint64_t blocks_run = 0;        // picks the poison of the next block's shared memory
+  std::vector<uint64_t> dynamic_shared;  // the launch's dynamic shared memory (8-byte aligned)
 };
 inline thread_local LaunchState tls_launch;
 // The block runner of this OS thread's launches (one at a time: kernels launch no kernels).
@@ -83,10 +85,15 @@ inline FiberBlock& block() { return *tls_block; }
 
 // Runs kernel(args...) on a grid of `grid` blocks of `threads` threads; a deadlocked block stops
 // the launch with cudaErrorLaunchFailure. Each thread gets its own copy of the arguments.
+// The current launch's dynamic shared memory (EP_DYNAMIC_SHARED): poisoned before each block, as
+// the static kind is.
+inline void* dynamic_shared_memory() { return tls_launch.dynamic_shared.data(); }
+
 template <typename... Params>
 class Launch {
  public:
-  Launch(void (*kernel)(Params...), unsigned grid, unsigned threads) : kernel_(kernel), grid_(grid), threads_(threads) {}
+  Launch(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared_bytes = 0)
+      : kernel_(kernel), grid_(grid), threads_(threads), shared_bytes_(shared_bytes) {}
   template <typename... Args>
   void operator()(Args&&... args) const {
     const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
@@ -97,10 +104,13 @@ class Launch {
     LaunchState& s = tls_launch;
     s.grid_dim = dim3(grid_);
     s.block_dim = dim3(threads_);
+    s.dynamic_shared.assign((shared_bytes_ + 7) / 8, 0);
     FiberBlock& runner = tls_runner;  // its fiber stacks are kept from launch to launch
     const std::function<void()> body = [&] { std::apply(kernel_, params); };
     for (unsigned b = 0; b < grid_; ++b) {
       s.block_idx = dim3(b);
+      if (!s.dynamic_shared.empty())
+        std::memset(s.dynamic_shared.data(), s.blocks_run % 2 ? 0xA5 : 0x00, 8 * s.dynamic_shared.size());
       poison_shared_memory(s.blocks_run++);
       if (!runner.run(threads_, body, s.reverse_schedule)) {
         s.last_error = cudaErrorLaunchFailure;
@@ -112,11 +122,12 @@ class Launch {
  private:
   void (*kernel_)(Params...);
   unsigned grid_, threads_;
+  size_t shared_bytes_;
 };
 
 template <typename... Params>
-Launch<Params...> launch(void (*kernel)(Params...), unsigned grid, unsigned threads) {
-  return Launch<Params...>(kernel, grid, threads);
+Launch<Params...> launch(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared_bytes = 0) {
+  return Launch<Params...>(kernel, grid, threads, shared_bytes);
 }
 
 template <typename T>
@@ -150,6 +161,9 @@ inline cudaError_t cudaGetLastError() {
   const cudaError_t e = ep_emu::tls_launch.last_error;
   ep_emu::tls_launch.last_error = cudaSuccess;
   return e;
+}
+inline const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : e == cudaErrorInvalidValue ? "invalid argument" : "unspecified launch failure";
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
   std::memset(p, value, bytes);
