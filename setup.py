@@ -1,6 +1,9 @@
 """Builds ep_comm: the pure-Python package, the C++ codec core (always) and, when nvcc is found,
 the CUDA/NVSHMEM extension ``ep_comm._cuda``.
 
+NVSHMEM comes from the nvidia-nvshmem-cu13 build requirement of pyproject.toml at build time and
+from the installed wheel at run time (tools/cuda_build.py says how).
+
 Environment:
     EP_COMM_CUDA=0 skips the CUDA build, EP_COMM_CUDA=1 makes a missing toolkit an error.
     EP_COMM_CUDA_ARCHS="90" (default) or e.g. "80;90": target architectures.

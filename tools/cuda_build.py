@@ -6,15 +6,35 @@ EP_COMM_CUDA=0); ``CudaBuildExt`` is a build_ext mixin that builds it with nvcc:
 1. every ``csrc/cuda/*.cu`` -> object with ``-rdc=true`` (in parallel, one nvcc per core),
 2. ``nvcc -dlink`` of those objects against NVSHMEM's ``libnvshmem_device.a``,
 3. ``csrc/cuda_bindings/*.cpp`` (pybind11, no torch/CUDA headers) -> objects with g++,
-4. one ``g++ -shared`` link with rpaths to the NVSHMEM wheel's and CUDA runtime wheel's lib dirs.
+4. one ``g++ -shared`` link (see "How NVSHMEM is found" for its runtime search path).
 
 Objects are reused when newer than their sources and every header under ``csrc/``.
+
+How NVSHMEM is found:
+    Build time: ``pip install`` builds in an isolated environment that holds only the
+    ``[build-system] requires`` of pyproject.toml, which include ``NVSHMEM_BUILD_REQUIREMENT`` (the
+    ``nvidia-nvshmem-cu13`` version torch depends on), so the headers and the static
+    ``libnvshmem_device.a`` come from there (``find_nvshmem`` searches sys.path in order, then the
+    target environment's site-packages, for ``setup.py build_ext --inplace`` without isolation).
+    The device library is linked statically; the host library ``libnvshmem_host.so.3`` is linked
+    by soname only.
+    Run time: the isolated environment is deleted after the build, so nothing may point into it:
+    the extension's runpath holds only ``$ORIGIN/../nvidia/nvshmem/lib`` and
+    ``$ORIGIN/../nvidia/cu13/lib`` (the wheels' places next to a regular, non-editable install),
+    ``$NVSHMEM_HOME/lib`` when NVSHMEM_HOME was used, and the toolkit's lib64. Whatever imports
+    ``ep_comm`` first runs ``ep_comm._build``, which loads ``libnvshmem_host.so.3`` from the
+    INSTALLED ``nvidia-nvshmem-cu13`` wheel (``nvidia.nvshmem`` package path, RTLD_GLOBAL) unless
+    the process already has one (torch's CUDA build loads the same file); the dynamic linker then
+    resolves the extension's ``libnvshmem_host.so.3`` to that loaded library by its soname.
+    ``ep_comm._build.load_cuda()`` does the same explicitly.
 
 Environment (read at build time only):
     EP_COMM_CUDA=0 skips the CUDA build; EP_COMM_CUDA=1 makes a missing toolkit an error.
     EP_COMM_CUDA_ARCHS="90" (default), e.g. "80;90". sm_80 objects leave out Hopper-only code.
     EP_COMM_NVSHMEM=0 builds without NVSHMEM even when the wheel is found; NVSHMEM_HOME points at
-    an NVSHMEM install (include/, lib/) other than the nvidia-nvshmem-cu13 wheel.
+    an NVSHMEM install (include/, lib/) other than the nvidia-nvshmem-cu13 wheel (linked with an
+    rpath to $NVSHMEM_HOME/lib; with pip, add --no-build-isolation or keep the pinned wheel's
+    version the same, since the device and host libraries must come from one release).
 """
 from __future__ import annotations
 
@@ -30,6 +50,13 @@ from setuptools import Extension
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_EXT = "ep_comm._cuda"
+# the NVSHMEM wheel pyproject.toml's [build-system] requires lists (tests check the two agree): the
+# version torch 2.14.1 depends on, so the device library linked here matches the host library
+# that torch installs and ep_comm loads at run time
+NVSHMEM_BUILD_REQUIREMENT = "nvidia-nvshmem-cu13==3.4.5"
+NVSHMEM_HOST_LIB = "libnvshmem_host.so.3"
+# runtime search path entries relative to the extension (site-packages/ep_comm/_cuda*.so)
+WHEEL_RPATHS = ["$ORIGIN/../nvidia/nvshmem/lib", "$ORIGIN/../nvidia/cu13/lib"]
 
 
 def cuda_home() -> str:
@@ -52,13 +79,18 @@ def cuda_archs() -> list[str]:
 
 
 def _site_dirs() -> list[str]:
-    """site-packages directories to search, including the interpreter's own when pip builds in an
-    isolated environment (whose sys.path hides the user's packages)."""
-    dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}
-    for prefix in {sys.prefix, sys.base_prefix, os.environ.get("VIRTUAL_ENV", "")}:
+    """Directories to search for the nvidia-* wheels, in order: sys.path (under pip's build
+    isolation: the build environment with the pinned build requirements), then the target
+    environment's site-packages (sys.prefix is the target environment even when pip builds in an
+    isolated one, whose sys.path hides the user's packages)."""
+    dirs = [d for d in sys.path if d]
+    for key in ("purelib", "platlib"):
+        dirs.append(sysconfig.get_paths()[key])
+    for prefix in (sys.prefix, os.environ.get("VIRTUAL_ENV", ""), sys.base_prefix):
         if prefix:
-            dirs.update(glob.glob(os.path.join(prefix, "lib", "python3*", "site-packages")))
-    return sorted(d for d in dirs if d)
+            dirs += sorted(glob.glob(os.path.join(prefix, "lib", "python3*", "site-packages")))
+    seen: set[str] = set()
+    return [d for d in dirs if not (d in seen or seen.add(d))]
 
 
 def find_nvshmem() -> tuple[str | None, str]:
@@ -73,19 +105,21 @@ def find_nvshmem() -> tuple[str | None, str]:
         lib = os.path.join(root, "lib")
         if (os.path.exists(os.path.join(root, "include", "nvshmem.h"))
                 and os.path.exists(os.path.join(lib, "libnvshmem_device.a"))
-                and glob.glob(os.path.join(lib, "libnvshmem_host.so*"))):
+                and os.path.exists(os.path.join(lib, NVSHMEM_HOST_LIB))):
             return root, ""
-    return None, "NVSHMEM headers/libraries not found (pip install nvidia-nvshmem-cu13)"
+    return None, f"NVSHMEM headers/libraries not found (pip install {NVSHMEM_BUILD_REQUIREMENT})"
 
 
-def find_cudart_wheel_lib() -> str | None:
-    """The pip CUDA runtime's lib dir (torch loads libcudart.so.13 from there)."""
-    for base in _site_dirs():
-        for sub in ("cu13", "cuda_runtime"):
-            lib = os.path.join(base, "nvidia", sub, "lib")
-            if glob.glob(os.path.join(lib, "libcudart.so*")):
-                return lib
-    return None
+def runtime_library_dirs(nvshmem: str | None, cuda_home_dir: str) -> list[str]:
+    """The extension's runpath: never a directory of pip's temporary build environment (see the
+    module docstring); the wheels' libraries are found relative to the installed extension or
+    loaded by ep_comm._build before the extension is imported."""
+    rpaths = list(WHEEL_RPATHS)
+    home = os.environ.get("NVSHMEM_HOME", "")
+    if nvshmem and home and os.path.abspath(nvshmem) == os.path.abspath(home):
+        rpaths.append(os.path.join(os.path.abspath(home), "lib"))
+    rpaths.append(os.path.join(cuda_home_dir, "lib64"))
+    return rpaths
 
 
 def cuda_extensions() -> list[Extension]:
@@ -191,16 +225,10 @@ class CudaBuildExt:
         out = self.get_ext_fullpath(ext.name)  # type: ignore[attr-defined]
         os.makedirs(os.path.dirname(out), exist_ok=True)
         link = [cxx, "-shared", "-o", out, *cu_objs, dlink, *cpp_objs]
-        rpaths = []
         if nvshmem:
-            lib = os.path.join(nvshmem, "lib")
-            link += ["-L", lib, "-l:libnvshmem_device.a", "-l:libnvshmem_host.so.3"]
-            rpaths.append(lib)
-        cudart_lib = find_cudart_wheel_lib()
+            # device library statically; host library by soname (DT_NEEDED libnvshmem_host.so.3)
+            link += ["-L", os.path.join(nvshmem, "lib"), "-l:libnvshmem_device.a", f"-l:{NVSHMEM_HOST_LIB}"]
         link += ["-L", os.path.join(home, "lib64"), "-lcudart", "-lcudadevrt"]
-        if cudart_lib:
-            rpaths.append(cudart_lib)
-        rpaths.append(os.path.join(home, "lib64"))
-        link += [f"-Wl,-rpath,{r}" for r in rpaths]
+        link += [f"-Wl,-rpath,{r}" for r in runtime_library_dirs(nvshmem, home)]
         _run(link, env)
         del objs
