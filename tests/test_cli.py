@@ -16,8 +16,9 @@ from ep_comm.cli.main import main
 from ep_comm.cli.metrics import build_results
 from ep_comm.cli.report import SCHEMA, validate_report
 from ep_comm.cli.routing import group_limited_routing, make_routing, uniform_routing, zipf_routing
-from ep_comm.cli.simulator import Links, fit, op_time, simulate, units
+from ep_comm.cli.simulator import CodecSpeed, Links, Traffic, codec_speed, fit, op_time, simulate, units
 from ep_comm.cli.timing import LatencySummary, percentile
+from ep_comm.codecs import auto
 
 SMALL = ["--ranks", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "--topk", "2",
          "--warmup", "0", "--iters", "2", "--quiet"]
@@ -49,6 +50,11 @@ def test_repeated_list_values_count_once():
     (["--ranks", "4", "--node-aware", "4"], "makes a single node"),
     (["--mode", "low-latency", "--node-aware", "2"], "low-latency mode stays flat"),
     (["--simulate", "--node-aware", "2"], "run it without --node-aware"),
+    (["--codec-gbps", "400,500"], "add --simulate"),
+    (["--simulate", "--codec-gbps", "400,0"], "two positive finite GB/s"),
+    (["--simulate", "--codec-gbps", "400,inf"], "two positive finite GB/s"),
+    (["--simulate", "--codec-gbps", "400"], "expected two figures ENC,DEC"),
+    (["--simulate", "--codec-gbps", "fast,slow"], "expected ENC,DEC in GB/s"),
 ])
 def test_invalid_options_exit_2_with_reason(argv, message, capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -67,6 +73,8 @@ def test_defaults_are_the_deepseek_shape(monkeypatch):
     assert cfg.modes == ("normal", "low-latency") and cfg.codecs == ("none",)
     assert cfg.resolved_launcher() == "local"
     assert parse_args(["--simulate"]).codecs == ("none", "fp8", "lossless")
+    assert parse_args(["--simulate"]).codec_gbps is None
+    assert parse_args(["--simulate", "--codec-gbps", "400, 500.5"]).codec_gbps == (400.0, 500.5)
     assert parse_args(["--mode", "both"]).modes == ("normal", "low-latency")
     assert parse_args(["--codec", "none,fp8", "--mode", "low-latency"]).mode_codecs("low-latency") == \
         ["none", "fp8"]
@@ -338,6 +346,142 @@ def test_simulate_scales_with_bytes_and_skips_impossible_sizes():
     nvl_only = by[(8, "none")]["dispatch_us"] - cfg.nvl_latency_us
     nvl_only_fp8 = by[(8, "fp8")]["dispatch_us"] - cfg.nvl_latency_us
     assert nvl_only == pytest.approx(2 * nvl_only_fp8)
+
+
+def _codec_traffic(cfg: BenchConfig, rho: float) -> dict:
+    """Normal-mode none and lossless traffic as the run measures it: ``bytes(r, s) = b * units``
+    (combines reversed), lossless at ``rho`` of the raw bytes."""
+    u = units(torch.stack([make_routing(cfg, r)[0] for r in range(cfg.ranks)]), cfg.experts, "token-rank")
+    out = {}
+    for op, m in (("dispatch", u), ("combine", u.t())):
+        raw = m * 14_400.0
+        out[("normal", "none", op)] = Traffic(raw, raw, "none")
+        out[("normal", "lossless", op)] = Traffic(raw * rho, raw, "lossless")
+    return out
+
+
+SIM_CFG = dict(ranks=2, tokens=16, hidden=128, experts=32, topk=4, sim_ep=(8, 16, 32), sim_experts=32)
+
+
+def test_a_codec_of_infinite_speed_projects_the_bytes_alone():
+    cfg = BenchConfig(**SIM_CFG)
+    traffic = _codec_traffic(cfg, 0.66)
+    free = simulate(cfg, traffic, CodecSpeed(math.inf, math.inf, "test"))
+    bytes_only = simulate(cfg, {key: t.wire for key, t in traffic.items()})  # no codec anywhere
+    assert free["codec"]["encode_gbps"] == math.inf and bytes_only["codec"] is None
+    got = {(r["ep"], r["codec"]): r for r in free["rows"]}
+    want = {(r["ep"], r["codec"]): r for r in bytes_only["rows"]}
+    assert set(want) == {(ep, c) for ep in (8, 16, 32) for c in ("none", "lossless")}
+    for key, row in want.items():
+        for field in ("dispatch_us", "combine_us", "total_us"):
+            assert got[key][field] == pytest.approx(row[field], rel=1e-12), (key, field)
+        assert got[key]["dispatch_bottleneck"] == row["dispatch_bottleneck"]
+    # any saving pays for a free codec: auto compresses on every link, at lossless's time
+    assert free["auto"]["normal"]["choice"] == {"nvlink": "lossless", "rdma": "lossless"}
+    for ep in (8, 16, 32):
+        assert got[(ep, "auto")]["total_us"] == pytest.approx(got[(ep, "lossless")]["total_us"])
+        assert got[(ep, "lossless")]["total_us"] < got[(ep, "none")]["total_us"]
+    assert got[(8, "auto")]["auto_by_link"] == {"nvlink": "lossless"}  # one node: NVLink only
+    assert got[(16, "auto")]["auto_by_link"] == {"nvlink": "lossless", "rdma": "lossless"}
+
+
+def test_auto_declines_a_codec_slower_than_break_even_and_costs_the_uncompressed_time():
+    cfg = BenchConfig(**SIM_CFG, nvl_latency_us=0.0, rdma_latency_us=0.0)
+    rho = 0.66
+    # break-even (encode = decode) is 2 L / (1 - rho): well above the codec on both links
+    slow = auto.break_even_gbps(cfg.rdma_gbps, rho) / 4
+    assert slow < auto.break_even_gbps(cfg.nvl_gbps, rho)
+    sim = simulate(cfg, _codec_traffic(cfg, rho), CodecSpeed(slow, slow, "test"))
+    decision = sim["auto"]["normal"]
+    assert decision["ratio"] == pytest.approx(rho) and decision["ratio_source"] == "measured"
+    assert decision["choice"] == {"nvlink": "none", "rdma": "none"}
+    assert decision["break_even_gbps"]["rdma"] == pytest.approx(2 * cfg.rdma_gbps / (1 - rho))
+    by = {(r["ep"], r["codec"]): r for r in sim["rows"]}
+    for ep in (8, 16, 32):
+        none, lossless, chosen = by[(ep, "none")], by[(ep, "lossless")], by[(ep, "auto")]
+        assert (chosen["dispatch_choice"], chosen["combine_choice"]) == ("none", "none")
+        assert chosen["total_us"] == pytest.approx(none["total_us"])
+        assert lossless["total_us"] > none["total_us"]  # compressing would have lost time
+        # the codec's serial share: the slowest encoder's raw bytes / enc + decoder's / dec
+        assert lossless["dispatch_codec_us"] > 0
+        link_only = lossless["dispatch_us"] - lossless["dispatch_codec_us"]
+        assert link_only == pytest.approx(none["dispatch_us"] * rho)  # no latency: bytes alone
+
+
+def test_codec_time_is_serial_encode_then_transfer_then_decode():
+    # 2 ranks on one node, 1 GB/s NVLink, no latency; rank 0 sends 4 GB raw (2 GB to itself),
+    # compressed to half; encode 2 GB/s, decode 4 GB/s
+    cfg = BenchConfig(ranks=2, tokens=16, hidden=128, experts=4, topk=1, sim_ep=(2,), sim_experts=4,
+                      nvl_gbps=1.0, nvl_latency_us=0.0, routing="uniform")
+    u = units(torch.stack([make_routing(cfg, r)[0] for r in range(2)]), 4, "token-rank")
+    raw = u * 1e8
+    sim = simulate(cfg, {("normal", "lossless", "dispatch"): Traffic(raw * 0.5, raw, "lossless")},
+                   CodecSpeed(2.0, 4.0, "test"))
+    row = sim["rows"][-1] if sim["rows"][-1]["codec"] == "lossless" else sim["rows"][0]
+    assert row["codec"] == "lossless"
+    encode = float(raw.sum(1).max()) / 2e9
+    decode = float(raw.sum(0).max()) / 4e9
+    link = float(torch.maximum(raw.fill_diagonal_(0).sum(1), raw.sum(0)).max()) * 0.5 / 1e9
+    assert row["dispatch_codec_us"] == pytest.approx((encode + decode) * 1e6)
+    assert row["dispatch_us"] == pytest.approx((encode + link + decode) * 1e6)
+
+
+def test_the_simulator_and_the_buffer_decide_with_one_rule(monkeypatch):
+    cfg = BenchConfig(**SIM_CFG)
+    seen = []
+
+    def rule(link, ratio, enc, dec):
+        seen.append(link)
+        return link < 100.0  # "pays" on the slow link only
+
+    monkeypatch.setattr(auto, "compression_pays", rule)
+    sim = simulate(cfg, _codec_traffic(cfg, 0.66), CodecSpeed(1.0, 1.0, "test"))
+    assert sim["auto"]["normal"]["choice"] == {"nvlink": "none", "rdma": "lossless"}
+    by = {(r["ep"], r["codec"]): r for r in sim["rows"]}
+    assert by[(8, "auto")]["dispatch_choice"] == "none"  # one node: bounded by NVLink
+    assert by[(16, "auto")]["dispatch_choice"] == "lossless"  # bounded by RDMA
+    assert by[(16, "auto")]["total_us"] == pytest.approx(by[(16, "lossless")]["total_us"])
+    policy = auto.AutoCodecPolicy(link_gbps=50.0, encode_gbps=1.0, decode_gbps=1.0)
+    assert auto.choose_codec(torch.zeros(2, 8, dtype=torch.bfloat16), policy, "nccl") == "lossless"
+    assert seen[-1] == 50.0
+
+
+def test_codec_speed_is_given_or_measured_where_the_payload_is_coded():
+    given = codec_speed(BenchConfig(simulate=True, codec_gbps=(400.0, 500.0)))
+    assert (given.encode_gbps, given.decode_gbps) == (400.0, 500.0) and "--codec-gbps" in given.source
+    measured = codec_speed(BenchConfig(simulate=True), "cpu", threads=1)
+    assert measured.encode_gbps > 0 and measured.decode_gbps > 0
+    assert "host codec on the CPU, 1 thread per rank" in measured.source
+
+
+def test_projection_of_a_run_uses_its_raw_bytes_and_prints_the_codec_model():
+    from rich.console import Console
+
+    from ep_comm.cli.main import simulation
+    from ep_comm.cli.report import print_simulation
+
+    cfg = BenchConfig(**SIM_CFG, simulate=True, codec_gbps=(400.0, 500.0), modes=("normal",),
+                      codecs=("none", "lossless"))
+    traffic = _codec_traffic(cfg, 0.66)
+    cases = [{"name": f"ep_comm/normal/{c}", "method": "ep_comm", "mode": "normal", "codec": c}
+             for c in ("none", "lossless")]
+    ranks = [{"wire": {f"ep_comm/normal/{c}": {op: {
+        "sent_wire": traffic[("normal", c, op)].wire[r].tolist(),
+        "sent_raw": traffic[("normal", c, op)].raw[r].tolist(), "codec": c}
+        for op in ("dispatch", "combine")} for c in ("none", "lossless")}} for r in range(cfg.ranks)]
+    sim = simulation(cfg, {"cases": cases, "ranks": ranks, "environment": {"device": "cpu"}})
+    assert sim["codec"]["source"] == "given by --codec-gbps"
+    lossless = next(c for c in sim["coefficients"] if (c["codec"], c["op"]) == ("lossless", "dispatch"))
+    assert lossless["codec_used"] == "lossless"
+    assert lossless["bytes_per_unit"] == pytest.approx(0.66 * lossless["raw_bytes_per_unit"])
+    console = Console(record=True, width=240)
+    print_simulation(sim, console)
+    text = console.export_text()
+    assert "charged serially" in text and "encode 400 GB/s, decode 500 GB/s" in text
+    assert "break-even encode = decode: NVLink 2.65 TB/s, RDMA 294 GB/s" in text
+    # 400/500 GB/s clears RDMA's break-even, not NVLink's
+    assert "picks NVLink none, RDMA lossless" in text
+    assert "auto (none/none)" in text and "auto (lossless/lossless)" in text
 
 
 # -- end to end (spawns its own ranks) -------------------------------------------------------------

@@ -6,6 +6,7 @@ it spawns a single rank.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -53,6 +54,9 @@ class BenchConfig:
         simulate: project the measured wire bytes onto EP 8..256 clusters.
         sim_ep / sim_experts: the projected EP sizes and the experts of the projected model
             (default 256, DeepSeek-V3's count).
+        codec_gbps: ``(encode, decode)`` GB/s of raw bytes that ``--simulate`` charges the lossless
+            codec; None = measure the codec where the run's payload is coded (see
+            ``ep_comm.cli.simulator.codec_speed``).
         timeout_s: ``Buffer(timeout_s=...)``.
         node_aware: ``P`` > 0 runs normal mode node-aware: ``Buffer(ranks_per_node=P)``, the
             ranks grouped into virtual nodes of ``P`` consecutive ranks, plus a flat Buffer on the
@@ -88,6 +92,7 @@ class BenchConfig:
     nvl_latency_us: float = 2.0
     rdma_latency_us: float = 5.0
     ranks_per_node: int = 8
+    codec_gbps: tuple[float, float] | None = None
     timeout_s: float = 60.0
     quiet: bool = False
     node_aware: int = 0
@@ -151,6 +156,7 @@ class BenchConfig:
         self._validate_node_aware()
         if not self.sim_ep or any(e <= 0 for e in self.sim_ep):
             raise ConfigError(f"--sim-ep must list positive EP sizes, got {list(self.sim_ep)}")
+        self._validate_codec_gbps()
         if self.simulate:
             if self.sim_experts < self.topk:
                 raise ConfigError(f"--sim-experts ({self.sim_experts}) cannot be below --topk ({self.topk})")
@@ -175,6 +181,15 @@ class BenchConfig:
                 raise ConfigError(f"--topk ({self.topk}) exceeds the experts reachable through "
                                   f"{self.topk_groups} groups of {self.experts // self.num_groups} "
                                   f"({reachable})")
+
+    def _validate_codec_gbps(self) -> None:
+        if self.codec_gbps is None:
+            return
+        if not self.simulate:
+            raise ConfigError("--codec-gbps sets the codec speed of the --simulate projection; add --simulate")
+        if len(self.codec_gbps) != 2 or not all(math.isfinite(v) and v > 0 for v in self.codec_gbps):
+            raise ConfigError(f"--codec-gbps takes ENC,DEC: two positive finite GB/s figures, got "
+                              f"{list(self.codec_gbps)}")
 
     def _validate_node_aware(self) -> None:
         p = self.node_aware
@@ -217,6 +232,17 @@ def _csv(kind: type, choices: tuple | None = None):
         return tuple(dict.fromkeys(kind(s) for s in items))  # repeated values once, order kept
 
     return parse
+
+
+def _gbps_pair(text: str) -> tuple[float, float]:
+    parts = [s.strip() for s in text.split(",")]
+    try:
+        values = tuple(float(s) for s in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ENC,DEC in GB/s, e.g. 400,500; got {text!r}") from None
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected two figures ENC,DEC in GB/s, got {text!r}")
+    return values  # type: ignore[return-value]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of the results")
     sim = p.add_argument_group("scale-out model (--simulate)")
     sim.add_argument("--simulate", action="store_true",
-                     help="project the measured wire bytes onto EP 8..256 clusters")
+                     help="project the measured wire bytes onto EP 8..256 clusters, charging "
+                          "lossless messages their codec time, with an auto row: what codec=auto "
+                          "would pick there and its time")
     sim.add_argument("--sim-ep", type=_csv(int), default=d.sim_ep, help="EP sizes to project")
     sim.add_argument("--sim-experts", type=int, default=d.sim_experts,
                      help="experts of the projected model (default %(default)s)")
@@ -277,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
                      help="GPUs per NVLink domain in the model (default %(default)s); does not "
                           "affect the measured run, see --node-aware")
+    sim.add_argument("--codec-gbps", type=_gbps_pair, default=d.codec_gbps, metavar="ENC,DEC",
+                     help="encode,decode GB/s of raw bytes charged to every lossless message: "
+                          "serially, as ep_comm codes them (all messages encoded before the "
+                          "exchange, decoded after it); also the speeds codec=auto's rule is "
+                          "evaluated with. Default: measured at the start of the projection where "
+                          "the run coded its payload (the GPU codec kernels when built for its "
+                          "device, else the host codec with the ranks' threads); the projection's "
+                          "header says which. Give the GPU kernels' figures to project a GPU codec "
+                          "from a CPU run")
     return p
 
 

@@ -18,26 +18,40 @@ from .metrics import build_results, check_totals, wire_sent_matrix
 from .report import build_report, print_results, problem_text
 
 
-def measured_bytes(cfg: BenchConfig, raw: dict) -> dict[tuple[str, str, str], torch.Tensor]:
-    """``(mode, codec, op) -> [R, R]`` sent wire bytes of every ep_comm case that ran."""
+def measured_traffic(cfg: BenchConfig, raw: dict) -> dict:
+    """``(mode, codec, op) -> Traffic``: the ``[R, R]`` wire and raw (before the codec) bytes every
+    ep_comm case that ran sent, and the codec its messages used."""
+    from .simulator import Traffic
+
     out = {}
     for case in raw["cases"]:
         if case["method"] == "ep_comm":
             for op in ("dispatch", "combine"):
-                out[(case["mode"], case["codec"], op)] = torch.tensor(
-                    wire_sent_matrix(raw, case["name"], op), dtype=torch.float64)
+                wire = torch.tensor(wire_sent_matrix(raw, case["name"], op), dtype=torch.float64)
+                sent_raw = torch.tensor(wire_sent_matrix(raw, case["name"], op, "sent_raw"), dtype=torch.float64)
+                used = raw["ranks"][0]["wire"][case["name"]][op].get("codec", case["codec"])
+                out[(case["mode"], case["codec"], op)] = Traffic(wire, sent_raw, str(used))
     return out
+
+
+def simulation(cfg: BenchConfig, raw: dict) -> dict:
+    """The ``--simulate`` projection of the run; the lossless codec's speed is ``--codec-gbps`` or
+    is timed now where the run coded its payload, with the ranks' CPU threads."""
+    from .simulator import codec_speed, simulate
+
+    traffic = measured_traffic(cfg, raw)
+    speed = None
+    if any(name == "auto" or t.codec == "lossless" for (_, name, _), t in traffic.items()):
+        env = raw["environment"]
+        speed = codec_speed(cfg, env.get("device", "cpu"), env.get("cpu_threads_per_rank"))
+    return simulate(cfg, traffic, speed)
 
 
 def finish(cfg: BenchConfig, raw: dict, started: float) -> dict:
     """Turns rank 0's raw results into the report; prints it and writes the requested files."""
     results, targets = build_results(cfg, raw)
-    simulation = None
-    if cfg.simulate:
-        from .simulator import simulate
-
-        simulation = simulate(cfg, measured_bytes(cfg, raw))
-    report = build_report(cfg, raw, results, targets, check_totals(cfg, raw), simulation,
+    projection = simulation(cfg, raw) if cfg.simulate else None
+    report = build_report(cfg, raw, results, targets, check_totals(cfg, raw), projection,
                           time.perf_counter() - started)
     print_results(report)
     if cfg.json_path:
@@ -48,8 +62,8 @@ def finish(cfg: BenchConfig, raw: dict, started: float) -> dict:
         from .plot import plot_results, plot_simulation, simulation_path
 
         print(f"wrote {plot_results(report, cfg.plot_path)}")
-        if simulation is not None and simulation["rows"]:
-            print(f"wrote {plot_simulation(simulation, simulation_path(cfg.plot_path))}")
+        if projection is not None and projection["rows"]:
+            print(f"wrote {plot_simulation(projection, simulation_path(cfg.plot_path))}")
     return report
 
 

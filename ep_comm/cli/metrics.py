@@ -43,9 +43,10 @@ def pooled(raw: dict, case: str, op: str) -> list[float]:
     return out
 
 
-def wire_sent_matrix(raw: dict, case: str, op: str) -> list[list[int]]:
-    """``[R][R]``: bytes rank ``r`` sent to rank ``s`` in ``op`` (sender-major)."""
-    return [list(r["wire"][case][op]["sent_wire"]) for r in raw["ranks"]]
+def wire_sent_matrix(raw: dict, case: str, op: str, field: str = "sent_wire") -> list[list[int]]:
+    """``[R][R]``: bytes rank ``r`` sent to rank ``s`` in ``op`` (sender-major); ``field``
+    ``"sent_raw"``: the same messages' bytes before the codec."""
+    return [list(r["wire"][case][op][field]) for r in raw["ranks"]]
 
 
 def mean_wire_to_others(raw: dict, case: str, op: str) -> float:

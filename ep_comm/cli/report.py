@@ -177,21 +177,65 @@ def _node_note(report: dict) -> str:
             f"Low-latency mode stays flat.")
 
 
-def print_simulation(sim: dict, console: Console) -> None:
+def fmt_gbps(gbps: float) -> str:
+    if gbps == float("inf"):
+        return "inf"
+    return f"{gbps / 1e3:.2f} TB/s" if gbps >= 1e3 else f"{gbps:.3g} GB/s"
+
+
+def simulation_header(sim: dict) -> list[str]:
+    """The projection's model in words: links, the codec's charged time and speed, ``auto``'s rule."""
     links = sim["links"]
-    table = Table(title=f"projected time (model, not measured): NVLink {links['nvl_gbps']:g} GB/s "
-                        f"+{links['nvl_latency_us']:g} us within {links['ranks_per_node']}-GPU nodes, "
-                        f"RDMA {links['rdma_gbps']:g} GB/s +{links['rdma_latency_us']:g} us between")
-    for col in ("EP", "nodes", "mode", "codec", "dispatch", "combine", "total", "vs none", "bottleneck"):
-        table.add_column(col, justify="left" if col in ("mode", "codec", "bottleneck") else "right")
+    lines = [f"projected time (model, not measured): NVLink {links['nvl_gbps']:g} GB/s "
+             f"+{links['nvl_latency_us']:g} us within {links['ranks_per_node']}-GPU nodes, "
+             f"RDMA {links['rdma_gbps']:g} GB/s +{links['rdma_latency_us']:g} us between"]
+    codec = sim.get("codec")
+    if codec:
+        lines.append("lossless codec time charged serially, as ep_comm codes messages (all encoded before the "
+                     "exchange, decoded after it): max over ranks of raw bytes sent / encode + transfer + max "
+                     "of raw bytes received / decode")
+        lines.append(f"codec speed: encode {fmt_gbps(codec['encode_gbps'])}, decode "
+                     f"{fmt_gbps(codec['decode_gbps'])} of raw bytes ({codec['source']}); "
+                     f"--codec-gbps ENC,DEC projects another codec, e.g. the GPU kernels")
+    for mode, d in (sim.get("auto") or {}).items():
+        even = ", ".join(f"{_LINK_NAMES[c]} {fmt_gbps(g)}" for c, g in d["break_even_gbps"].items())
+        picks = ", ".join(f"{_LINK_NAMES[c]} {choice}" for c, choice in d["choice"].items())
+        lines.append(f"auto ({mode}): rho {d['ratio']:.3f} ({d['ratio_source']}); compresses when (1 - rho) / L "
+                     f"> 1 / enc + 1 / dec; break-even encode = decode: {even}; picks {picks}")
+    return lines
+
+
+_LINK_NAMES = {"nvlink": "NVLink", "rdma": "RDMA"}
+
+
+def print_simulation(sim: dict, console: Console) -> None:
+    for line in simulation_header(sim):
+        console.print(line)
+    table = Table()
+    cols = ["EP", "nodes", "mode", "codec", "dispatch", "combine", "total", "vs none", "bottleneck"]
+    with_auto = bool(sim.get("auto"))
+    cols += ["auto picks"] if with_auto else []
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("mode", "codec", "bottleneck", "auto picks") else "right")
     base = {(r["ep"], r["mode"]): r["total_us"] for r in sim["rows"] if r["codec"] == "none"}
     for r in sim["rows"]:
         ref = base.get((r["ep"], r["mode"]))
-        table.add_row(str(r["ep"]), str(r["nodes"]), r["mode"], r["codec"],
-                      fmt_time(r.get("dispatch_us", 0.0)), fmt_time(r.get("combine_us", 0.0)),
-                      fmt_time(r["total_us"]), f"{r['total_us'] / ref:.2f}x" if ref else "-",
-                      f"{r.get('dispatch_bottleneck', '-')}/{r.get('combine_bottleneck', '-')}")
+        codec = r["codec"]
+        if codec == "auto":
+            codec += f" ({r.get('dispatch_choice', '-')}/{r.get('combine_choice', '-')})"
+        cells = [str(r["ep"]), str(r["nodes"]), r["mode"], codec,
+                 fmt_time(r.get("dispatch_us", 0.0)), fmt_time(r.get("combine_us", 0.0)),
+                 fmt_time(r["total_us"]), f"{r['total_us'] / ref:.2f}x" if ref else "-",
+                 f"{r.get('dispatch_bottleneck', '-')}/{r.get('combine_bottleneck', '-')}"]
+        if with_auto:
+            by_link = r.get("auto_by_link") or {}
+            cells.append(", ".join(f"{_LINK_NAMES[c]} {v}" for c, v in by_link.items()) or "-")
+        table.add_row(*cells)
     console.print(table)
+    if with_auto:
+        console.print("  auto (d/c): the codec auto picks for dispatch / combine, by the rule at the bandwidth of "
+                      "the link bounding the uncompressed op; auto picks: the rule's pick on each link class the "
+                      "op uses; bottleneck codec: the codec's serial time exceeds the transfer's")
     for c in sim["coefficients"]:
         console.print(f"  {c['mode']}/{c['codec']} {c['op']}: {c['bytes_per_unit']:,.1f} B per {c['unit']} "
                       f"unit (fit error {c['fit_error']:.1%})")

@@ -27,6 +27,27 @@ latency ``a_nvl``; default 450 GB/s one way, 2 us) and one NIC (``B_rdma``, ``a_
 so an op lasts as long as the busiest port of the busiest GPU. The model ignores compute, kernel
 launch, congestion and DeepEP-style forwarding of inter-node traffic through NVLink; it is a
 bandwidth/latency projection of the bytes, not a measurement.
+
+Codec time. ep_comm codes lossless messages serially with the transfer: ``payload.pack`` encodes
+every destination's message (its own included) before the size and payload exchanges, and
+``payload.unpack`` decodes every source's message after the payload exchange has completed
+(``normal.dispatch`` / ``normal.combine``); nothing overlaps, and the collectives line the ranks
+up. With ``raw(r, s)`` the bytes before the codec (projected like the wire bytes, from the measured
+raw bytes per unit) and ``enc`` / ``dec`` the codec's throughputs on raw bytes, an op whose
+messages are lossless-coded lasts
+
+    T_op = max_r sum_s raw(r, s) / enc  +  T_link(wire)  +  max_r sum_s raw(s, r) / dec
+
+and ``T_link`` as above. ``enc`` / ``dec`` come from ``--codec-gbps`` or are measured when the
+projection starts (:func:`codec_speed`). FP8's quantisation is not charged.
+
+``auto``. Per mode with lossless-coded traffic, ``rho`` = measured wire / raw bytes of its lossless
+messages (dispatch and combine together, as the Buffer's running ratio mixes them). Per link class
+carrying traffic at an EP size, ``auto`` would compress when
+``ep_comm.codecs.auto.compression_pays(B_c, rho, enc, dec)``, the rule the Buffer applies. The
+``auto`` row's ops take, each, the codec that rule picks for the link class bounding the op's
+uncompressed projection (the bandwidth to give ``Buffer.auto_codec.link_gbps`` on that cluster),
+and that codec's projected time.
 """
 from __future__ import annotations
 
@@ -34,13 +55,63 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import BenchConfig
+from ..codecs import auto
+from .config import CODECS, MODES, BenchConfig
 from .routing import make_routing
 
 UNITS = {("normal", "dispatch"): ("token-rank", False), ("normal", "combine"): ("token-rank", True),
          ("low-latency", "dispatch"): ("per-peer", False), ("low-latency", "combine"): ("token-expert", True)}
 """``(mode, op) -> (unit kind, reverse)``; ``reverse``: the bytes flow from the experts' owner back
 to the token's rank, opposite to the units' direction."""
+
+OPS = ("dispatch", "combine")
+LINK_CLASSES = ("nvlink", "rdma")
+SAMPLE_BYTES = 4 << 20
+"""Size of the bf16 sample the host or device codec is timed on when the projection starts."""
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One measured op: ``[R, R]`` bytes rank ``r`` sent rank ``s`` on the wire and before the
+    codec (sender-major), and the codec its messages used (``auto`` resolved to what it chose)."""
+
+    wire: torch.Tensor
+    raw: torch.Tensor
+    codec: str
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """The lossless codec's throughputs on raw bytes (GB/s) and where they come from (printed)."""
+
+    encode_gbps: float
+    decode_gbps: float
+    source: str
+
+
+def codec_speed(cfg: BenchConfig, device: torch.device | str = "cpu", threads: int | None = None) -> CodecSpeed:
+    """``--codec-gbps`` when given; else the lossless codec timed now on a ``SAMPLE_BYTES`` bf16
+    sample shaped like the run's tokens (standard normal, ``cfg.hidden`` wide), where the run's
+    payload on ``device`` is coded: the GPU codec kernels when built for it, else the host codec
+    with ``threads`` CPU threads (the ranks' count; None = this process's)."""
+    if cfg.codec_gbps is not None:
+        enc, dec = cfg.codec_gbps
+        return CodecSpeed(enc, dec, "given by --codec-gbps")
+    from ..codecs import lossless
+
+    where = auto.codec_place(device)
+    on_host = where.type == "cpu"
+    threads = (threads or lossless.message_threads()) if on_host else None
+    rows = max(1, SAMPLE_BYTES // (cfg.hidden * 2))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    sample = torch.randn(rows, cfg.hidden, generator=gen).to(torch.bfloat16).to(where)
+    enc, dec = auto.measure_codec_gbps(sample, threads=threads, repeats=3)
+    mib = sample.numel() * 2 / 2**20
+    if on_host:
+        what = f"host codec on the CPU, {threads} thread{'s' if threads != 1 else ''} per rank as the measured ranks"
+    else:
+        what = f"GPU codec kernels on {where}"
+    return CodecSpeed(enc, dec, f"measured here at the start of the projection: {what}, {mib:.1f} MiB bf16 sample")
 
 
 @dataclass(frozen=True)
@@ -118,45 +189,173 @@ def fit(measured: torch.Tensor, u: torch.Tensor, reverse: bool) -> tuple[float, 
     return coef, float((model - measured.to(torch.float64)).abs().max()) / mean
 
 
-def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], torch.Tensor]) -> dict:
-    """Projects every measured ``(mode, codec, op) -> [R, R]`` bytes matrix onto ``cfg.sim_ep``.
+def codec_time(raw: torch.Tensor, codec: CodecSpeed) -> float:
+    """Seconds of serial codec work in one op whose rank ``r`` codes ``raw[r, s]`` bytes for ``s``:
+    the slowest encoder (all it sends, its own rows included) plus the slowest decoder (all it
+    receives)."""
+    b = raw.to(torch.float64)
+    encode = float(b.sum(1).max()) / (codec.encode_gbps * 1e9) if b.numel() else 0.0
+    decode = float(b.sum(0).max()) / (codec.decode_gbps * 1e9) if b.numel() else 0.0
+    return encode + decode
 
-    Returns ``{"links": ..., "coefficients": [...], "rows": [...], "skipped": [...]}``.
+
+def links_used(bytes_matrix: torch.Tensor, links: Links) -> list[str]:
+    """The link classes that carry any of ``bytes_matrix`` between distinct ranks."""
+    num = bytes_matrix.shape[0]
+    node = torch.arange(num) // links.ranks_per_node
+    same = node[:, None] == node[None, :]
+    off_diag = bytes_matrix.to(torch.float64) * ~torch.eye(num, dtype=torch.bool)
+    return [name for name, mask in (("nvlink", same), ("rdma", ~same)) if float((off_diag * mask).sum()) > 0]
+
+
+def link_gbps(cfg: BenchConfig, link: str) -> float:
+    return {"nvlink": cfg.nvl_gbps, "rdma": cfg.rdma_gbps}[link]
+
+
+def _as_traffic(value: Traffic | torch.Tensor) -> Traffic:
+    """A bare bytes matrix is projected as bytes alone: no codec time, its raw bytes its wire bytes."""
+    return value if isinstance(value, Traffic) else Traffic(value, value, "none")
+
+
+def _mode_ratio(traffic: dict[tuple[str, str, str], Traffic], mode: str) -> tuple[float, str]:
+    """``(rho, "measured" | "assumed")``: wire / raw bytes of ``mode``'s lossless-coded traffic,
+    else the Buffer's expected ratio before any lossless message."""
+    coded = [t for (m, _, _), t in traffic.items() if m == mode and t.codec == "lossless"]
+    raw = sum(float(t.raw.to(torch.float64).sum()) for t in coded)
+    if raw > 0:
+        return sum(float(t.wire.to(torch.float64).sum()) for t in coded) / raw, "measured"
+    return auto.AutoCodecPolicy().expected_ratio, "assumed"
+
+
+def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], Traffic | torch.Tensor],
+             codec: CodecSpeed | None = None) -> dict:
+    """Projects every measured ``(mode, codec, op)`` traffic onto ``cfg.sim_ep``.
+
+    ``measured`` values are :class:`Traffic`, or bare ``[R, R]`` wire-byte matrices projected as
+    bytes alone (no codec time, whatever the case's name). ``codec``: the lossless codec's speed
+    (None: :func:`codec_speed` of ``cfg`` on this process's CPU, when any traffic needs it). A
+    measured ``auto`` case, and any mode with lossless-coded traffic, gets an ``auto`` row
+    (module docstring).
+
+    Returns ``{"links", "codec", "auto", "coefficients", "rows", "skipped", "experts"}``.
     """
     links = Links.from_config(cfg)
+    traffic = {key: _as_traffic(value) for key, value in measured.items()}
     here = routing_at(cfg, cfg.ranks, cfg.experts)
-    coefs: dict[tuple[str, str, str], float] = {}
+    wire_coef: dict[tuple[str, str, str], float] = {}
+    raw_coef: dict[tuple[str, str, str], float] = {}
     coef_rows = []
-    for (mode, codec, op), matrix in sorted(measured.items()):
+    for key, t in sorted(traffic.items()):
+        mode, name, op = key
         kind, reverse = UNITS[(mode, op)]
-        coef, err = fit(matrix, units(here, cfg.experts, kind), reverse)
-        coefs[(mode, codec, op)] = coef
-        coef_rows.append({"mode": mode, "codec": codec, "op": op, "unit": kind, "reverse": reverse,
-                          "bytes_per_unit": coef, "fit_error": err})
+        u = units(here, cfg.experts, kind)
+        wire_coef[key], err = fit(t.wire, u, reverse)
+        raw_coef[key] = fit(t.raw, u, reverse)[0]
+        coef_rows.append({"mode": mode, "codec": name, "op": op, "unit": kind, "reverse": reverse,
+                          "bytes_per_unit": wire_coef[key], "raw_bytes_per_unit": raw_coef[key],
+                          "codec_used": t.codec, "fit_error": err})
+    auto_modes = [m for m in MODES if any(k[0] == m and (k[1] == "auto" or t.codec == "lossless")
+                                          for k, t in traffic.items())]
+    if codec is None and auto_modes:
+        codec = codec_speed(cfg)
+    decisions = {mode: _decision(cfg, *_mode_ratio(traffic, mode), codec) for mode in auto_modes}
+    cases = [(m, c) for m in MODES for c in CODECS
+             if any(k[:2] == (m, c) for k in traffic) or (c == "auto" and m in auto_modes)]
     rows, skipped = [], []
     for ep in cfg.sim_ep:
         if cfg.sim_experts % ep:
             skipped.append(f"EP {ep}: {cfg.sim_experts} experts are not divisible by {ep}")
             continue
-        routing = routing_at(cfg, ep, cfg.sim_experts)
-        cache: dict[str, torch.Tensor] = {}
-        cases = sorted({(m, c) for m, c, _ in measured})
-        for mode, codec in cases:
-            row = {"ep": ep, "nodes": -(-ep // links.ranks_per_node), "mode": mode, "codec": codec}
+        at = _Projection(links, traffic, wire_coef, raw_coef, decisions, codec,
+                         routing_at(cfg, ep, cfg.sim_experts), cfg.sim_experts)
+        for mode, name in cases:
+            row = {"ep": ep, "nodes": -(-ep // links.ranks_per_node), "mode": mode, "codec": name}
             total = 0.0
-            for op in ("dispatch", "combine"):
-                if (mode, codec, op) not in coefs:
+            for op in OPS:
+                got = at.auto_op(mode, op) if name == "auto" else at.op(mode, op, name)
+                if got is None:
                     continue
-                kind, reverse = UNITS[(mode, op)]
-                if kind not in cache:
-                    cache[kind] = units(routing, cfg.sim_experts, kind)
-                t, where = op_time(bytes_from_units(cache[kind], coefs[(mode, codec, op)], reverse), links)
-                row[f"{op}_us"] = t * 1e6
-                row[f"{op}_bottleneck"] = where
-                total += t
-            row["total_us"] = total * 1e6
+                row[f"{op}_us"] = got["us"]
+                row[f"{op}_bottleneck"] = got["bottleneck"]
+                if got["codec_us"]:
+                    row[f"{op}_codec_us"] = got["codec_us"]
+                if "choice" in got:
+                    row[f"{op}_choice"] = got["choice"]
+                if mode in decisions and (name == "auto" or traffic[(mode, name, op)].codec == "lossless"):
+                    by_link = row.setdefault("auto_by_link", {})
+                    for link in got["links"]:
+                        by_link[link] = decisions[mode]["choice"][link]
+                total += got["us"]
+            row["total_us"] = total
             rows.append(row)
     return {"experts": cfg.sim_experts, "links": {"nvl_gbps": cfg.nvl_gbps, "rdma_gbps": cfg.rdma_gbps,
                       "nvl_latency_us": cfg.nvl_latency_us, "rdma_latency_us": cfg.rdma_latency_us,
                       "ranks_per_node": cfg.ranks_per_node},
-            "coefficients": coef_rows, "rows": rows, "skipped": skipped}
+            "codec": None if codec is None else {
+                "encode_gbps": codec.encode_gbps, "decode_gbps": codec.decode_gbps, "source": codec.source,
+                "charged": "serial"},
+            "auto": decisions, "coefficients": coef_rows, "rows": rows, "skipped": skipped}
+
+
+def _decision(cfg: BenchConfig, rho: float, source: str, codec: CodecSpeed) -> dict:
+    """What ``auto`` decides on each link class for a mode of compression ratio ``rho``."""
+    return {"ratio": rho, "ratio_source": source,
+            "break_even_gbps": {c: auto.break_even_gbps(link_gbps(cfg, c), rho) for c in LINK_CLASSES},
+            "choice": {c: "lossless" if auto.compression_pays(link_gbps(cfg, c), rho, codec.encode_gbps,
+                                                              codec.decode_gbps) else "none"
+                       for c in LINK_CLASSES}}
+
+
+@dataclass
+class _Projection:
+    """The measured traffic projected onto one EP size (its routing ``routing [P, N, K]``)."""
+
+    links: Links
+    traffic: dict[tuple[str, str, str], Traffic]
+    wire_coef: dict[tuple[str, str, str], float]
+    raw_coef: dict[tuple[str, str, str], float]
+    decisions: dict[str, dict]
+    codec: CodecSpeed | None
+    routing: torch.Tensor
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        self._units: dict[str, torch.Tensor] = {}
+
+    def op(self, mode: str, op: str, name: str, coded: str | None = None) -> dict | None:
+        """``{"us", "codec_us", "bottleneck", "links"}`` of ``(mode, name, op)``'s traffic: as
+        measured (``coded`` None), sent raw (``"none"``), or lossless-coded (``"lossless"``: at
+        the mode's ratio when the measured messages were not coded); None when not measured."""
+        key = (mode, name, op)
+        if key not in self.traffic:
+            return None
+        kind, reverse = UNITS[(mode, op)]
+        if kind not in self._units:
+            self._units[kind] = units(self.routing, self.num_experts, kind)
+        t = self.traffic[key]
+        raw = bytes_from_units(self._units[kind], self.raw_coef[key], reverse)
+        used = coded or t.codec
+        if used == "none" and t.codec != "none":
+            wire = raw
+        elif used == "lossless" and t.codec != "lossless":
+            wire = raw * self.decisions[mode]["ratio"]
+        else:
+            wire = bytes_from_units(self._units[kind], self.wire_coef[key], reverse)
+        link_s, where = op_time(wire, self.links)
+        spent = codec_time(raw, self.codec) if used == "lossless" and self.codec is not None else 0.0
+        return {"us": (link_s + spent) * 1e6, "codec_us": spent * 1e6,
+                "bottleneck": "codec" if spent > link_s else where, "links": links_used(wire, self.links)}
+
+    def auto_op(self, mode: str, op: str) -> dict | None:
+        """``auto``'s projection of one op: the codec the rule picks at the bandwidth of the link
+        class bounding the uncompressed op, with that codec's projected time."""
+        names = [n for n in ("none", "lossless", "auto") if (mode, n, op) in self.traffic]
+        if not names:
+            return None
+        plain = self.op(mode, op, names[0], "none")
+        choice = self.decisions[mode]["choice"].get(plain["bottleneck"], "none")
+        got = plain
+        if choice == "lossless":
+            coded = [n for n in names if self.traffic[(mode, n, op)].codec == "lossless"]
+            got = self.op(mode, op, (coded or names)[0], "lossless")
+        return {**got, "links": plain["links"], "choice": choice}

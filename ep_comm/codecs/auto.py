@@ -11,9 +11,13 @@ any); ``enc`` and ``dec`` are the codec's throughputs where it runs for the payl
 the CUDA codec kernels are built for it, else the CPU), measured once per policy and place on a
 1 MiB bf16 sample unless configured; ``L`` is the link bandwidth, configured per Buffer (the defaults below
 are typical figures for each transport, not measurements). Lossy FP8 is never chosen by ``auto``.
+
+:func:`compression_pays` is the rule itself and :func:`break_even_gbps` its threshold; the Buffer
+(through :class:`AutoCodecPolicy`) and ``ep-bench --simulate`` both decide with them.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +25,66 @@ import torch
 
 DEFAULT_LINK_GBPS = {"gloo": 2.0, "nccl": 50.0, "rccl": 50.0, "nvshmem": 50.0}
 """Per-transport default link bandwidth in GB/s: TCP on one host; 400 Gb/s RDMA between nodes."""
+
+
+def compression_pays(link_gbps: float, ratio: float, encode_gbps: float, decode_gbps: float) -> bool:
+    """The rule in this module's docstring: ``(1 - ratio) / link > 1 / encode + 1 / decode``.
+
+    Args:
+        link_gbps: link bandwidth ``L`` (GB/s).
+        ratio: ``rho`` = compressed bytes / raw bytes.
+        encode_gbps / decode_gbps: codec throughputs on raw bytes (GB/s); ``math.inf`` = free.
+    """
+    return (1.0 - ratio) / link_gbps > 1.0 / encode_gbps + 1.0 / decode_gbps
+
+
+def break_even_gbps(link_gbps: float, ratio: float) -> float:
+    """The codec throughput (encode and decode alike, GB/s) above which :func:`compression_pays`
+    says yes: ``2 L / (1 - rho)``; ``math.inf`` when ``rho >= 1`` (nothing saved, never pays).
+
+    With unequal speeds the rule asks ``1 / enc + 1 / dec < (1 - rho) / L``, i.e. their harmonic
+    mean above this figure."""
+    saved = 1.0 - ratio
+    return 2.0 * link_gbps / saved if saved > 0 else math.inf
+
+
+def measure_codec_gbps(sample: torch.Tensor, threads: int | None = None, repeats: int = 1) -> tuple[float, float]:
+    """``(encode, decode)`` GB/s of raw bytes for the lossless codec on bf16 ``sample``, coded
+    where the sample lies (the CUDA kernels for a CUDA tensor when built, else the CPU) as the
+    transport codes a message there: its chunk size, and ``threads`` CPU threads (None = the
+    transport's :func:`~ep_comm.codecs.lossless.message_threads`). One untimed warm-up, then the
+    fastest of ``repeats`` timed runs (each call returns synchronised)."""
+    from . import lossless
+
+    if not isinstance(sample, torch.Tensor) or sample.dtype != torch.bfloat16 or sample.numel() == 0:
+        raise ValueError("sample must be a non-empty bf16 tensor")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    chunk_values = lossless.message_chunk_values(sample.device)
+    threads = lossless.message_threads() if threads is None else threads
+    lossless.decode(lossless.encode(sample, chunk_values=chunk_values, threads=threads), threads=threads)
+    enc = dec = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        blob = lossless.encode(sample, chunk_values=chunk_values, threads=threads)
+        middle = time.perf_counter()
+        lossless.decode(blob, threads=threads)
+        end = time.perf_counter()
+        enc, dec = min(enc, middle - start), min(dec, end - middle)
+    nbytes = sample.numel() * sample.element_size()
+    return nbytes / max(enc, 1e-9) / 1e9, nbytes / max(dec, 1e-9) / 1e9
+
+
+def codec_place(device: torch.device | str) -> torch.device:
+    """Where the lossless codec runs for a payload on ``device``: that device when the CUDA codec
+    kernels are built for it, else the CPU."""
+    from . import lossless_device
+
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as error:
+        raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from error
+    return device if lossless_device.available(device) else torch.device("cpu")
 
 
 @dataclass
@@ -57,28 +121,12 @@ class AutoCodecPolicy:
         CPU), on a 1 MiB sample."""
         if self.encode_gbps is not None and self.decode_gbps is not None:
             return self.encode_gbps, self.decode_gbps
-        from . import lossless, lossless_device
-
-        try:
-            device = torch.device(device)
-        except (TypeError, RuntimeError) as error:
-            raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from error
-        where = device if lossless_device.available(device) else torch.device("cpu")
+        where = codec_place(device)
         key = str(where)
         if key not in self._measured:
             sample = (torch.randn(512, 1024) * 0.05).to(torch.bfloat16).to(where)
-            # chunks and threads as the transport codes messages
-            chunk_values, threads = lossless.message_chunk_values(where), lossless.message_threads()
-            lossless.decode(lossless.encode(sample, chunk_values=chunk_values, threads=threads),
-                            threads=threads)  # warm up (synchronised)
-            start = time.perf_counter()
-            blob = lossless.encode(sample, chunk_values=chunk_values, threads=threads)
-            middle = time.perf_counter()
-            lossless.decode(blob, threads=threads)
-            end = time.perf_counter()
-            nbytes = sample.numel() * 2
-            self._measured[key] = {"encode": nbytes / max(middle - start, 1e-9) / 1e9,
-                                   "decode": nbytes / max(end - middle, 1e-9) / 1e9}
+            enc, dec = measure_codec_gbps(sample)
+            self._measured[key] = {"encode": enc, "decode": dec}
         measured = self._measured[key]
         return (self.encode_gbps or measured["encode"], self.decode_gbps or measured["decode"])
 
@@ -87,7 +135,7 @@ class AutoCodecPolicy:
         payload on ``device``."""
         link = self.link_gbps or DEFAULT_LINK_GBPS.get(transport_kind, 50.0)
         enc, dec = self.throughputs(device)
-        return (1.0 - self.ratio()) / link > 1.0 / enc + 1.0 / dec
+        return compression_pays(link, self.ratio(), enc, dec)
 
 
 def choose_codec(x: object, policy: AutoCodecPolicy, transport_kind: str) -> str:
@@ -98,3 +146,28 @@ def choose_codec(x: object, policy: AutoCodecPolicy, transport_kind: str) -> str
         return "lossless" if policy.pays(transport_kind, x.device) else "none"
     except RuntimeError:  # the C++ codec is not built
         return "none"
+
+
+def agree_on_codec(x: object, policy: AutoCodecPolicy, transport: object,
+                   masked: frozenset[int] = frozenset()) -> str:
+    """``codec="auto"`` for one call, the same on every rank: each rank applies
+    :func:`choose_codec` to its own data and speeds, and the call compresses only if every live
+    rank votes for it (one count exchange over ``transport``), so all ranks use one wire format."""
+    kind = "nvshmem" if transport.name == "nvshmem" else getattr(transport, "backend_name", transport.name)
+    mine = choose_codec(x, policy, kind)
+    vote = torch.full((transport.num_ranks, 1), int(mine == "lossless"), dtype=torch.int64)
+    votes = transport.exchange_counts(vote, "auto_codec/vote")
+    live = [r for r in range(transport.num_ranks) if r not in masked]
+    return "lossless" if bool((votes[live] == 1).all()) else "none"
+
+
+def check_codec_input(codec: str, x: object, hidden: int) -> str:
+    """``codec`` after checking that it can code ``x`` (a tensor or an FP8 tuple); ValueError
+    naming the codec otherwise."""
+    if codec in ("fp8", "lossless") and isinstance(x, tuple):
+        raise ValueError(f"codec={codec!r} cannot apply to an FP8 tuple input (already encoded)")
+    if codec == "fp8" and hidden % 128 != 0:
+        raise ValueError(f"codec='fp8' needs a hidden size divisible by 128, got {hidden}")
+    if codec == "lossless" and x.dtype != torch.bfloat16:  # type: ignore[union-attr]
+        raise ValueError(f"codec='lossless' codes bf16 payloads, x is {x.dtype}")  # type: ignore[union-attr]
+    return codec
