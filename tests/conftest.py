@@ -1,4 +1,6 @@
-"""Fixtures for multi-rank tests: persistent gloo rank pools of 1, 2 and 4 processes.
+"""Fixtures for multi-rank tests: persistent gloo rank pools of 1, 2 and 4 processes; and the
+native test modules, built once per session. The tests' helpers are the package ``support``
+(tests/support/), importable from every test directory: this file puts tests/ on ``sys.path``.
 
 Usage in a test::
 
@@ -17,7 +19,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mp_pool import RankPool  # noqa: E402
+from support.mp_pool import RankPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +39,24 @@ def ranks():
 @pytest.fixture(scope="session")
 def emulated_codec_module_path(tmp_path_factory):
     """ep_comm._cuda's codec bindings over the codec kernels built for the CPU through the CUDA
-    emulation (tests/emulated_cuda.py), built once per session: the extension module's path."""
-    from emulated_cuda import build_codec_module, compiler
+    emulation (tests/support/emulated_cuda.py), built once per session: the extension module's path."""
+    from support.emulated_cuda import build_codec_module
+    from support.native import compiler
 
     if compiler() is None:
         pytest.skip("no host C++ compiler for the CUDA emulation")
     return build_codec_module(tmp_path_factory.mktemp("emulated_codecs"))
+
+
+@pytest.fixture(scope="session")
+def host_test_module(request, tmp_path_factory):
+    """The test-only bindings of the C++ cores (tests/native/host_test_bindings.cpp, module
+    ``ep_host_test``), built once per session, or reused from pytest's cache while its sources and
+    the csrc/ headers are unchanged (tests/support/native.py)."""
+    from support.native import cached_host_test_module, compiler
+
+    if compiler() is None:
+        pytest.skip("no host C++ compiler for the test bindings")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    return cached_host_test_module(cache.mkdir("ep_host_test") if cache is not None
+                                   else tmp_path_factory.mktemp("ep_host_test"))

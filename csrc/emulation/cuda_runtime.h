@@ -1,7 +1,7 @@
 // CUDA emulation on the CPU: the parts of the CUDA runtime and device language that the codec
 // kernels (csrc/cuda/lossless_kernels.cu, fp8_kernels.cu) use, so that the same source compiles as
 // C++ and runs without a GPU. Found first on the include path (-I csrc/emulation) by
-// `#include <cuda_runtime.h>`; built with -DEP_CUDA_EMULATION (tests/emulated_cuda.py builds the
+// `#include <cuda_runtime.h>`; built with -DEP_CUDA_EMULATION (tests/support/emulated_cuda.py builds the
 // libraries). "Device" memory is host memory, launches run to completion before they return
 // (grid blocks one after another, each block's threads as fibers: csrc/emulation/fibers.h),
 // streams are ignored.

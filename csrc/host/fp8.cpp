@@ -1,11 +1,12 @@
 // Host (CPU) build of the FP8 codec core (csrc/codec/fp8_core.h): per-row quantization, parallel
-// over rows, and the e4m3 <-> float conversions it is tested through.
+// over rows. The e4m3 <-> float conversions it is tested through are bound for the tests only, by
+// tests/native/host_test_bindings.cpp.
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
-#include <string>
 
 #include "bindings.h"
+#include "checks.h"
 #include "gil.h"
 #include "codec/fp8_core.h"
 #include "codec/host_parallel.h"
@@ -15,22 +16,6 @@ using namespace ep_comm::fp8;
 
 namespace ep_comm::host {
 namespace {
-
-void* contiguous(const py::buffer_info& info, int64_t count, int64_t itemsize, const char* name) {
-  if (info.itemsize != itemsize)
-    throw std::invalid_argument(std::string(name) + " has item size " + std::to_string(info.itemsize) +
-                                ", expected " + std::to_string(itemsize));
-  int64_t expected = itemsize;
-  for (int64_t d = info.ndim - 1; d >= 0; --d) {
-    if (info.shape[d] > 1 && info.strides[d] != expected)
-      throw std::invalid_argument(std::string(name) + " must be C-contiguous");
-    expected *= info.shape[d];
-  }
-  if (expected / itemsize != count)
-    throw std::invalid_argument(std::string(name) + " has " + std::to_string(expected / itemsize) +
-                                " items, expected " + std::to_string(count));
-  return info.ptr;
-}
 
 // x: [rows, hidden] bf16 bits (itemsize 2) or float32 (itemsize 4); q: [rows, hidden] bytes;
 // scales: [rows, hidden/128] float32, or [rows, hidden/512] int32 with use_ue8m0.
@@ -76,17 +61,6 @@ void register_fp8(py::module_& m) {
         py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("q"), py::arg("scales"),
         py::arg("threads") = 0,
         "per-128-channel e4m3 quantization of x [rows, hidden] (bf16 bits or float32) into q and scales");
-  m.def("fp8_cast_into", [](const py::buffer& src, const py::buffer& dst) {
-    py::buffer_info si = src.request(), di = dst.request(true);
-    if (si.ndim != 1 || di.ndim != 1) throw std::invalid_argument("src and dst must be 1-D");
-    const int64_t n = si.shape[0];
-    const auto* s = static_cast<const float*>(contiguous(si, n, 4, "src"));
-    auto* d = static_cast<uint8_t*>(contiguous(di, n, 1, "dst"));
-    without_gil([&] {
-      for (int64_t i = 0; i < n; ++i) d[i] = float_to_e4m3(s[i]);
-    });
-  }, py::arg("src"), py::arg("dst"), "float32 [n] -> e4m3fn bytes [n] (round-to-nearest-even, saturating)");
-  m.def("fp8_to_float", [](uint8_t b) { return e4m3_to_float(b); }, py::arg("byte"), "e4m3fn byte -> float32");
 }
 
 }  // namespace ep_comm::host

@@ -1,5 +1,6 @@
-// ep_comm._host: the CPU build of the C++ cores (codecs, routing helpers) that the CUDA kernels
-// compile too; the CPU tests run this build.
+// ep_comm._host: the CPU build of the C++ cores that the CUDA kernels compile too, bound for what
+// the product calls (codecs, row copies and sums, buffer layouts); the CPU tests run this build.
+// The cores' test-only bindings are built by the tests (tests/native/host_test_bindings.cpp).
 #include "bindings.h"
 
 PYBIND11_MODULE(_host, m) {

@@ -1,9 +1,9 @@
 """``--check``: every result of a timed call against a plain single-process reference.
 
 Each rank gathers all ranks' inputs (``x``, ``topk_idx``, ``topk_weights``) and recomputes what
-it should have received with the definitions of DESIGN.md §1, written here independently of
-ep_comm's layout/plan code. Bit-exact codecs (``none``, ``lossless``) must match exactly on
-dispatch; FP8 within e4m3's rounding; combines within bf16 rounding of the sums.
+it should have received with :mod:`ep_comm.reference` (the definitions of docs/design.md §1,
+independent of ep_comm's layout/plan code). Bit-exact codecs (``none``, ``lossless``) must match
+exactly on dispatch; FP8 within e4m3's rounding; combines within bf16 rounding of the sums.
 
 The combine inputs are made rank- or expert-dependent (``rank_factor``, ``expert_factor``), so a
 row returned to the wrong token or reduced by the wrong weight shows up.
@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .. import reference
+from ..placement import ExpertPlacement
 
 BF16_REL = 2.0 ** -6
 FP8_REL = 2.0 ** -4 + 2.0 ** -7
@@ -37,8 +40,10 @@ class GlobalInputs:
     def num_local(self) -> int:
         return self.num_experts // self.num_ranks
 
-    def owner(self, expert: torch.Tensor) -> torch.Tensor:
-        return expert // self.num_local
+    @property
+    def placement(self) -> ExpertPlacement:
+        """ep-bench's placement: DeepEP's contiguous blocks of ``E / R`` experts."""
+        return ExpertPlacement.contiguous(self.num_experts, self.num_ranks)
 
 
 def gather_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -118,32 +123,20 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, fp8: bool,
             f"{err.reshape(-1)[worst]:.4g} > {tol.reshape(-1)[worst]:.4g})"]
 
 
-# -- references ----------------------------------------------------------------------------
+# -- references (ep_comm.reference, for the inputs above) --------------------------------------
 def ref_dispatch(g: GlobalInputs, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Normal dispatch on ``rank``: rows ordered by source rank then token, local top-k ids
-    (``-1`` elsewhere), weights (0 elsewhere), tokens per local expert."""
-    xs, idxs, ws = [], [], []
-    for src in range(g.num_ranks):
-        idx = g.topk_idx[src]
-        here = (idx >= 0) & (g.owner(idx.clamp(min=0)) == rank)
-        tokens = here.any(1).nonzero().flatten()
-        xs.append(g.x[src, tokens])
-        local = idx[tokens] - rank * g.num_local
-        idxs.append(torch.where(here[tokens], local, torch.full_like(local, -1)))
-        ws.append(torch.where(here[tokens], g.topk_weights[src, tokens], torch.zeros(())))
-    recv_idx = torch.cat(idxs)
-    counts = [int((recv_idx == j).sum()) for j in range(g.num_local)]
-    return torch.cat(xs), recv_idx, torch.cat(ws), counts
+    """Normal dispatch on ``rank`` (:func:`ep_comm.reference.dispatch_to`): rows ordered by source
+    rank then token, local top-k ids (``-1`` elsewhere), weights (0 elsewhere), tokens per local
+    expert."""
+    got = reference.dispatch_to(rank, list(g.x), list(g.topk_idx), list(g.topk_weights), g.placement)
+    return got.x, got.topk_idx, got.topk_weights, got.counts_per_expert
 
 
 def ref_normal_combine(g: GlobalInputs, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``([N, H]`` float32 ``sum over ranks r receiving token i of rank_factor(r) * x[i]``,
-    the ``[N]`` coefficient)."""
-    idx = g.topk_idx[rank]
-    coef = torch.zeros(idx.shape[0])
-    for r in range(g.num_ranks):
-        hit = ((idx >= 0) & (g.owner(idx.clamp(min=0)) == r)).any(1)
-        coef += hit.float() * rank_factor(r)
+    the ``[N]`` coefficient); the receiving ranks are :func:`ep_comm.reference.receiving_ranks`."""
+    factors = torch.tensor([rank_factor(r) for r in range(g.num_ranks)])
+    coef = reference.receiving_ranks(g.topk_idx[rank], g.placement).float() @ factors
     return coef.unsqueeze(1) * g.x[rank].float(), coef
 
 
@@ -156,10 +149,10 @@ def ref_weighted_combine(g: GlobalInputs, rank: int) -> tuple[torch.Tensor, torc
 
 
 def ref_expert_rows(g: GlobalInputs, rank: int, local_expert: int) -> list[torch.Tensor]:
-    """Rows that local expert ``local_expert`` of ``rank`` gets from each source rank, in token
-    order."""
-    expert = rank * g.num_local + local_expert
-    return [g.x[src, (g.topk_idx[src] == expert).any(1).nonzero().flatten()]
+    """Rows that local expert ``local_expert`` of ``rank`` gets from each source rank, in slot
+    order (:func:`ep_comm.reference.expert_slots`)."""
+    slots = reference.expert_slots(int(g.placement.local_experts(rank)[local_expert]), list(g.topk_idx))
+    return [g.x[src, torch.tensor([t for s, t in slots if s == src], dtype=torch.int64)]
             for src in range(g.num_ranks)]
 
 

@@ -1,7 +1,7 @@
 """The lossless codec's CUDA kernels (csrc/cuda/lossless_kernels.cu, built as a small library by
 bench/codec_gpu.py) against the host build of the same core: device blobs are byte-identical to
 the host encoder's, device decoding is exact, and the device rejects corrupted blobs with the
-status the host decoder reports. The cases and checks are tests/codec_kernel_cases.py's, which
+status the host decoder reports. The cases and checks are tests/support/codec_kernel_cases.py's, which
 tests/test_codec_kernels_emulated.py also runs on the CPU through the CUDA emulation."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from codec_kernel_cases import (
+from support.codec_kernel_cases import (
     CASES,
     CHUNK_VALUES,
     CORRUPTION_CASES,

@@ -11,8 +11,7 @@ import torch
 
 from ep_comm.codecs import fp8, lossless
 from ep_comm.codecs.device_kernels import codec_kernels
-from ep_comm.payload import RowSource, pack, unpack
-from ep_comm.wire import FieldSpec, RowFormat
+from ep_comm.payload import FieldSpec, RowFormat, RowSource, pack, unpack
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

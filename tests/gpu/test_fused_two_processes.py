@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _procs import arm_stack_dumps, disarm_stack_dumps, free_port, stack_summary, stop_processes
+from support.procs import arm_stack_dumps, disarm_stack_dumps, free_port, stack_summary, stop_processes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -112,10 +112,11 @@ def stage_marker(shared, rank: int):
 
 # -- intranode engine over CUDA IPC (no NVSHMEM involved) -----------------------------------------
 def _ipc_engine_case(rank: int, shared) -> str:
-    from _reference import normal_combine, normal_dispatch, random_routing
+    from support.rank_cases import random_routing
 
-    from ep_comm.backends.nvshmem import IntranodeEngine
-    from ep_comm.placement_map import ExpertPlacement
+    from ep_comm import reference
+    from ep_comm.engines import IntranodeEngine
+    from ep_comm.placement import ExpertPlacement
 
     gen = torch.Generator().manual_seed(7)
     e, k, hidden = 8, 4, 512
@@ -132,20 +133,22 @@ def _ipc_engine_case(rank: int, shared) -> str:
         weights = [torch.rand(n, k, generator=gen) for n in counts]
         w_mine = weights[rank].cuda() if counts[rank] else torch.zeros(1, k, device="cuda")
         got = eng.dispatch([xs[rank].cuda()], [topks[rank].cuda()], [w_mine])[0]
-        want = normal_dispatch(xs, topks, weights, placement)[rank]
-        for key in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
-            if not torch.equal(got[key].cpu(), want[key]):
+        received = reference.dispatch(xs, topks, weights, placement)
+        want = received[rank]
+        for key, ref_value in (("recv_x", want.x), ("recv_topk_idx", want.topk_idx),
+                               ("recv_topk_weights", want.topk_weights)):
+            if not torch.equal(got[key].cpu(), ref_value):
                 problems.append(f"round {round_}: {key} differs")
-        if not torch.equal(got["recv_src_idx"].cpu().long(), want["recv_src_idx"]):
+        if not torch.equal(got["recv_src_idx"].cpu().long(), want.src_idx):
             problems.append(f"round {round_}: recv_src_idx differs")
-        if got["num_recv_tokens_per_expert"] != want["counts"]:
-            problems.append(f"round {round_}: counts {got['num_recv_tokens_per_expert']} != {want['counts']}")
+        if got["num_recv_tokens_per_expert"] != want.counts_per_expert:
+            problems.append(f"round {round_}: counts {got['num_recv_tokens_per_expert']} != {want.counts_per_expert}")
         y = (got["recv_x"].float() * (rank + 2)).bfloat16()
         gathered: list[object] = [None] * WORLD
         dist.all_gather_object(gathered, y.cpu())
         y_w = got["recv_topk_weights"] if y.shape[0] else torch.zeros(1, k, device="cuda")
         cx, _ = eng.combine([y], [got["handle"]], [y_w])[0]
-        ref = normal_combine(gathered, topks, placement)[rank]
+        ref = reference.combine([y.float() for y in gathered], received, counts)[rank]
         if not torch.allclose(cx.cpu().float(), ref, atol=2e-2, rtol=2e-2):
             problems.append(f"round {round_}: combine differs by {(cx.cpu().float() - ref).abs().max()}")
     eng.close()
@@ -160,7 +163,7 @@ def test_intranode_engine_over_cuda_ipc() -> None:
 
 # -- Buffer(backend="nvshmem") against Buffer(backend="torch") --------------------------------------
 def _inputs(rank: int, e: int, k: int, hidden: int, n: int):
-    from _reference import random_routing
+    from support.rank_cases import random_routing
 
     gen = torch.Generator().manual_seed(500 + rank)
     return (torch.randn(n, hidden, generator=gen).bfloat16(), random_routing(gen, n, k, e),
@@ -190,8 +193,9 @@ def _buffer_case(rank: int, shared) -> str:
     shared[f"{rank}/stage"] = "running"
     ref = ep_comm.Buffer(group, backend="torch")
     problems: list[str] = []
-    if not (fast.kernel_plan.intranode and fast.kernel_plan.low_latency):
-        problems.append(f"kernel plan {fast.kernel_plan}")
+    fused = fast.path_plan.get("fused kernels")
+    if fused.mode_unavailable("dispatch") or fused.mode_unavailable("low_latency_dispatch"):
+        problems.append(f"path plan {fast.path_plan}")
     e, k, hidden = 8, 4, 1024
     x, topk, w = _inputs(rank, e, k, hidden, 61 + 30 * rank)
     xc, topkc, wc = x.cuda(), topk.cuda(), w.cuda()

@@ -1,14 +1,16 @@
 """Layout, normal dispatch and combine kernels with R virtual ranks on one GPU, against the
-reference routing maths; and the bounded wait turning a missing rank into CommTimeoutError."""
+routing maths (ep_comm.layout) and ep_comm.reference; and the bounded wait turning a missing rank
+into CommTimeoutError."""
 from __future__ import annotations
 
 import pytest
 import torch
-from _reference import normal_combine, normal_dispatch, random_routing
+from support.rank_cases import random_routing
 
+from ep_comm import reference
 from ep_comm.errors import CommTimeoutError
 from ep_comm.layout import compute_dispatch_layout
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _engine(r: int, placement: ExpertPlacement, k: int, hidden_bytes: int, channels: int = 4,
             timeout_s: float = 5.0, max_scales: int = 0):
-    from ep_comm.backends.nvshmem import IntranodeEngine
+    from ep_comm.engines import IntranodeEngine
     return IntranodeEngine(r, placement, torch.device("cuda"), k, hidden_bytes, num_channels=channels,
                            ring_slots=32, timeout_s=timeout_s, max_scales=max_scales)
 
@@ -50,17 +52,17 @@ def test_dispatch_combine_virtual_ranks(r: int, dtype: torch.dtype) -> None:
     eng = _engine(r, placement, k, hidden * 4, channels=3)
     for _ in range(2):  # the second round reuses the buffers (ring reset, barrier values)
         got = eng.dispatch([x.cuda() for x in xs], [t.cuda() for t in topks], [w.cuda() for w in weights])
-        ref = normal_dispatch(xs, topks, weights, placement)
+        ref = reference.dispatch(xs, topks, weights, placement)
         for g, want in zip(got, ref):
-            assert torch.equal(g["recv_x"].cpu(), want["recv_x"])
-            assert torch.equal(g["recv_topk_idx"].cpu(), want["recv_topk_idx"])
-            assert torch.equal(g["recv_topk_weights"].cpu(), want["recv_topk_weights"])
-            assert torch.equal(g["recv_src_idx"].cpu().long(), want["recv_src_idx"])
-            assert g["num_recv_tokens_per_expert"] == want["counts"]
+            assert torch.equal(g["recv_x"].cpu(), want.x)
+            assert torch.equal(g["recv_topk_idx"].cpu(), want.topk_idx)
+            assert torch.equal(g["recv_topk_weights"].cpu(), want.topk_weights)
+            assert torch.equal(g["recv_src_idx"].cpu().long(), want.src_idx)
+            assert g["num_recv_tokens_per_expert"] == want.counts_per_expert
         ys = [(g["recv_x"].float() * (i + 1)).to(dtype) for i, g in enumerate(got)]
         combined = eng.combine(ys, [g["handle"] for g in got],
                                [g["recv_topk_weights"] for g in got])
-        want = normal_combine([y.cpu() for y in ys], topks, placement)
+        want = reference.combine([y.cpu().float() for y in ys], ref, counts)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         for (cx, cw), w_x, s in zip(combined, want, range(r)):
             torch.testing.assert_close(cx.cpu().float(), w_x, atol=tol, rtol=tol)
@@ -83,11 +85,11 @@ def test_fp8_input_with_scales_travels_unchanged() -> None:
     eng = _engine(r, placement, k, hidden, max_scales=hidden // 128)
     got = eng.dispatch([a.cuda().view(torch.uint8) for a, _ in q], [t.cuda() for t in topks],
                        [w.cuda() for w in weights], x_scales=[s.cuda() for _, s in q])
-    ref_q = normal_dispatch([a.view(torch.uint8) for a, _ in q], topks, weights, placement)
-    ref_s = normal_dispatch([s for _, s in q], topks, weights, placement)
+    ref_q = reference.dispatch([a.view(torch.uint8) for a, _ in q], topks, weights, placement)
+    ref_s = reference.dispatch([s for _, s in q], topks, weights, placement)
     for g, wq, ws in zip(got, ref_q, ref_s):
-        assert torch.equal(g["recv_x"].cpu(), wq["recv_x"])
-        assert torch.equal(g["recv_scales"].cpu(), ws["recv_x"])
+        assert torch.equal(g["recv_x"].cpu(), wq.x)
+        assert torch.equal(g["recv_scales"].cpu(), ws.x)
 
 
 def test_missing_rank_times_out_with_peer_and_phase() -> None:

@@ -1,21 +1,23 @@
-"""Low-latency dispatch/combine kernels with R virtual ranks on one GPU against the reference slot
-plan (plan.build_expert_slot_plan) and the FP8 codec (codecs/fp8.py)."""
+"""Low-latency dispatch/combine kernels with R virtual ranks on one GPU against the reference
+(ep_comm.reference: which token fills each expert's slots) and the FP8 codec (codecs/fp8.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from _reference import low_latency_slots, random_routing
+from support.rank_cases import random_routing
 
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm import reference
+from ep_comm.placement import ExpertPlacement
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+MAX_TOKENS = 64
 
 
 def _run(r: int, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False, seed: int = 0):
-    from ep_comm.backends.nvshmem import LowLatencyEngine
+    from ep_comm.engines import LowLatencyEngine
     gen = torch.Generator().manual_seed(seed + r)
-    e, k, hidden, max_tokens = 4 * r, 4, 1024, 64
+    e, k, hidden, max_tokens = 4 * r, 4, 1024, MAX_TOKENS
     placement = ExpertPlacement.from_expert_to_rank(torch.randint(0, r, (e,), generator=gen), r)
     counts = [int(torch.randint(1, max_tokens + 1, (1,), generator=gen)) for _ in range(r)]
     xs = [torch.randn(n, hidden, generator=gen).bfloat16() for n in counts]
@@ -29,13 +31,12 @@ def _run(r: int, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = Fal
 def test_low_latency_dispatch_bf16_slots(r: int) -> None:
     _, placement, xs, topks, got = _run(r, use_fp8=False)
     for receiver, res in enumerate(got):
-        plan, src_token = low_latency_slots(topks, placement, receiver)
-        assert torch.equal(res.recv_count.cpu().long(), plan.recv_count)
-        assert torch.equal(res.layout_range.cpu(), plan.layout_range)
-        for row, local, slot in zip(plan.row.tolist(), plan.local_expert.tolist(), plan.slot.tolist()):
-            s, token = src_token[row]
-            assert torch.equal(res.recv_x[local, slot].cpu(), xs[s][token])
-            assert int(res.recv_src_info[local, slot]) == token
+        want = reference.low_latency_dispatch_to(receiver, xs, topks, MAX_TOKENS, placement)
+        assert res.recv_count.cpu().tolist() == want.count
+        assert torch.equal(res.layout_range.cpu(), want.layout_range(r))
+        for local, slots in enumerate(want.slots):
+            assert torch.equal(res.recv_x[local, :len(slots)].cpu(), want.x[local, :len(slots)])
+            assert res.recv_src_info[local, :len(slots)].tolist() == [token for _, token in slots]
 
 
 @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
@@ -43,12 +44,11 @@ def test_low_latency_dispatch_fp8_matches_codec(round_scale: bool, use_ue8m0: bo
     from ep_comm.codecs import fp8
     _, placement, xs, topks, got = _run(4, True, round_scale, use_ue8m0, seed=9)
     for receiver, res in enumerate(got):
-        plan, src_token = low_latency_slots(topks, placement, receiver)
-        for row, local, slot in zip(plan.row.tolist(), plan.local_expert.tolist(), plan.slot.tolist()):
-            s, token = src_token[row]
-            q, scales = fp8.quantize(xs[s][token:token + 1], round_scale, use_ue8m0)
-            assert torch.equal(res.recv_x[local, slot].cpu().view(torch.uint8), q[0].view(torch.uint8))
-            assert torch.equal(res.recv_scales[local, slot].cpu(), scales[0])
+        for local, slots in enumerate(reference.expert_slots_to(receiver, topks, placement)):
+            for slot, (s, token) in enumerate(slots):
+                q, scales = fp8.quantize(xs[s][token:token + 1], round_scale, use_ue8m0)
+                assert torch.equal(res.recv_x[local, slot].cpu().view(torch.uint8), q[0].view(torch.uint8))
+                assert torch.equal(res.recv_scales[local, slot].cpu(), scales[0])
 
 
 @pytest.mark.parametrize("r", [2, 4, 8])
@@ -80,7 +80,7 @@ def test_low_latency_second_dispatch_reuses_buffers() -> None:
 
 
 def test_capacity_is_checked() -> None:
-    from ep_comm.backends.nvshmem import LowLatencyEngine
+    from ep_comm.engines import LowLatencyEngine
     placement = ExpertPlacement.contiguous(8, 2)
     eng = LowLatencyEngine(2, placement, torch.device("cuda"), 4, 128, 2)
     x = torch.zeros(5, 128, dtype=torch.bfloat16, device="cuda")

@@ -8,14 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _procs import free_port, run_with_deadline
+from support.procs import free_port, run_with_deadline
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _exchange_case(rank: int, world: int, port: int, results) -> None:
-    from ep_comm.backends.nvshmem import NvshmemSettings, NvshmemTransport
+    from ep_comm.engines import NvshmemSettings
+    from ep_comm.transports.nvshmem import NvshmemTransport
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -40,7 +41,7 @@ def _exchange_case(rank: int, world: int, port: int, results) -> None:
 
 
 def _inputs(rank: int, e: int, k: int, hidden: int):
-    from _reference import random_routing
+    from support.rank_cases import random_routing
     gen = torch.Generator().manual_seed(1000 + rank)
     n = 40 + 7 * rank
     return (torch.randn(n, hidden, generator=gen).bfloat16(), random_routing(gen, n, k, e),
@@ -49,10 +50,9 @@ def _inputs(rank: int, e: int, k: int, hidden: int):
 
 def _engines_case(rank: int, world: int) -> str:
     """Low-latency and intranode engines over NVSHMEM symmetric buffers (one rank per process)."""
-    from _reference import low_latency_slots, normal_dispatch
-
-    from ep_comm.backends.nvshmem import IntranodeEngine, LowLatencyEngine
-    from ep_comm.placement_map import ExpertPlacement
+    from ep_comm import reference
+    from ep_comm.engines import IntranodeEngine, LowLatencyEngine
+    from ep_comm.placement import ExpertPlacement
     e, k, hidden = 4 * world, 2, 256
     placement = ExpertPlacement.contiguous(e, world)
     every = [_inputs(r, e, k, hidden) for r in range(world)]
@@ -62,11 +62,11 @@ def _engines_case(rank: int, world: int) -> str:
         ll = LowLatencyEngine(world, placement, torch.device("cuda"), 64, hidden, k, timeout_s=10.0,
                               group=dist.group.WORLD)
         res = ll.dispatch([x], [topk])[0]
-        plan, src_token = low_latency_slots([t for _, t, _ in every], placement, rank)
-        good = torch.equal(res.recv_count.cpu().long(), plan.recv_count)
-        for row, local, slot in zip(plan.row.tolist(), plan.local_expert.tolist(), plan.slot.tolist()):
-            s_, token = src_token[row]
-            good &= torch.equal(res.recv_x[local, slot].cpu(), every[s_][0][token])
+        slots = reference.expert_slots_to(rank, [t for _, t, _ in every], placement)
+        good = res.recv_count.cpu().tolist() == [len(s) for s in slots]
+        for local, expert_slots in enumerate(slots):
+            for slot, (s_, token) in enumerate(expert_slots):
+                good &= torch.equal(res.recv_x[local, slot].cpu(), every[s_][0][token])
         out = ll.combine([res.recv_x], [topk], [w], [res])[0].cpu().float()
         want = every[rank][0].float() * torch.where(every[rank][1] >= 0, every[rank][2], 0).sum(1, keepdim=True)
         good &= torch.allclose(out, want, atol=5e-2, rtol=2e-2)
@@ -77,10 +77,10 @@ def _engines_case(rank: int, world: int) -> str:
         eng = IntranodeEngine(world, placement, torch.device("cuda"), k, hidden * 2, num_channels=2,
                               ring_slots=16, timeout_s=10.0, group=dist.group.WORLD)
         got = eng.dispatch([x], [topk], [w])[0]
-        ref = normal_dispatch([a for a, _, _ in every], [t for _, t, _ in every],
-                              [c for _, _, c in every], placement)[rank]
-        good = torch.equal(got["recv_x"].cpu(), ref["recv_x"])
-        good &= torch.equal(got["recv_topk_idx"].cpu(), ref["recv_topk_idx"])
+        ref = reference.dispatch_to(rank, [a for a, _, _ in every], [t for _, t, _ in every],
+                                    [c for _, _, c in every], placement)
+        good = torch.equal(got["recv_x"].cpu(), ref.x)
+        good &= torch.equal(got["recv_topk_idx"].cpu(), ref.topk_idx)
         status.append("intranode ok" if good else "intranode mismatch")
     except Exception as error:  # noqa: BLE001
         status.append(f"intranode {type(error).__name__}: {error}")

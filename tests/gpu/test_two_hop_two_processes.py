@@ -41,8 +41,9 @@ def _two_hop_case(rank: int, shared) -> str:
     ref = ep_comm.Buffer(group, backend="torch")
     mark("torch buffer made")
     problems: list[str] = []
-    if not fast.two_hop_plan.enabled:
-        return f"two-hop plan disabled: {fast.two_hop_plan.reason}"
+    two_hop = fast.path_plan.get("two-hop kernels")
+    if two_hop.unavailable:
+        return f"two-hop kernels unavailable: {two_hop.unavailable}"
     e, k, hidden = 8, 4, 1024
     per_expert = torch.zeros(e, dtype=torch.int32)
     # round 2 reuses the engine; round 3 has no tokens on rank 1; round 4 needs a bigger engine

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _procs import free_port, run_with_deadline
+from support.procs import free_port, run_with_deadline
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -29,11 +29,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _case(nodes: int, per_node: int, dtype: torch.dtype, seed: int) -> str:
-    from _reference import random_routing
+    from support.rank_cases import random_routing
 
     from ep_comm import reference
-    from ep_comm.backends.nvshmem import TwoHopEngine
-    from ep_comm.placement_map import ExpertPlacement
+    from ep_comm.engines import TwoHopEngine
+    from ep_comm.placement import ExpertPlacement
     r, k, hidden, max_tokens = nodes * per_node, 4, 256, 48
     e = 4 * r
     gen = torch.Generator().manual_seed(seed)
@@ -85,9 +85,9 @@ class _DropLastRank:
 
 
 def _timeout_case() -> str:
-    from ep_comm.backends.nvshmem import TwoHopEngine
+    from ep_comm.engines import TwoHopEngine
     from ep_comm.errors import CommTimeoutError
-    from ep_comm.placement_map import ExpertPlacement
+    from ep_comm.placement import ExpertPlacement
     r, p, e, k = 4, 2, 8, 2
     placement = ExpertPlacement.contiguous(e, r)
     eng = TwoHopEngine(r, p, placement, torch.device("cuda"), dist.group.WORLD, 8, 128, k, timeout_s=0.5)
@@ -119,7 +119,7 @@ def _worker(rank: int, port: int, results) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        from ep_comm.backends.nvshmem import NvshmemSettings, init_nvshmem
+        from ep_comm.engines import NvshmemSettings, init_nvshmem
         init_nvshmem(dist.group.WORLD, NvshmemSettings(symmetric_size=1 << 28))
         for case in CASES:
             try:

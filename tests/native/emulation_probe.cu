@@ -1,7 +1,7 @@
 // Kernels that probe the CUDA emulation (csrc/emulation/) against the CUDA semantics it stands
 // in for: warp votes and shuffles, block votes, blocks whose size is not a multiple of 32,
 // threads that exit early, a divergent barrier (a launch failure), and the two schedule orders.
-// Built by tests/test_cuda_emulation.py through tests/emulated_cuda.py; each probe_* entry point
+// Built by tests/test_cuda_emulation.py through tests/support/emulated_cuda.py; each probe_* entry point
 // launches one kernel on host memory and returns cudaGetLastError().
 #include <cuda_runtime.h>
 

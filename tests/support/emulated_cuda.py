@@ -11,35 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
-
-
-def compiler() -> str | None:
-    """The host C++ compiler the emulation builds with (CXX, else g++), or None if absent."""
-    return shutil.which(os.environ.get("CXX", "g++"))
+from .native import CSRC, ROOT, extension_path, import_extension, python_includes, require_compiler, run_compiler
 
 
 def build(source: str | list[str], out: Path, defines: tuple[str, ...] = ()) -> Path:
     """Compiles ``source`` (a path from the repository root, e.g. "csrc/cuda/lossless_kernels.cu",
     or a list of them) with ``defines`` (e.g. ("EP_LOSSLESS_DEC_WINDOW=1",)) into the shared
     library ``out``; raises CalledProcessError with the compiler's output if it fails."""
-    cxx = compiler()
-    if cxx is None:
-        raise FileNotFoundError("no host C++ compiler (set CXX)")
+    cxx = require_compiler()
     sources = [source] if isinstance(source, str) else list(source)
     cmd = [cxx, "-std=c++17", "-O2", "-g0", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
            "-x", "c++", "-DEP_CUDA_EMULATION", *(f"-D{d}" for d in defines),
            f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", *(str(ROOT / s) for s in sources),
            "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+    run_compiler(cmd)
     return out
 
 
@@ -47,17 +34,13 @@ def build_racecheck(out: Path, defines: tuple[str, ...] = ()) -> Path:
     """tests/native/emulated_racecheck.cpp with the codec kernels, built through the CUDA emulation
     with ThreadSanitizer into the executable ``out`` (see that file); raises CalledProcessError
     with the compiler's output if it fails (e.g. no libtsan)."""
-    cxx = compiler()
-    if cxx is None:
-        raise FileNotFoundError("no host C++ compiler (set CXX)")
+    cxx = require_compiler()
     cmd = [cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-fPIE", "-pie", "-Wall", "-Wno-unknown-pragmas",
            "-DEP_CUDA_EMULATION", *(f"-D{d}" for d in defines), f"-I{CSRC / 'emulation'}", f"-I{CSRC}",
            f"-I{CSRC / 'cuda'}", "-x", "c++", str(CSRC / "cuda" / "lossless_kernels.cu"),
            str(CSRC / "cuda" / "fp8_kernels.cu"), str(ROOT / "tests" / "native" / "emulated_racecheck.cpp"),
            "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+    run_compiler(cmd)
     return out
 
 
@@ -66,41 +49,24 @@ def build_codec_module(out_dir: Path) -> Path:
     codec kernels, built into ``out_dir``: the path of an extension module (import it with
     :func:`import_codec_module`) with the binding functions ``lossless_encode`` ... ``fp8_quantize``,
     which take host pointers (tests/native/emulated_codec_module.cpp)."""
-    import sysconfig
-
-    import pybind11
-
-    cxx = compiler()
-    if cxx is None:
-        raise FileNotFoundError("no host C++ compiler (set CXX)")
+    cxx = require_compiler()
     includes = [f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", f"-I{CSRC / 'cuda_bindings'}",
-                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+                *python_includes()]
     objects = []
     for source in ("csrc/cuda/lossless_kernels.cu", "csrc/cuda/fp8_kernels.cu", "csrc/cuda/codec_launchers.cu",
                    "csrc/cuda_bindings/codecs.cpp", "tests/native/emulated_codec_module.cpp"):
         obj = out_dir / (Path(source).name + ".o")
-        cmd = [cxx, "-std=c++17", "-O2", "-g0", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas",
-               "-DEP_CUDA_EMULATION", *includes, "-c", "-x", "c++", str(ROOT / source), "-o", str(obj)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+        run_compiler([cxx, "-std=c++17", "-O2", "-g0", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas",
+                      "-DEP_CUDA_EMULATION", *includes, "-c", "-x", "c++", str(ROOT / source), "-o", str(obj)])
         objects.append(str(obj))
-    module = out_dir / f"ep_emulated_codecs{sysconfig.get_config_var('EXT_SUFFIX')}"
-    cmd = [cxx, "-shared", *objects, "-o", str(module)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+    module = extension_path(out_dir, "ep_emulated_codecs")
+    run_compiler([cxx, "-shared", *objects, "-o", str(module)])
     return module
 
 
 def import_codec_module(path: Path):
     """The module :func:`build_codec_module` built at ``path``, imported (also in a rank process)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ep_emulated_codecs", path)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
+    return import_extension(path, "ep_emulated_codecs")
 
 
 class RecordingKernels:
