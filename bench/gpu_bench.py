@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ep_comm.backends.nvshmem import IntranodeEngine, LowLatencyEngine
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.engines import IntranodeEngine, LowLatencyEngine
+from ep_comm.placement import ExpertPlacement
 
 
 def copy_bandwidth(nbytes: int, iters: int = 20) -> float:

@@ -1,6 +1,6 @@
 """ep_comm: Mixture-of-Experts expert-parallel dispatch/combine with DeepEP's V1 API.
 
-Public API (see DESIGN.md §3): ``Buffer``, ``DispatchHandle``, ``LowLatencyHandle``, ``CommStats``,
+Public API (see docs/design.md): ``Buffer``, ``DispatchHandle``, ``LowLatencyHandle``, ``CommStats``,
 ``CommTimeoutError``, ``EventOverlap``, ``Config``, the differentiable ``dispatch`` / ``combine``,
 and ``build_info()``.
 """
@@ -11,7 +11,7 @@ from .config import Config
 from .errors import CommTimeoutError
 from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
-from .placement_map import ExpertPlacement
+from .placement import ExpertPlacement
 from .stats import CommStats
 
 __all__ = [

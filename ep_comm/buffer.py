@@ -1,34 +1,46 @@
 """Buffer: the public facade with DeepEP's V1 calls (layout, dispatch, combine, low-latency)."""
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from . import hierarchical, low_latency, normal
-from .backends.base import Transport
-from .codecs.auto import AutoCodecPolicy, choose_codec
+from . import low_latency, normal
+from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
-from .errors import CommTimeoutError
 from .event import EventHandle, EventOverlap, finish_event, wait_previous
-from .fused import FusedKernels, KernelCapabilities, KernelPlan, gather_hostnames, plan_kernels
 from .handle import DispatchHandle, LowLatencyHandle
-from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout
-from .placement_map import ExpertPlacement
-from .scratch import ScratchPool
+from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout, drop_entries_of_ranks
+from .paths import (
+    CachedDispatchCall,
+    CombineCall,
+    DispatchCall,
+    FlatPath,
+    FusedKernelPath,
+    LowLatencyCombineCall,
+    LowLatencyDispatchCall,
+    NodeAwarePath,
+    PathPlan,
+    TwoHopKernelPath,
+)
+from .placement import ExpertPlacement
+from .rows import ScratchPool
 from .stats import CommStats
-from .two_hop import TwoHopKernels, TwoHopPlan
+from .transports.base import Transport
+from .transports.masked import form_live_transport
+from .transports.select import make_transport, pick_device
 from .validation import (
     PAYLOAD_DTYPES,
+    check_buffer_arguments,
     check_codec,
+    check_dispatch_input,
+    check_low_latency_dispatch,
     check_nonneg_int,
     check_num_experts,
+    check_rank_list,
     check_topk_idx,
     check_topk_weights,
     require_shape,
@@ -36,7 +48,6 @@ from .validation import (
 )
 
 _buffer_ids = itertools.count(1)
-FP8_INPUT_SCALE_DTYPES = (torch.float32, torch.int32)
 
 
 class Buffer:
@@ -57,7 +68,7 @@ class Buffer:
             / ``unmask_ranks`` take failed ranks out instead); comm: must be None.
         backend: ``"auto"`` (NVSHMEM when built and on NVIDIA GPUs, else torch), ``"torch"`` or
             ``"nvshmem"``. With NVSHMEM and 1..8 ranks on one host, normal and low-latency calls
-            run the fused CUDA kernels (``ep_comm.fused``; ``kernel_plan`` says which and why);
+            run the fused CUDA kernels (``ep_comm.paths.fused``; ``path_plan`` says which and why);
             ``backend="nvshmem"`` puts the Buffer on this process's current CUDA device even over
             a gloo group (the group then only bootstraps).
         timeout_s: the longest any call waits for a peer before ``CommTimeoutError``.
@@ -73,7 +84,7 @@ class Buffer:
             ``num_tokens_per_rdma_rank`` over ``R / P`` nodes. With the NVSHMEM transport
             (``backend="nvshmem"``, or ``"auto"`` on NVIDIA when built) and ``P <= 8`` ranks per
             node whose GPUs reach each other through NVSHMEM, supported calls run the two-hop
-            kernels, one NVSHMEM PE per process (``ep_comm.two_hop``; ``two_hop_plan`` says
+            kernels, one NVSHMEM PE per process (``ep_comm.paths.two_hop``; ``path_plan`` says
             whether and why not); other calls run ``ep_comm.hierarchical`` over ``torch``
             subgroups. Low-latency mode stays flat; after ``mask_ranks`` the Buffer runs flat for
             the rest of its life. Construction creates the rail and node subgroups with
@@ -89,31 +100,15 @@ class Buffer:
                  comm: object | None = None, *, backend: str = "auto",
                  timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None,
                  ranks_per_node: int | None = None) -> None:
-        if group is None or not isinstance(group, dist.ProcessGroup):
-            raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
-        for name, flag in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-                           ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
-                           ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
-            if not isinstance(flag, (bool, int)) or flag not in (0, 1):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        check_buffer_arguments(group, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, backend, timeout_s,
+                               ranks_per_node, allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                               allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, explicitly_destroy=explicitly_destroy,
+                               enable_shrink=enable_shrink)
         if enable_shrink:
             raise ValueError("enable_shrink=True: DeepEP's low-latency mask-buffer calls are not provided; "
                              "Buffer.mask_ranks / unmask_ranks take failed ranks out of every call instead")
         if comm is not None:
             raise ValueError("comm: ep_comm runs over the torch.distributed group only; pass comm=None")
-        check_nonneg_int("num_nvl_bytes", num_nvl_bytes)
-        check_nonneg_int("num_rdma_bytes", num_rdma_bytes)
-        check_nonneg_int("num_qps_per_rank", num_qps_per_rank, positive=True)
-        if backend not in ("auto", "torch", "nvshmem"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'nvshmem', got {backend!r}")
-        if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not math.isfinite(timeout_s)
-                or timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if ranks_per_node is not None:
-            check_nonneg_int("ranks_per_node", ranks_per_node, positive=True)
-            if dist.get_world_size(group) % ranks_per_node:
-                raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size "
-                                 f"({dist.get_world_size(group)})")
         self.ranks_per_node = ranks_per_node
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
@@ -128,91 +123,58 @@ class Buffer:
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.buffer_id = next(_buffer_ids)
-        self.device = self._pick_device(group, backend)
+        self.device = pick_device(group, backend)
         # gloo stages payloads through host memory, so it takes tensors on any device (a
         # mixed-vendor job's GPUs); NCCL/RCCL take tensors on this rank's GPU only
         self._input_device: torch.device | None = None if str(dist.get_backend(group)) == "gloo" else self.device
         self._placement: ExpertPlacement | None = None
         if expert_placement is not None:
             self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
-        self.transport: Transport = self._make_transport(backend)
+        self.transport: Transport = make_transport(group, backend, self.device, self.timeout_s, num_nvl_bytes,
+                                                   num_rdma_bytes, num_qps_per_rank)
         self.backend = self.transport.name
-        self.kernel_plan = KernelPlan(False, False, f"the {self.backend} transport moves bytes only")
-        self._fused = self._make_fused()
-        self._node_transports = None
-        self._two_hop: TwoHopKernels | None = None
-        self.two_hop_plan = TwoHopPlan(False, "ranks_per_node is not set" if ranks_per_node is None
-                                       else f"the {self.backend} transport moves bytes only")
-        if ranks_per_node is not None:
-            from .backends.node_groups import create_node_transports
-
-            self._node_transports = create_node_transports(
-                group, ranks_per_node, self.timeout_s, self.device,
-                str(getattr(self.transport, "instance_id", self.buffer_id)))
-            if self.transport.name == "nvshmem":
-                self._two_hop = TwoHopKernels(group, self.device, self.transport, ranks_per_node, self.timeout_s)
-                self.two_hop_plan = self._two_hop.plan
+        self._scratch = ScratchPool()  # low-latency message bytes, reused across calls
+        self.path_plan = self._make_paths(ranks_per_node)
+        """The Buffer's paths in the order they are tried, and the choice of each mode's last call
+        (``ep_comm.paths.PathPlan``; ``print(buf.path_plan)`` says what may run and why not)."""
         self.last_stats: CommStats | None = None
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
         self._unmasked_transport = self.transport
         self._formations: dict[tuple[int, ...], int] = {}
-        self._ll_receive_areas: dict[object, list[tuple[torch.Tensor, ...]]] = {}
-        self._scratch = ScratchPool()  # low-latency message bytes, reused across calls
-        self._ll_turn = 0
+        self._ll_receive_areas = low_latency.ReceiveAreas()
         self.auto_codec = AutoCodecPolicy()
         """The rule ``codec="auto"`` follows (see ep_comm.codecs.auto); set its fields to tune."""
 
     # -- construction helpers ------------------------------------------------------------------
-    @staticmethod
-    def _pick_device(group: dist.ProcessGroup, backend: str = "auto") -> torch.device:
-        if backend == "nvshmem" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        backend = str(dist.get_backend(group))
-        if backend in ("nccl", "rccl") and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _make_paths(self, ranks_per_node: int | None) -> PathPlan:
+        """The paths in order of preference (collective: the kernel paths agree on what may run,
+        and ``ranks_per_node`` creates the node subgroups)."""
+        group, device, timeout, bid = self.group, self.device, self.timeout_s, self.buffer_id
+        if ranks_per_node is None:
+            unset = "ranks_per_node is not set"
+            two_hop = TwoHopKernelPath(None, device, None, None, 1, timeout, bid, unset)
+            node_aware = NodeAwarePath(None, bid, unset)
+        else:
+            from .transports.node_groups import create_node_transports
 
-    def _make_transport(self, backend: str) -> Transport:
-        from .backends.torch_dist import TorchDistTransport
+            groups = create_node_transports(group, ranks_per_node, timeout, device,
+                                            str(getattr(self.transport, "instance_id", bid)))
+            two_hop = TwoHopKernelPath.build(group, device, self.transport, groups, ranks_per_node, timeout, bid)
+            node_aware = NodeAwarePath(groups, bid)
+        fused = FusedKernelPath.build(group, device, self.transport.name, timeout, bid)
+        return PathPlan([two_hop, node_aware, fused, FlatPath(self.transport, bid, self._scratch)])
 
-        want_nvshmem = backend == "nvshmem" or (backend == "auto" and self.device.type == "cuda")
-        if want_nvshmem:
-            try:
-                from .backends.nvshmem import NvshmemTransport  # type: ignore[attr-defined]
-            except (ImportError, AttributeError) as error:
-                if backend == "nvshmem":
-                    raise ValueError(f"backend='nvshmem' is not available: {error}") from error
-            else:
-                if backend == "nvshmem" or NvshmemTransport.usable(self.group):
-                    return NvshmemTransport(self.group, self.timeout_s, self.device,
-                                            num_nvl_bytes=self.num_nvl_bytes,
-                                            num_rdma_bytes=self.num_rdma_bytes,
-                                            num_qps_per_rank=self.num_qps_per_rank)
-        instance_id = TorchDistTransport.agree_instance_id(self.group)
-        return TorchDistTransport(self.group, self.timeout_s, self.device, instance_id)
-
-    def _make_fused(self) -> FusedKernels | None:
-        """The fused-kernel path (``ep_comm/fused.py``) when ``plan_kernels`` allows it
-        (collective: all-gathers the hostnames)."""
-        if self.transport.name != "nvshmem":
-            return None
-        from .backends.nvshmem import _cuda
-
-        caps = KernelCapabilities("nvshmem", True, bool(_cuda().nvshmem_built()), self.device.type,
-                                  gather_hostnames(self.group))
-        self.kernel_plan = plan_kernels(caps)
-        if not (self.kernel_plan.intranode or self.kernel_plan.low_latency):
-            return None
-        return FusedKernels(self.group, self.device, self.kernel_plan, self.timeout_s)
+    @property
+    def kernel_plan(self) -> PathPlan:
+        """The same object as :attr:`path_plan`."""
+        return self.path_plan
 
     def close(self) -> None:
-        """Releases the fused kernels' buffers (CUDA IPC mappings, NVSHMEM memory). Collective:
+        """Releases the kernel paths' buffers (CUDA IPC mappings, NVSHMEM memory). Collective:
         every rank calls it together; later calls make them again."""
-        if self._fused is not None:
-            self._fused.close()
-        if self._two_hop is not None:
-            self._two_hop.close()
+        for path in self.path_plan.paths:
+            path.close()
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -275,14 +237,7 @@ class Buffer:
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             check_nonneg_int(name, value, positive=True)
-        # dispatch row: bf16 payload (the larger of bf16 and fp8+scales) + top-k ids + header
-        dispatch_row = hidden * 2 + 16 * 4 + 16
-        combine_row = hidden * 2
-        slots = num_max_dispatch_tokens_per_rank * num_ranks
-        local_experts = max(num_experts // num_ranks, 1)
-        send = num_max_dispatch_tokens_per_rank * max(dispatch_row, combine_row)
-        recv = slots * local_experts * max(dispatch_row, combine_row)
-        return ((send + recv) * 2 + 128 * num_ranks + 127) // 128 * 128
+        return low_latency.rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -299,7 +254,7 @@ class Buffer:
         new group of themselves. The job's key-value store (hosted by global rank 0 with the
         usual ``tcp://``/``env://`` rendezvous) must still be alive.
         """
-        self._set_masked(self.masked_ranks | self._check_rank_list("ranks", ranks))
+        self._set_masked(self.masked_ranks | check_rank_list("ranks", ranks, self.group_size, self.rank))
 
     def unmask_ranks(self, ranks: list[int]) -> None:
         """Brings ``ranks`` back into the exchanges; collective over the new set of live ranks.
@@ -307,67 +262,32 @@ class Buffer:
         The survivors pass the ranks that return; a returning rank (whose own Buffer masked
         nothing) passes ``[]``. Everyone then exchanges over a new group of the live ranks.
         """
-        self._set_masked(self.masked_ranks - self._check_rank_list("ranks", ranks))
-
-    def _check_rank_list(self, name: str, ranks: object) -> frozenset[int]:
-        if isinstance(ranks, int) or not hasattr(ranks, "__iter__"):
-            raise ValueError(f"{name} must be a list of ranks, got {ranks!r}")
-        out = set()
-        for r in ranks:  # type: ignore[union-attr]
-            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.group_size:
-                raise ValueError(f"{name} must hold ranks in [0, {self.group_size}), got {r!r}")
-            out.add(r)
-        if self.rank in out:
-            raise ValueError(f"{name} includes this rank ({self.rank}): a rank cannot mask itself")
-        return frozenset(out)
+        self._set_masked(self.masked_ranks - check_rank_list("ranks", ranks, self.group_size, self.rank))
 
     def _set_masked(self, masked: frozenset[int]) -> None:
-        from datetime import timedelta
-
-        from .backends.masked import MaskedTransport
-        from .backends.torch_dist import TorchDistTransport
-
         live = [r for r in range(self.group_size) if r not in masked]
         if len(live) < 1:
             raise ValueError("ranks would mask every rank")
-        base = self._unmasked_transport
         # name the new group after this Buffer, the live set and how often that set was formed, so
-        # every member derives the same name without relying on torch's group counter (a rank
-        # that stalled and comes back has created fewer groups than the survivors)
+        # every member derives the same name without relying on torch's group counter
         formed = self._formations.get(tuple(live), 0)
-        name = f"ep_comm/{getattr(base, 'instance_id', self.buffer_id)}/live/{'_'.join(map(str, live))}/{formed}"
-        try:
-            if str(dist.get_backend(self.group)) == "gloo":
-                store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
-                inner = TorchDistTransport.with_gloo_backend(store, live.index(self.rank), len(live),
-                                                             self.timeout_s, name)
-            else:
-                subgroup = dist.new_group(ranks=[dist.get_global_rank(self.group, r) for r in live],
-                                          timeout=timedelta(seconds=self.timeout_s),
-                                          backend=str(dist.get_backend(self.group)),
-                                          use_local_synchronization=True)
-                inner = TorchDistTransport(subgroup, self.timeout_s, self.device, name)
-        except (RuntimeError, dist.DistError) as error:
-            raise CommTimeoutError(f"ep_comm: rank {self.rank} could not form a group of ranks {live} "
-                                   f"within timeout_s={self.timeout_s:g}: {error}", peers=[],
-                                   phase="mask_ranks") from error
+        base = getattr(self._unmasked_transport, "instance_id", self.buffer_id)
+        name = f"ep_comm/{base}/live/{'_'.join(map(str, live))}/{formed}"
+        transport = form_live_transport(self.group, live, self.rank, self.timeout_s, self.device, name)
         self._formations[tuple(live)] = formed + 1
-        inner.num_collectives = self.transport.num_collectives
-        self.transport = MaskedTransport(inner, live, self.group_size, self.rank)
+        transport.inner.num_collectives = self.transport.num_collectives
+        self.transport = transport
         self.masked_ranks = masked
         self.mask_epoch += 1
-        # the node subgroups may hold a half-finished exchange with the failed peer: stay flat
-        self._node_transports = None
+        for path in self.path_plan.paths:
+            path.ranks_changed(self.transport)
 
     def _drop_masked(self, topk_idx: torch.Tensor, placement: ExpertPlacement) -> tuple[torch.Tensor, int]:
-        """Top-k entries whose expert lives on a masked rank become ``-1``; returns the count."""
-        if not self.masked_ranks:
-            return topk_idx, 0
-        dead = torch.zeros(self.group_size, dtype=torch.bool)
-        dead[list(self.masked_ranks)] = True
-        owner_dead = dead.to(topk_idx.device)[placement.expert_to_rank.to(topk_idx.device)[topk_idx.clamp(min=0)]]
-        drop = (topk_idx >= 0) & owner_dead
-        return torch.where(drop, torch.full_like(topk_idx, -1), topk_idx), int(drop.sum())
+        return drop_entries_of_ranks(topk_idx, placement, self.masked_ranks)
+
+    def _run(self, mode: str, call: object):
+        """Runs ``call`` on the first path of :attr:`path_plan` that takes it."""
+        return getattr(self.path_plan.choose(mode, call), mode)(call)
 
     def _record(self, stats: CommStats, dropped: int = 0) -> None:
         stats.dropped_topk_entries = dropped
@@ -399,24 +319,6 @@ class Buffer:
                 layout.num_tokens_per_expert, layout.is_token_in_rank, event)
 
     # -- normal dispatch / combine -------------------------------------------------------------
-    def _check_x(self, x: object) -> tuple[int, int]:
-        """Validates ``x`` (a tensor or DeepEP's FP8 tuple); returns ``(N, H)``."""
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise ValueError("x as a tuple must be (fp8 values [N, H], scales [N, H // 128])")
-            q = require_tensor("x[0]", x[0], dtypes=(torch.float8_e4m3fn,), dim=2, device=self._input_device)
-            s = require_tensor("x[1]", x[1], dtypes=FP8_INPUT_SCALE_DTYPES, dim=2, device=self._input_device)
-            if s.shape[0] != q.shape[0]:
-                raise ValueError(f"x[1] (scales) has {s.shape[0]} rows but x[0] has {q.shape[0]}")
-            hidden = q.shape[1]
-            groups = hidden // 512 if s.dtype == torch.int32 else hidden // 128
-            if hidden % 128 or s.shape[1] != groups:
-                raise ValueError(f"x[1] (scales) must be [N, H // 128] float32 or [N, H // 512] int32 for "
-                                 f"H = {hidden} (a multiple of 128); got {tuple(s.shape)} {s.dtype}")
-            return int(q.shape[0]), int(q.shape[1])
-        t = require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
-        return int(t.shape[0]), int(t.shape[1])
-
     def dispatch(self, x, handle: DispatchHandle | None = None,
                  num_tokens_per_rank: torch.Tensor | None = None,
                  num_tokens_per_rdma_rank: torch.Tensor | None = None,
@@ -447,7 +349,7 @@ class Buffer:
             ordered by source rank, then source token. With ``handle``, only ``recv_x`` and
             ``event`` are set.
         """
-        num_tokens, hidden = self._check_x(x)
+        num_tokens, hidden = check_dispatch_input(x, self._input_device)
         codec_name = check_codec(codec, ("none", "fp8", "lossless", "auto"))
         check_nonneg_int("expert_alignment", expert_alignment, positive=True)
         check_nonneg_int("num_worst_tokens", num_worst_tokens)
@@ -460,12 +362,10 @@ class Buffer:
             self._check_handle(handle, "handle")
             if num_tokens != handle.num_tokens:  # the hidden size may differ (the layout is per token)
                 raise ValueError(f"x has {num_tokens} tokens but handle was made for {handle.num_tokens}")
-            if handle.node_plan is not None:
-                recv_x, stats = hierarchical.cached_dispatch(self._node_transports, handle, x, codec_name)
-            else:
-                recv_x, stats = normal.cached_dispatch(self.transport, handle, x, codec_name)
+            recv_x, stats = self._run("cached_dispatch", CachedDispatchCall(handle, x, codec_name,
+                                                                            bool(self.masked_ranks)))
             self._record(stats)
-            recv_x = self._pad_rows(recv_x, handle.num_worst_tokens)
+            recv_x = normal.pad_rows(recv_x, handle.num_worst_tokens)
             return recv_x, None, None, None, None, finish_event(async_finish, self.device)
 
         x_device = (x[0] if isinstance(x, tuple) else x).device
@@ -490,20 +390,8 @@ class Buffer:
             require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self._input_device)
             require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
 
-        if self._node_transports is not None and self._two_hop is not None and self._two_hop.dispatch_reason(
-                x, topk_idx, topk_weights, codec_name, bool(self.masked_ranks)) is None:
-            out = self._two_hop.dispatch(self.buffer_id, self._node_transports, x, topk_idx, topk_weights,
-                                         is_token_in_rank, placement)
-        elif self._node_transports is not None:
-            out = hierarchical.dispatch(self._node_transports, self.buffer_id, x, topk_idx, topk_weights,
-                                        is_token_in_rank, placement, codec_name)
-        elif self._fused is not None and self._fused.dispatch_reason(
-                x, topk_idx, topk_weights, codec_name, bool(self.masked_ranks)) is None:
-            out = self._fused.dispatch(self.buffer_id, x, topk_idx, topk_weights, placement,
-                                       max(1, self.num_sms // 2))
-        else:
-            out = normal.dispatch(self.transport, self.buffer_id, x, topk_idx, topk_weights,
-                                  is_token_in_rank, placement, codec_name)
+        out = self._run("dispatch", DispatchCall(x, topk_idx, topk_weights, is_token_in_rank, placement, codec_name,
+                                                 bool(self.masked_ranks), self.num_sms))
         self._record(out.stats, dropped)
         return self._dispatch_result(out, out.counts_per_expert, expert_alignment, num_worst_tokens, async_finish)
 
@@ -516,10 +404,10 @@ class Buffer:
             if handle_out.num_recv_tokens > num_worst_tokens:
                 raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the "
                                  f"{handle_out.num_recv_tokens} tokens this rank received")
-            handle_out = _with_worst(handle_out, num_worst_tokens)
-            recv_x = self._pad_rows(recv_x, num_worst_tokens)
-            recv_topk = _pad(recv_topk, num_worst_tokens, -1)
-            recv_w = _pad(recv_w, num_worst_tokens, 0)
+            handle_out = replace(handle_out, num_worst_tokens=num_worst_tokens)
+            recv_x = normal.pad_rows(recv_x, num_worst_tokens)
+            recv_topk = normal.pad_rows(recv_topk, num_worst_tokens, -1)
+            recv_w = normal.pad_rows(recv_w, num_worst_tokens, 0)
             counts_list: list[int] = []
         else:
             counts_list = align_up(counts_per_expert.tolist(), expert_alignment)
@@ -549,23 +437,11 @@ class Buffer:
             dead = torch.zeros(self.group_size, dtype=torch.bool, device=is_token_in_rank.device)
             dead[list(self.masked_ranks)] = True
             is_token_in_rank = is_token_in_rank & ~dead
-        if self._node_transports is not None:
-            out = hierarchical.dispatch(self._node_transports, self.buffer_id, x, None, None,
-                                        is_token_in_rank, placement, codec)
-        else:
-            out = normal.dispatch(self.transport, self.buffer_id, x, None, None, is_token_in_rank, placement, codec)
-        # rank r is sent the counts of its own experts (rows padded to the largest expert count)
-        per_rank = [placement.local_experts(r) for r in range(self.group_size)]
-        width = max(1, max(e.numel() for e in per_rank))
-        table = torch.zeros(self.group_size, width, dtype=torch.int64)
-        counts = num_tokens_per_expert.to("cpu", torch.int64)
-        for r, experts in enumerate(per_rank):
-            table[r, :experts.numel()] = counts[experts]
-        received = self.transport.exchange_counts(table, "dispatch/expert_counts")
+        out = self._run("dispatch", DispatchCall(x, None, None, is_token_in_rank, placement, codec,
+                                                 bool(self.masked_ranks), self.num_sms))
+        mine = normal.exchange_expert_counts(self.transport, placement, num_tokens_per_expert, self.masked_ranks)
         out.stats.num_collectives += 1
         self._record(out.stats)
-        live = [r for r in range(self.group_size) if r not in self.masked_ranks]
-        mine = received[live].sum(0)[:per_rank[self.rank].numel()]
         return self._dispatch_result(out, mine, expert_alignment, num_worst_tokens, async_finish)
 
     def _infer_num_experts(self, num_tokens_per_expert: torch.Tensor | None) -> int:
@@ -579,21 +455,8 @@ class Buffer:
 
     def _resolve_codec(self, codec: str, x: object, hidden: int) -> str:
         if codec == "auto":
-            kind = getattr(self.transport, "backend_name", self.transport.name)
-            mine = choose_codec(x, self.auto_codec, "nvshmem" if self.transport.name == "nvshmem" else kind)
-            # ranks may see different data and speeds: compress only if every rank votes for it,
-            # so all ranks use the same wire format
-            vote = torch.full((self.group_size, 1), int(mine == "lossless"), dtype=torch.int64)
-            votes = self.transport.exchange_counts(vote, "auto_codec/vote")
-            live = [r for r in range(self.group_size) if r not in self.masked_ranks]
-            return "lossless" if bool((votes[live] == 1).all()) else "none"
-        if codec in ("fp8", "lossless") and isinstance(x, tuple):
-            raise ValueError(f"codec={codec!r} cannot apply to an FP8 tuple input (already encoded)")
-        if codec == "fp8" and hidden % 128 != 0:
-            raise ValueError(f"codec='fp8' needs a hidden size divisible by 128, got {hidden}")
-        if codec == "lossless" and x.dtype != torch.bfloat16:  # type: ignore[union-attr]
-            raise ValueError(f"codec='lossless' codes bf16 payloads, x is {x.dtype}")  # type: ignore[union-attr]
-        return codec
+            return agree_on_codec(x, self.auto_codec, self.transport, self.masked_ranks)
+        return check_codec_input(codec, x, hidden)
 
     def _check_handle(self, handle: object, name: str, kind: type = DispatchHandle) -> None:
         if not isinstance(handle, kind):
@@ -602,15 +465,6 @@ class Buffer:
             raise ValueError(f"{name} was made by another Buffer")
         if handle.mask_epoch != self.mask_epoch:  # type: ignore[attr-defined]
             raise ValueError(f"{name} was made before the last mask_ranks/unmask_ranks; dispatch again")
-
-    @staticmethod
-    def _pad_rows(x, rows: int):
-        if rows <= 0:
-            return x
-        if isinstance(x, tuple):
-            q, s = x
-            return (_pad(q.view(torch.uint8), rows, 0).view(torch.float8_e4m3fn), _pad(s, rows, 0))
-        return _pad(x, rows, 0)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
                 bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
@@ -649,18 +503,8 @@ class Buffer:
                 require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
                 require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
         wait_previous(previous_event)
-        if handle.node_plan is not None and self._two_hop is not None and self._two_hop.combine_reason(
-                handle, x, topk_weights, len(biases), codec_name, bool(self.masked_ranks)) is None:
-            combined, combined_w, stats = self._two_hop.combine(handle, x, topk_weights)
-        elif handle.node_plan is not None:
-            combined, combined_w, stats = hierarchical.combine(self._node_transports, handle, x,
-                                                               topk_weights, biases, codec_name)
-        elif self._fused is not None and self._fused.combine_reason(
-                handle, x, topk_weights, len(biases), codec_name, bool(self.masked_ranks)) is None:
-            combined, combined_w, stats = self._fused.combine(handle, x, topk_weights)
-        else:
-            combined, combined_w, stats = normal.combine(self.transport, handle, x, topk_weights, biases,
-                                                         codec_name)
+        combined, combined_w, stats = self._run("combine", CombineCall(handle, x, topk_weights, biases, codec_name,
+                                                                       bool(self.masked_ranks)))
         self._record(stats)
         if combined_w is not None and combined_w.dtype != torch.float64:
             combined_w = combined_w.float()
@@ -696,23 +540,7 @@ class Buffer:
         num_experts = check_num_experts(num_experts, self.group_size, self._placement is not None)
         require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
         topk_idx = check_topk_idx(topk_idx, num_experts, x.device, x.shape[0])
-        check_nonneg_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
-                         positive=True)
-        if x.shape[0] > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank "
-                             f"({num_max_dispatch_tokens_per_rank}): low-latency capacity overflow")
-        if use_fp8 and x.shape[1] % 128 != 0:
-            raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {x.shape[1]}")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
-        if use_ue8m0 and x.shape[1] % 512 != 0:
-            raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of "
-                             f"512, got {x.shape[1]}")
-        if topk_idx.shape[1] > 1 and topk_idx.numel() > 0:
-            ordered = topk_idx.sort(dim=1).values
-            if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
-                raise ValueError("topk_idx selects the same expert twice for one token; low-latency mode "
-                                 "gives each (token, expert) one slot")
+        check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, use_ue8m0)
         placement = self.placement(num_experts)
         num_local = int(placement.num_local_experts[self.rank])
         if cumulative_local_expert_recv_stats is not None:
@@ -722,14 +550,11 @@ class Buffer:
                           (num_local,))
         self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
-        area = self._low_latency_receive_area(num_local, num_max_dispatch_tokens_per_rank, x, use_fp8,
-                                              use_ue8m0)
-        if self._fused is not None and self._fused.low_latency_reason(x.shape[1], bool(self.masked_ranks)) is None:
-            out = self._fused.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, placement,
-                                                   use_fp8, round_scale, use_ue8m0, area)
-        else:
-            out = low_latency.dispatch(self.transport, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       placement, use_fp8, round_scale, use_ue8m0, area, self._scratch)
+        area = self._ll_receive_areas.next(num_local, self.group_size * num_max_dispatch_tokens_per_rank,
+                                           x.shape[1], use_fp8, use_ue8m0, x.device)
+        out = self._run("low_latency_dispatch", LowLatencyDispatchCall(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, placement, use_fp8, round_scale, use_ue8m0, area,
+            bool(self.masked_ranks)))
         self._record(out.stats, dropped)
         handle = LowLatencyHandle(
             buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -752,23 +577,6 @@ class Buffer:
         event = finish_event(async_finish, self.device)
         return out.recv_x, out.recv_count, handle, event, hook
 
-    def _low_latency_receive_area(self, num_local: int, max_tokens: int, x: torch.Tensor, use_fp8: bool,
-                                  use_ue8m0: bool) -> tuple[torch.Tensor, ...]:
-        """Double-buffered receive tensors, like DeepEP's: a call's ``recv_x`` stays valid until
-        the call after next (clone it to keep it longer). Reusing them keeps their pages resident
-        instead of faulting in a fresh ``[L, R*T, H]`` tensor on every call."""
-        spec = low_latency.receive_area_spec(num_local, self.group_size * max_tokens, x.shape[1], use_fp8,
-                                             use_ue8m0)
-        key = (spec, x.device)
-        areas = self._ll_receive_areas.get(key)
-        if areas is None:
-            self._ll_receive_areas.clear()  # keep one shape's pair at most
-            areas = [tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype in spec)
-                     for _ in range(2)]
-            self._ll_receive_areas[key] = areas
-        self._ll_turn ^= 1
-        return areas[self._ll_turn]
-
     def _check_wait_stats(self, name: str, stats: torch.Tensor | None) -> None:
         if stats is not None:
             require_tensor(name, stats, dtypes=(torch.int64,), dim=1, device=self._input_device)
@@ -776,15 +584,10 @@ class Buffer:
             if not stats.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
 
-    @contextlib.contextmanager
     def _waited(self, stats: torch.Tensor | None):
-        """Adds the nanoseconds spent in the block to every live source rank's entry of ``stats``."""
-        started = time.perf_counter_ns()
-        yield
-        if stats is not None:
-            live = torch.ones(self.group_size, dtype=torch.bool)
-            live[list(self.masked_ranks)] = False
-            stats.add_(live.to(stats.device, torch.int64) * (time.perf_counter_ns() - started))
+        live = torch.ones(self.group_size, dtype=torch.bool)
+        live[list(self.masked_ranks)] = False
+        return low_latency.timed_wait(stats, live)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -852,11 +655,8 @@ class Buffer:
             if not isinstance(flag, (bool, int)) or flag not in (0, 1):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
-        if handle.kernel is not None and self._fused is not None:
-            finish, stats = self._fused.low_latency_combine(x, topk_idx, topk_weights, handle.kernel, out)
-        else:
-            finish, stats = low_latency.combine(self.transport, x, topk_idx, topk_weights, handle.state,
-                                                placement, out, self._scratch)
+        finish, stats = self._run("low_latency_combine", LowLatencyCombineCall(
+            handle, x, topk_idx, topk_weights, placement, out, bool(self.masked_ranks)))
         self._record(stats, dropped)
         result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self._input_device) \
             if out is None else out
@@ -874,15 +674,3 @@ class Buffer:
             receive()
             hook = None
         return result, finish_event(async_finish, self.device), hook
-
-
-def _pad(t: torch.Tensor | None, rows: int, value: float) -> torch.Tensor | None:
-    if t is None:
-        return None
-    out = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
-    out[: t.shape[0]] = t
-    return out
-
-
-def _with_worst(handle: DispatchHandle, num_worst_tokens: int) -> DispatchHandle:
-    return replace(handle, num_worst_tokens=num_worst_tokens)

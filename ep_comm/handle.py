@@ -5,32 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import SendPlan
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """The two-hop routing of one dispatch, from this rank's three points of view.
-
-    Attributes:
-        ranks_per_node: ``P``; ``G = R / P`` nodes.
-        rail_plan: as a source: rows sent to each node's forwarding peer; ``token_index [S1]``
-            int64 grouped by destination node, ``send_counts [G]`` int64.
-        rail_recv_counts: as a forwarder: ``[G]`` int64 rows received from each source node (the
-            rank with this rank's local index there).
-        forward_plan: as a forwarder: ``token_index [S2]`` int64 indices of rail-received rows,
-            grouped by the local rank they are forwarded to, ``send_counts [P]`` int64.
-        node_recv_counts: as a receiver: ``[P, G]`` int64 rows forwarded by local rank ``l`` that
-            came from node ``g`` (i.e. from source rank ``g * P + l``).
-        recv_order: as a receiver: ``[M]`` int64 arrival index of every row in contract order.
-    """
-
-    ranks_per_node: int
-    rail_plan: SendPlan
-    rail_recv_counts: torch.Tensor
-    forward_plan: SendPlan
-    node_recv_counts: torch.Tensor
-    recv_order: torch.Tensor
+from .plan import NodePlan, SendPlan
 
 
 @dataclass(frozen=True)
@@ -52,7 +27,7 @@ class DispatchHandle:
         mask_epoch: the Buffer's rank-mask generation when it was made (a handle from before
             ``mask_ranks``/``unmask_ranks`` is rejected).
         kernel: engine state of a dispatch that ran on the fused NVIDIA kernels
-            (``ep_comm.fused.FusedNormalHandle``), else None.
+            (``ep_comm.paths.fused.FusedNormalHandle``), else None.
         node_plan: the two-hop routing when the dispatch ran node-aware (``Buffer(...,
             ranks_per_node=P)``); ``None`` for the flat single-level exchange. A combine or cached
             dispatch follows the same path as its dispatch.
@@ -111,7 +86,7 @@ class LowLatencyHandle:
         recv_count: ``[L]`` int32 tokens per local expert.
         stats_added: whether ``cumulative_local_expert_recv_stats`` was already updated.
         kernel: engine state of a dispatch that ran on the fused NVIDIA kernels
-            (``ep_comm.fused.FusedLowLatencyHandle``), else None.
+            (``ep_comm.paths.fused.FusedLowLatencyHandle``), else None.
     """
 
     buffer_id: int

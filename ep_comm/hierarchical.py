@@ -21,28 +21,25 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import Transport
-from .backends.node_groups import NodeTransports
 from .errors import CommTimeoutError
-from .handle import DispatchHandle, NodePlan
+from .handle import DispatchHandle
 from .layout import count_per_local_expert, localize_rows, token_node_mask
 from .normal import (
     DispatchOutput,
-    _bytes_from,
-    _payload_fields,
-    _payload_values,
-    _row_rank,
-    _start_count_exchange,
+    payload_fields,
+    payload_values,
     quantize_for_codec,
+    receive_byte_counts,
+    row_rank,
+    start_count_exchange,
 )
-from .payload import RowSource, pack, unpack
-from .placement_map import ExpertPlacement
-from .plan import build_send_plan, forward_counts, node_receive_order
-from .row_sum import reduce_by_source
+from .payload import FieldSpec, Payload, RowFormat, RowSource, pack, unpack
+from .placement import ExpertPlacement
+from .plan import NodePlan, build_send_plan, forward_counts, node_receive_order
+from .rows import reduce_by_source
 from .stats import CommStats
-from .wire import FieldSpec, RowFormat
-
-Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+from .transports.base import Transport
+from .transports.node_groups import NodeTransports
 
 
 @dataclass
@@ -87,11 +84,11 @@ def _hop(groups: NodeTransports, on_rail: bool, fmt: RowFormat, values: dict[str
     try:
         outbox = pack(fmt, values, row_splits, codec, raw_row_delta=raw_delta)
         if rows_from is None:
-            table = _start_count_exchange(transport, row_splits, outbox.byte_splits, f"{phase}/counts").wait()
+            table = start_count_exchange(transport, row_splits, outbox.byte_splits, f"{phase}/counts").wait()
             table = table.view(torch.int64).view(transport.num_ranks, 2).cpu()
             rows_from, bytes_from = table[:, 0].tolist(), table[:, 1].tolist()
         else:
-            bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, f"{phase}/counts")
+            bytes_from = receive_byte_counts(transport, outbox, rows_from, fmt, codec, f"{phase}/counts")
         received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
                                             f"{phase}/payload").wait()
     except CommTimeoutError as error:
@@ -138,10 +135,10 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
 
     # hop 1 (rail): each token once to the forwarding peer of every node it goes to
     rail_plan = build_send_plan(token_node_mask(is_token_in_rank, per_node))
-    row_node = _row_rank(rail_plan.send_counts, rail_plan.num_rows)
-    fields = list(_payload_fields(x)) + [FieldSpec("src", torch.int32, 1),
+    row_node = row_rank(rail_plan.send_counts, rail_plan.num_rows)
+    fields = list(payload_fields(x)) + [FieldSpec("src", torch.int32, 1),
                                          FieldSpec("targets", torch.uint8, per_node)]
-    values = _payload_values(x, rail_plan.token_index)
+    values = payload_values(x, rail_plan.token_index)
     values["src"] = RowSource(rail_plan.token_index.to(torch.int32).unsqueeze(1))
     sent_in_rank = is_token_in_rank[rail_plan.token_index].view(-1, nodes, per_node)
     targets = sent_in_rank[torch.arange(rail_plan.num_rows), row_node]
@@ -163,13 +160,13 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
     forward_plan = build_send_plan(target_mask)
     table = forward_counts(target_mask, rail_recv_counts)
     fwd = forward_plan.token_index
-    fields2 = list(_payload_fields(x)) + [FieldSpec("src", torch.int32, 1)]
+    fields2 = list(payload_fields(x)) + [FieldSpec("src", torch.int32, 1)]
     values2 = {"x": RowSource(got["x"], fwd), "src": RowSource(got["src"], fwd)}
     if isinstance(x, tuple):
         values2["scales"] = RowSource(got["scales"], fwd)
     if topk_idx is not None:
         node = topo.node_of(me)
-        dest = node * per_node + _row_rank(forward_plan.send_counts, forward_plan.num_rows)
+        dest = node * per_node + row_rank(forward_plan.send_counts, forward_plan.num_rows)
         sent_w = got["weights"][fwd] if topk_weights is not None else None
         local, local_w = localize_rows(got["topk"][fwd].to(torch.int64), sent_w, dest, placement)
         fields2.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))
@@ -232,8 +229,8 @@ def cached_dispatch(groups: NodeTransports, handle: DispatchHandle, x: Payload,
     before = groups.num_collectives
     x, raw_delta = quantize_for_codec(x, codec)
     ledger = _Ledger(groups.topology.num_ranks)
-    fmt = RowFormat(_payload_fields(x))
-    final = _forwarded(groups, plan, fmt, _payload_values(x, plan.rail_plan.token_index), codec,
+    fmt = RowFormat(payload_fields(x))
+    final = _forwarded(groups, plan, fmt, payload_values(x, plan.rail_plan.token_index), codec,
                        "cached_dispatch", ledger, raw_delta)
     stats = ledger.stats("cached_dispatch", codec, groups.rank, groups.num_collectives - before)
     return _payload(final, x), stats
@@ -286,51 +283,10 @@ def combine(groups: NodeTransports, handle: DispatchHandle, x: torch.Tensor,
     return combined, combined_w, stats
 
 
-def virtual_node_plans(is_token_in_rank: list[torch.Tensor], ranks_per_node: int) -> list[NodePlan]:
-    """Every rank's ``NodePlan`` when one process knows every rank's layout (virtual ranks on one
-    GPU, ``backends.two_hop_engine.TwoHopEngine``): the plans :func:`dispatch` builds through its count
-    exchanges, from the same routing maths (``plan.build_send_plan``, ``forward_counts``,
-    ``node_receive_order``).
-
-    Args:
-        is_token_in_rank: ``R`` tensors, rank ``r``'s ``[N_r, R]`` bool layout.
-        ranks_per_node: ``P``; ``R`` must be a multiple of it.
-    Returns:
-        ``R`` plans, rank order.
-    """
-    num_ranks = len(is_token_in_rank)
-    if ranks_per_node <= 0 or num_ranks % ranks_per_node:
-        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {num_ranks} ranks")
-    per_node, nodes = ranks_per_node, num_ranks // ranks_per_node
-    rail_plans = [build_send_plan(token_node_mask(m, per_node)) for m in is_token_in_rank]
-    forward_plans, rail_recv, tables = [], [], []
-    for rank in range(num_ranks):
-        node, local = divmod(rank, per_node)
-        counts, masks = [], []
-        for g in range(nodes):  # rail peer on node g, in node order (the arrival order)
-            src_plan = rail_plans[g * per_node + local]
-            start = int(src_plan.send_counts[:node].sum())
-            tokens = src_plan.token_index[start:start + int(src_plan.send_counts[node])]
-            masks.append(is_token_in_rank[g * per_node + local][tokens][:, node * per_node:(node + 1) * per_node])
-            counts.append(int(tokens.numel()))
-        target_mask = torch.cat(masks) if masks else torch.zeros(0, per_node, dtype=torch.bool)
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        forward_plans.append(build_send_plan(target_mask))
-        rail_recv.append(counts_t)
-        tables.append(forward_counts(target_mask, counts_t))
-    plans = []
-    for rank in range(num_ranks):
-        node, local = divmod(rank, per_node)
-        node_table = torch.stack([tables[node * per_node + j][local] for j in range(per_node)])
-        plans.append(NodePlan(per_node, rail_plans[rank], rail_recv[rank], forward_plans[rank], node_table,
-                              node_receive_order(node_table).order))
-    return plans
-
-
 @dataclass(frozen=True)
 class ExchangedNodePlan:
     """This rank's two-hop plan, learnt through the count exchanges, for a kernel engine that
-    runs one rank per process (``backends.two_hop_engine.TwoHopEngine`` with one PE per process).
+    runs one rank per process (``engines.two_hop.TwoHopEngine`` with one PE per process).
 
     Attributes:
         plan: the rank's ``NodePlan``, identical to what :func:`dispatch` builds (and to
@@ -374,7 +330,7 @@ def exchange_node_plan(flat: Transport, groups: NodeTransports,
     tokens_per_rank = counts[:, 0].clone()
     rail_recv_counts = counts[peers, 1].clone()
     # target bits of every sent row on its destination node, as the rail payload would carry them
-    row_node = _row_rank(rail_plan.send_counts, rail_plan.num_rows)
+    row_node = row_rank(rail_plan.send_counts, rail_plan.num_rows)
     sent = mask[rail_plan.token_index].view(-1, nodes, per_node)
     targets = sent[torch.arange(rail_plan.num_rows), row_node].to(torch.uint8).contiguous()
     try:

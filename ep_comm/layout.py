@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement_map import ExpertPlacement
+from .placement import ExpertPlacement
 
 NUM_MAX_NVL_PEERS = 8
 """Ranks per node assumed when counting tokens per RDMA rank (node)."""
@@ -133,3 +133,16 @@ def count_per_local_expert(local_topk_idx: torch.Tensor, num_local_experts: int)
 def align_up(values: list[int], alignment: int) -> list[int]:
     """Rounds every count up to a multiple of ``alignment``."""
     return [(v + alignment - 1) // alignment * alignment for v in values]
+
+
+def drop_entries_of_ranks(topk_idx: torch.Tensor, placement: ExpertPlacement,
+                          ranks: frozenset[int] | set[int]) -> tuple[torch.Tensor, int]:
+    """``topk_idx`` with every entry whose expert lives on one of ``ranks`` set to ``-1`` (the
+    input itself when ``ranks`` is empty), and how many entries were dropped."""
+    if not ranks:
+        return topk_idx, 0
+    dead = torch.zeros(placement.num_ranks, dtype=torch.bool)
+    dead[list(ranks)] = True
+    owner = placement.expert_to_rank.to(topk_idx.device)[topk_idx.clamp(min=0)]
+    drop = (topk_idx >= 0) & dead.to(topk_idx.device)[owner]
+    return torch.where(drop, torch.full_like(topk_idx, -1), topk_idx), int(drop.sum())

@@ -15,22 +15,22 @@ were received; the source multiplies by the top-k weights and sums over k in flo
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .backends.base import PendingExchange, Transport
 from .codecs import fp8
 from .handle import LowLatencyReceiveState
 from .layout import token_rank_mask
-from .placement_map import ExpertPlacement
+from .payload import FieldSpec, RowFormat
+from .placement import ExpertPlacement
 from .plan import build_expert_slot_plan, build_send_plan, combine_pair_order
-from .row_copy import copy_rows
-from .row_sum import weighted_sum_by_token
-from .scratch import ScratchPool
+from .rows import ScratchPool, copy_rows, weighted_sum_by_token
 from .stats import CommStats
-from .wire import FieldSpec, RowFormat
+from .transports.base import PendingExchange, Transport
 
 COMBINE_BLOCK_ROWS = 128
 """Rows reduced per step in the low-latency combine's torch path (bounds its float32 temporaries)."""
@@ -47,7 +47,7 @@ class LowLatencyDispatchOutput:
         state: routing facts the combine needs.
         receive: completes the exchange and fills the tensors (idempotent).
         stats: bytes moved.
-        kernel: engine state when the fused kernels ran it (``ep_comm.fused``), else None.
+        kernel: engine state when the fused kernels ran it (``ep_comm.paths.fused``), else None.
     """
 
     recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -230,3 +230,53 @@ def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         return result
 
     return finish, stats
+
+
+def rdma_size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of RDMA buffer the low-latency mode needs (send + receive, dispatch + combine), as
+    DeepEP's ``get_low_latency_rdma_size_hint`` sizes it."""
+    # dispatch row: bf16 payload (the larger of bf16 and fp8+scales) + top-k ids + header
+    dispatch_row = hidden * 2 + 16 * 4 + 16
+    combine_row = hidden * 2
+    slots = max_tokens * num_ranks
+    local_experts = max(num_experts // num_ranks, 1)
+    send = max_tokens * max(dispatch_row, combine_row)
+    recv = slots * local_experts * max(dispatch_row, combine_row)
+    return ((send + recv) * 2 + 128 * num_ranks + 127) // 128 * 128
+
+
+class ReceiveAreas:
+    """Double-buffered receive tensors, like DeepEP's: a call's ``recv_x`` stays valid until the
+    call after next (clone it to keep it longer). Reusing them keeps their pages resident instead
+    of faulting in a fresh ``[L, R*T, H]`` tensor on every call. One shape's pair is kept."""
+
+    def __init__(self) -> None:
+        self._areas: dict[object, list[tuple[torch.Tensor, ...]]] = {}
+        self._turn = 0
+
+    def next(self, num_local: int, slots_per_expert: int, hidden: int, use_fp8: bool, use_ue8m0: bool,
+             device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The tensors of :func:`receive_area_spec` for the next call (the pair alternates)."""
+        spec = receive_area_spec(num_local, slots_per_expert, hidden, use_fp8, use_ue8m0)
+        key = (spec, device)
+        areas = self._areas.get(key)
+        if areas is None:
+            self._areas.clear()
+            areas = [tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in spec)
+                     for _ in range(2)]
+            self._areas[key] = areas
+        self._turn ^= 1
+        return areas[self._turn]
+
+    def clear(self) -> None:
+        self._areas.clear()
+
+
+@contextlib.contextmanager
+def timed_wait(stats: torch.Tensor | None, live: torch.Tensor):
+    """Adds the nanoseconds spent in the block to the entries of ``stats [R]`` int64 (DeepEP's
+    wait-cost statistics) of the live source ranks (``live [R]`` bool)."""
+    started = time.perf_counter_ns()
+    yield
+    if stats is not None:
+        stats.add_(live.to(stats.device, torch.int64) * (time.perf_counter_ns() - started))

@@ -11,15 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import Transport
 from .handle import DispatchHandle
 from .layout import count_per_local_expert, localize_rows
-from .payload import RowSource, chunk_bytes, fp8_raw_row_delta, pack, unpack
-from .placement_map import ExpertPlacement
+from .payload import FieldSpec, Payload, RowFormat, RowSource, chunk_bytes, fp8_raw_row_delta, pack, unpack
+from .placement import ExpertPlacement
 from .plan import build_send_plan
-from .row_sum import reduce_by_source
+from .rows import reduce_by_source
 from .stats import CommStats
-from .wire import FieldSpec, RowFormat
+from .transports.base import Transport
 
 
 @dataclass
@@ -42,12 +41,12 @@ class DispatchOutput:
     stats: CommStats
 
 
-def _row_rank(send_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+def row_rank(send_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
     ranks = torch.arange(send_counts.numel(), device=send_counts.device)
     return torch.repeat_interleave(ranks, send_counts, output_size=num_rows)
 
 
-def _payload_fields(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[FieldSpec, ...]:
+def payload_fields(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[FieldSpec, ...]:
     if isinstance(x, tuple):
         q, scales = x
         return (FieldSpec("x", torch.uint8, q.shape[1]),
@@ -55,7 +54,7 @@ def _payload_fields(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tupl
     return (FieldSpec("x", x.dtype, x.shape[1]),)
 
 
-def _payload_values(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def payload_values(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     rows: torch.Tensor) -> dict[str, RowSource]:
     if isinstance(x, tuple):
         q, scales = x
@@ -85,7 +84,7 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
     x, raw_delta = quantize_for_codec(x, codec)
     plan = build_send_plan(is_token_in_rank)
     row_splits = plan.splits()
-    fields = list(_payload_fields(x))
+    fields = list(payload_fields(x))
     fields.append(FieldSpec("src", torch.int32, 1))
     if topk_idx is not None:
         fields.append(FieldSpec("topk", torch.int32, topk_idx.shape[1]))
@@ -95,19 +94,19 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
     pending_counts = None
     if codec != "lossless":
         # sizes are known before packing: exchange them while the rows are being packed
-        pending_counts = _start_count_exchange(transport, row_splits, [chunk_bytes(fmt, n) for n in row_splits])
-    values = _payload_values(x, plan.token_index)
+        pending_counts = start_count_exchange(transport, row_splits, [chunk_bytes(fmt, n) for n in row_splits])
+    values = payload_values(x, plan.token_index)
     values["src"] = RowSource(plan.token_index.to(torch.int32).unsqueeze(1))
     if topk_idx is not None:
-        row_rank = _row_rank(plan.send_counts, plan.num_rows)
+        dest_rank = row_rank(plan.send_counts, plan.num_rows)
         sent_w = topk_weights[plan.token_index] if topk_weights is not None else None
-        local, local_w = localize_rows(topk_idx[plan.token_index], sent_w, row_rank, placement)
+        local, local_w = localize_rows(topk_idx[plan.token_index], sent_w, dest_rank, placement)
         values["topk"] = RowSource(local.to(torch.int32))
         if local_w is not None:
             values["weights"] = RowSource(local_w)
     outbox = pack(fmt, values, row_splits, codec, raw_row_delta=raw_delta)
     if pending_counts is None:
-        pending_counts = _start_count_exchange(transport, row_splits, outbox.byte_splits)
+        pending_counts = start_count_exchange(transport, row_splits, outbox.byte_splits)
     received_table = pending_counts.wait().view(torch.int64).view(transport.num_ranks, 2).cpu()
     rows_from = received_table[:, 0].tolist()
     bytes_from = received_table[:, 1].tolist()
@@ -151,10 +150,10 @@ def cached_dispatch(transport: Transport, handle: DispatchHandle,
     before = transport.num_collectives
     x, raw_delta = quantize_for_codec(x, codec)
     plan = handle.send_plan
-    fmt = RowFormat(_payload_fields(x))
-    outbox = pack(fmt, _payload_values(x, plan.token_index), plan.splits(), codec, raw_row_delta=raw_delta)
+    fmt = RowFormat(payload_fields(x))
+    outbox = pack(fmt, payload_values(x, plan.token_index), plan.splits(), codec, raw_row_delta=raw_delta)
     rows_from = handle.recv_counts.tolist()
-    bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, "cached_dispatch/counts")
+    bytes_from = receive_byte_counts(transport, outbox, rows_from, fmt, codec, "cached_dispatch/counts")
     received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
                                         "cached_dispatch/payload").wait()
     fields_in = unpack(fmt, received, rows_from, bytes_from, codec)
@@ -177,7 +176,7 @@ def quantize_for_codec(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], code
     return quantized, fp8_raw_row_delta(x, quantized)
 
 
-def _start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int],
+def start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int],
                           phase: str = "dispatch/counts"):
     """Starts sending every rank its ``(rows, bytes)`` pair; ``wait()`` gives ``[R * 16]`` uint8."""
     table = torch.tensor([[n, b] for n, b in zip(rows, nbytes)], dtype=torch.int64)
@@ -185,7 +184,7 @@ def _start_count_exchange(transport: Transport, rows: list[int], nbytes: list[in
     return transport.exchange_bytes(table.view(torch.uint8).reshape(-1), splits, splits, phase)
 
 
-def _bytes_from(transport: Transport, outbox, rows_from: list[int], fmt: RowFormat, codec: str,
+def receive_byte_counts(transport: Transport, outbox, rows_from: list[int], fmt: RowFormat, codec: str,
                 phase: str) -> list[int]:
     """Bytes each source sends here: known from row counts unless the codec is variable-size."""
     if codec != "lossless":
@@ -217,7 +216,7 @@ def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
     send_rows = handle.recv_counts.tolist()
     outbox = pack(fmt, values, send_rows, codec)
     rows_from = handle.send_plan.splits()
-    bytes_from = _bytes_from(transport, outbox, rows_from, fmt, codec, "combine/counts")
+    bytes_from = receive_byte_counts(transport, outbox, rows_from, fmt, codec, "combine/counts")
     received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
                                         "combine/payload").wait()
     fields_in = unpack(fmt, received, rows_from, bytes_from, codec, as_blocks=("x",))
@@ -228,3 +227,33 @@ def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
     stats = _stats("combine", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
                    [n * fmt.row_bytes for n in rows_from], bytes_from, before)
     return combined, combined_w, stats
+
+
+def pad_rows(x: Payload | None, rows: int, value: float = 0) -> Payload | None:
+    """``x`` (a tensor or an FP8 ``(values, scales)`` tuple) extended to ``rows`` rows filled with
+    ``value`` (``num_worst_tokens``'s padding); ``x`` itself when ``rows <= 0`` or it is None."""
+    if x is None or rows <= 0:
+        return x
+    if isinstance(x, tuple):
+        q, scales = x
+        return (pad_rows(q.view(torch.uint8), rows, value).view(torch.float8_e4m3fn), pad_rows(scales, rows, value))
+    out = torch.full((rows, *x.shape[1:]), value, dtype=x.dtype, device=x.device)
+    out[: x.shape[0]] = x
+    return out
+
+
+def exchange_expert_counts(transport: Transport, placement: ExpertPlacement, num_tokens_per_expert: torch.Tensor,
+                           masked: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Every rank's ``num_tokens_per_expert [E]`` for this rank's experts, summed over the live
+    ranks: ``[L]`` int64, the per-expert counts of a dispatch made from the layout alone. One
+    count exchange (rank ``r`` is sent the counts of its own experts, rows padded to the largest
+    expert count)."""
+    per_rank = [placement.local_experts(r) for r in range(transport.num_ranks)]
+    width = max(1, max(e.numel() for e in per_rank))
+    table = torch.zeros(transport.num_ranks, width, dtype=torch.int64)
+    counts = num_tokens_per_expert.to("cpu", torch.int64)
+    for r, experts in enumerate(per_rank):
+        table[r, :experts.numel()] = counts[experts]
+    received = transport.exchange_counts(table, "dispatch/expert_counts")
+    live = [r for r in range(transport.num_ranks) if r not in masked]
+    return received[live].sum(0)[:per_rank[transport.rank].numel()]

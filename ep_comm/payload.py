@@ -1,4 +1,6 @@
-"""Messages: the rows for every destination rank, packed into one byte buffer.
+"""The wire format of one message: typed per-row fields packed into byte rows
+(:class:`FieldSpec`, :class:`RowFormat`), and the rows for every destination rank packed into one
+byte buffer.
 
 The chunk for rank ``r`` holds ``n_r`` rows as one block per field, in the format's field order:
 ``[field 0 of all n_r rows][field 1 of all n_r rows]...``. With several fields, each block is
@@ -18,7 +20,78 @@ from dataclasses import dataclass
 
 import torch
 
-from .wire import RowFormat, wide_pair, widest_view
+from .rows import wide_pair, widest_view
+
+Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A payload: rows ``[N, H]``, or DeepEP's FP8 pair ``(e4m3 [N, H], scales [N, G])``."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One per-row field: ``width`` elements of ``dtype``, stored as bytes."""
+
+    name: str
+    dtype: torch.dtype
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """The byte layout of a row made of several fields, in order."""
+
+    fields: tuple[FieldSpec, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(f.nbytes for f in self.fields)
+
+    def pack(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``{name: [S, width] tensor}`` -> ``[S, row_bytes]`` uint8."""
+        parts = []
+        for f in self.fields:
+            v = values[f.name]
+            if v.dtype != f.dtype:
+                raise ValueError(f"field {f.name}: expected {f.dtype}, got {v.dtype}")
+            parts.append(v.reshape(v.shape[0], f.width).contiguous().view(torch.uint8))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, dim=1)
+
+    def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[..., row_bytes]`` uint8 -> ``{name: [..., width]}`` views into ``rows`` (no copy).
+
+        Each field's byte offset must be a multiple of its element size (true when fields are
+        ordered from the widest element type down, or all widths keep that alignment).
+        """
+        out = {}
+        start = 0
+        for f in self.fields:
+            size = torch.empty(0, dtype=f.dtype).element_size()
+            if start % size:
+                raise ValueError(f"field {f.name} starts at byte {start}, not a multiple of {size}")
+            out[f.name] = rows[..., start:start + f.nbytes].view(f.dtype)
+            start += f.nbytes
+        return out
+
+    def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[S, row_bytes]`` uint8 -> ``{name: [S, width] tensor}`` (fresh, contiguous)."""
+        if rows.dim() != 2 or rows.shape[1] != self.row_bytes:
+            raise ValueError(f"rows must be [S, {self.row_bytes}] uint8, got {tuple(rows.shape)}")
+        out = {}
+        start = 0
+        for f in self.fields:
+            if f.nbytes == 0 or rows.shape[0] == 0:
+                out[f.name] = torch.empty(rows.shape[0], f.width, dtype=f.dtype, device=rows.device)
+                continue
+            chunk = rows[:, start:start + f.nbytes].contiguous()
+            out[f.name] = chunk.view(f.dtype).reshape(rows.shape[0], f.width)
+            start += f.nbytes
+        return out
+
 
 BLOCK_ALIGN = 8
 BLOB_LENGTH_BYTES = 8

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement_map import ExpertPlacement
+from .layout import token_node_mask
+from .placement import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -211,3 +212,69 @@ def node_receive_order(node_recv_counts: torch.Tensor) -> NodeReceiveOrder:
     block_first = torch.cumsum(by_source, 0) - by_source
     within = torch.arange(total, device=counts.device) - block_first[block]
     return NodeReceiveOrder(by_source, start_by_source[block] + within)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The two-hop routing of one dispatch, from this rank's three points of view.
+
+    Attributes:
+        ranks_per_node: ``P``; ``G = R / P`` nodes.
+        rail_plan: as a source: rows sent to each node's forwarding peer; ``token_index [S1]``
+            int64 grouped by destination node, ``send_counts [G]`` int64.
+        rail_recv_counts: as a forwarder: ``[G]`` int64 rows received from each source node (the
+            rank with this rank's local index there).
+        forward_plan: as a forwarder: ``token_index [S2]`` int64 indices of rail-received rows,
+            grouped by the local rank they are forwarded to, ``send_counts [P]`` int64.
+        node_recv_counts: as a receiver: ``[P, G]`` int64 rows forwarded by local rank ``l`` that
+            came from node ``g`` (i.e. from source rank ``g * P + l``).
+        recv_order: as a receiver: ``[M]`` int64 arrival index of every row in contract order.
+    """
+
+    ranks_per_node: int
+    rail_plan: SendPlan
+    rail_recv_counts: torch.Tensor
+    forward_plan: SendPlan
+    node_recv_counts: torch.Tensor
+    recv_order: torch.Tensor
+
+
+def virtual_node_plans(is_token_in_rank: list[torch.Tensor], ranks_per_node: int) -> list[NodePlan]:
+    """Every rank's ``NodePlan`` when one process knows every rank's layout (virtual ranks on one
+    GPU, ``engines.two_hop.TwoHopEngine``): the plans :func:`dispatch` builds through its count
+    exchanges, from the same routing maths (``plan.build_send_plan``, ``forward_counts``,
+    ``node_receive_order``).
+
+    Args:
+        is_token_in_rank: ``R`` tensors, rank ``r``'s ``[N_r, R]`` bool layout.
+        ranks_per_node: ``P``; ``R`` must be a multiple of it.
+    Returns:
+        ``R`` plans, rank order.
+    """
+    num_ranks = len(is_token_in_rank)
+    if ranks_per_node <= 0 or num_ranks % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {num_ranks} ranks")
+    per_node, nodes = ranks_per_node, num_ranks // ranks_per_node
+    rail_plans = [build_send_plan(token_node_mask(m, per_node)) for m in is_token_in_rank]
+    forward_plans, rail_recv, tables = [], [], []
+    for rank in range(num_ranks):
+        node, local = divmod(rank, per_node)
+        counts, masks = [], []
+        for g in range(nodes):  # rail peer on node g, in node order (the arrival order)
+            src_plan = rail_plans[g * per_node + local]
+            start = int(src_plan.send_counts[:node].sum())
+            tokens = src_plan.token_index[start:start + int(src_plan.send_counts[node])]
+            masks.append(is_token_in_rank[g * per_node + local][tokens][:, node * per_node:(node + 1) * per_node])
+            counts.append(int(tokens.numel()))
+        target_mask = torch.cat(masks) if masks else torch.zeros(0, per_node, dtype=torch.bool)
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        forward_plans.append(build_send_plan(target_mask))
+        rail_recv.append(counts_t)
+        tables.append(forward_counts(target_mask, counts_t))
+    plans = []
+    for rank in range(num_ranks):
+        node, local = divmod(rank, per_node)
+        node_table = torch.stack([tables[node * per_node + j][local] for j in range(per_node)])
+        plans.append(NodePlan(per_node, rail_plans[rank], rail_recv[rank], forward_plans[rank], node_table,
+                              node_receive_order(node_table).order))
+    return plans

@@ -1,9 +1,12 @@
 """Argument checks shared by the public calls: each failure is a ValueError naming the argument."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+FP8_INPUT_SCALE_DTYPES = (torch.float32, torch.int32)
 
 
 def require_tensor(name: str, value: object, *, dtypes: tuple[torch.dtype, ...] | None = None,
@@ -73,3 +76,85 @@ def check_codec(codec: object, allowed: tuple[str, ...]) -> str:
     if name not in allowed:
         raise ValueError(f"codec must be one of {allowed} (or None), got {codec!r}")
     return str(name)
+
+
+def check_dispatch_input(x: object, device: torch.device | None) -> tuple[int, int]:
+    """Validates a dispatch's ``x`` (a tensor, or DeepEP's FP8 tuple ``(e4m3 [N, H], scales
+    [N, H // 128]`` float32 or ``[N, H // 512]`` int32 UE8M0)); returns ``(N, H)``."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError("x as a tuple must be (fp8 values [N, H], scales [N, H // 128])")
+        q = require_tensor("x[0]", x[0], dtypes=(torch.float8_e4m3fn,), dim=2, device=device)
+        s = require_tensor("x[1]", x[1], dtypes=FP8_INPUT_SCALE_DTYPES, dim=2, device=device)
+        if s.shape[0] != q.shape[0]:
+            raise ValueError(f"x[1] (scales) has {s.shape[0]} rows but x[0] has {q.shape[0]}")
+        hidden = q.shape[1]
+        groups = hidden // 512 if s.dtype == torch.int32 else hidden // 128
+        if hidden % 128 or s.shape[1] != groups:
+            raise ValueError(f"x[1] (scales) must be [N, H // 128] float32 or [N, H // 512] int32 for "
+                             f"H = {hidden} (a multiple of 128); got {tuple(s.shape)} {s.dtype}")
+        return int(q.shape[0]), int(q.shape[1])
+    t = require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2, device=device)
+    return int(t.shape[0]), int(t.shape[1])
+
+
+def check_low_latency_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: object, use_fp8: bool,
+                               round_scale: bool, use_ue8m0: bool) -> None:
+    """The low-latency dispatch's limits: ``N <= num_max_dispatch_tokens_per_rank``, the FP8 and
+    UE8M0 hidden-size multiples, and no token selecting one expert twice (each (token, expert)
+    pair has one slot)."""
+    check_nonneg_int("num_max_dispatch_tokens_per_rank", max_tokens, positive=True)
+    if x.shape[0] > max_tokens:  # type: ignore[operator]
+        raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank "
+                         f"({max_tokens}): low-latency capacity overflow")
+    if use_fp8 and x.shape[1] % 128 != 0:
+        raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {x.shape[1]}")
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+    if use_ue8m0 and x.shape[1] % 512 != 0:
+        raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got {x.shape[1]}")
+    if topk_idx.shape[1] > 1 and topk_idx.numel() > 0:
+        ordered = topk_idx.sort(dim=1).values
+        if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
+            raise ValueError("topk_idx selects the same expert twice for one token; low-latency mode "
+                             "gives each (token, expert) one slot")
+
+
+def check_buffer_arguments(group: object, num_nvl_bytes: object, num_rdma_bytes: object, num_qps_per_rank: object,
+                           backend: object, timeout_s: object, ranks_per_node: object, **flags: object) -> None:
+    """The ``Buffer`` constructor's arguments: the group, byte sizes, backend, timeout, node size,
+    and DeepEP's boolean ``flags`` (each by name)."""
+    import torch.distributed as dist
+
+    if group is None or not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, int)) or flag not in (0, 1):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    check_nonneg_int("num_nvl_bytes", num_nvl_bytes)
+    check_nonneg_int("num_rdma_bytes", num_rdma_bytes)
+    check_nonneg_int("num_qps_per_rank", num_qps_per_rank, positive=True)
+    if backend not in ("auto", "torch", "nvshmem"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'nvshmem', got {backend!r}")
+    if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not math.isfinite(timeout_s)
+            or timeout_s <= 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if ranks_per_node is not None:
+        check_nonneg_int("ranks_per_node", ranks_per_node, positive=True)
+        if dist.get_world_size(group) % ranks_per_node:  # type: ignore[operator]
+            raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size "
+                             f"({dist.get_world_size(group)})")
+
+
+def check_rank_list(name: str, ranks: object, num_ranks: int, rank: int) -> frozenset[int]:
+    """``ranks`` (an iterable of ranks in ``[0, num_ranks)``, without ``rank`` itself) as a set."""
+    if isinstance(ranks, int) or not hasattr(ranks, "__iter__"):
+        raise ValueError(f"{name} must be a list of ranks, got {ranks!r}")
+    out = set()
+    for r in ranks:  # type: ignore[union-attr]
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < num_ranks:
+            raise ValueError(f"{name} must hold ranks in [0, {num_ranks}), got {r!r}")
+        out.add(r)
+    if rank in out:
+        raise ValueError(f"{name} includes this rank ({rank}): a rank cannot mask itself")
+    return frozenset(out)

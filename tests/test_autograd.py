@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from rank_cases import make_routing
+from support.rank_cases import make_routing
 
 import ep_comm
 from ep_comm import reference
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 
 FORWARD, BACKWARD, STOP = 1, 2, 3
 TOKENS, EXPERTS, TOPK, HIDDEN = 4, 4, 2, 3

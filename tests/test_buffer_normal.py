@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from rank_cases import make_routing, make_x
+from support.rank_cases import make_routing, make_x
 
 import ep_comm
 from ep_comm import reference
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 
 
 @dataclass(frozen=True)

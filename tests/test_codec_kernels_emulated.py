@@ -1,6 +1,6 @@
 """The codec kernels' CUDA source (csrc/cuda/lossless_kernels.cu, fp8_kernels.cu) run on the CPU
-through the CUDA emulation (csrc/emulation/, built by tests/emulated_cuda.py): the checks the GPU
-tests make (tests/codec_kernel_cases.py: blobs byte-identical to the host encoder's, exact
+through the CUDA emulation (csrc/emulation/, built by tests/support/emulated_cuda.py): the checks the GPU
+tests make (tests/support/codec_kernel_cases.py: blobs byte-identical to the host encoder's, exact
 decoding, the host's status for corrupted blobs; FP8 equal to the reference), on every build
 variant of the decoder (default, register windows, L1 prefetch, early loads, 8 warps per block) and in both
 schedule orders. This tests the kernels' logic and their warp/block synchronisation, not their
@@ -14,7 +14,9 @@ import sys
 
 import pytest
 import torch
-from codec_kernel_cases import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.codec_kernel_cases import (
     CASES,
     CHUNK_VALUES,
     CORRUPTION_CASES,
@@ -27,9 +29,8 @@ from codec_kernel_cases import (
     from_bits,
     host_status,
 )
-from emulated_cuda import ROOT, build, build_racecheck, compiler, load
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from support.emulated_cuda import build, build_racecheck, load
+from support.native import ROOT, compiler
 
 from ep_comm.codecs import fp8, lossless
 

@@ -3,7 +3,7 @@ and output sizing, the arguments handed to each kernel binding and their order, 
 status read-backs, error texts), run twice: against a stand-in for the ``ep_comm._cuda`` codec
 bindings that has their signatures and does their work with the host codecs on CPU memory, and
 against the real bindings (csrc/cuda_bindings/codecs.cpp) over the real codec kernels built for the
-CPU through the CUDA emulation (tests/emulated_cuda.py), on the host memory of CPU tensors. The
+CPU through the CUDA emulation (tests/support/emulated_cuda.py), on the host memory of CPU tensors. The
 kernels on a GPU are tested by tests/gpu/test_codecs_device.py."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from emulated_cuda import RecordingKernels, import_codec_module
+from support.emulated_cuda import RecordingKernels, import_codec_module
 
 from ep_comm import _host
 from ep_comm.codecs import device_kernels, fp8, lossless, lossless_device
@@ -178,8 +178,7 @@ def test_without_codec_kernels_cuda_tensors_are_not_routed_to_them():
 
 
 def test_payload_path_through_the_device_codec(kernels, monkeypatch):
-    from ep_comm.payload import RowSource, pack, unpack
-    from ep_comm.wire import FieldSpec, RowFormat
+    from ep_comm.payload import FieldSpec, RowFormat, RowSource, pack, unpack
 
     fmt = RowFormat((FieldSpec("x", torch.bfloat16, 256), FieldSpec("w", torch.float32, 2)))
     g = torch.Generator().manual_seed(2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emulated_cuda import RecordingKernels, device_codecs_on_cpu, import_codec_module
-from rank_cases import make_routing
+from support.emulated_cuda import RecordingKernels, device_codecs_on_cpu, import_codec_module
+from support.rank_cases import make_routing
 from test_buffer_normal import CASES, Case, _inputs
 
 import ep_comm
@@ -214,8 +214,7 @@ def test_lossless_after_masking_a_rank(ranks):
 def test_lossless_message_padding_is_zero():
     """Every byte of a packed message is defined: the padding after each blob is zero, so the
     same rows always give the same message (and no stale memory goes on the wire)."""
-    from ep_comm.payload import BLOB_LENGTH_BYTES, RowSource, pack
-    from ep_comm.wire import FieldSpec, RowFormat
+    from ep_comm.payload import BLOB_LENGTH_BYTES, FieldSpec, RowFormat, RowSource, pack
 
     fmt = RowFormat((FieldSpec("x", torch.bfloat16, 200), FieldSpec("w", torch.float32, 3)))
     g = torch.Generator().manual_seed(5)
@@ -244,8 +243,7 @@ def test_lossless_message_padding_is_zero():
 def test_message_padding_is_zero_whatever_the_memory_held(codec, monkeypatch):
     """pack does not zero-fill its buffer first: it writes every byte, the padding after each
     block and blob as zeros. Here every fresh buffer starts as 0xAB bytes."""
-    from ep_comm.payload import RowSource, pack
-    from ep_comm.wire import FieldSpec, RowFormat
+    from ep_comm.payload import FieldSpec, RowFormat, RowSource, pack
 
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(0xAB)
@@ -281,8 +279,7 @@ def test_message_padding_is_zero_whatever_the_memory_held(codec, monkeypatch):
 def test_lossless_message_damage_is_a_value_error():
     """A received lossless message whose chunk sizes, blob lengths or blobs are wrong raises
     ValueError, never reads past a chunk or writes a wrong row."""
-    from ep_comm.payload import RowSource, pack, unpack
-    from ep_comm.wire import FieldSpec, RowFormat
+    from ep_comm.payload import FieldSpec, RowFormat, RowSource, pack, unpack
 
     fmt = RowFormat((FieldSpec("x", torch.bfloat16, 64), FieldSpec("w", torch.float32, 2)))
     g = torch.Generator().manual_seed(8)
@@ -321,8 +318,7 @@ def test_messages_are_coded_with_the_process_thread_budget(monkeypatch):
     ep-bench give each rank), not every hardware thread, for packing, unpacking and the "auto"
     rule's throughput sample."""
     from ep_comm.codecs import auto, lossless
-    from ep_comm.payload import RowSource, pack, unpack
-    from ep_comm.wire import FieldSpec, RowFormat
+    from ep_comm.payload import FieldSpec, RowFormat, RowSource, pack, unpack
 
     seen = []
 
@@ -349,8 +345,7 @@ def test_messages_are_coded_with_the_process_thread_budget(monkeypatch):
 
 
 def test_unpack_checks_the_chunk_sizes_against_what_was_received():
-    from ep_comm.payload import unpack
-    from ep_comm.wire import FieldSpec, RowFormat
+    from ep_comm.payload import FieldSpec, RowFormat, unpack
 
     fmt = RowFormat((FieldSpec("x", torch.bfloat16, 64), FieldSpec("w", torch.float32, 2)))
     received = torch.zeros(100, dtype=torch.uint8)

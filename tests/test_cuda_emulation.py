@@ -8,7 +8,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from emulated_cuda import build, compiler, load
+from support.emulated_cuda import build, load
+from support.native import compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler")
 

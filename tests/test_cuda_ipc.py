@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from ep_comm.backends.cuda_ipc import (
+from ep_comm.engines.cuda_ipc import (
     IPC_HANDLE_BYTES,
     IpcPeerBuffers,
     IpcRecord,
@@ -166,7 +166,7 @@ def test_bad_nbytes_is_a_value_error() -> None:
 
 def test_handle_bytes_round_trip_through_cuda_python_struct() -> None:
     pytest.importorskip("cuda.bindings.runtime")
-    from ep_comm.backends.cuda_ipc import CudaRuntimeIpc
+    from ep_comm.engines.cuda_ipc import CudaRuntimeIpc
 
     api = CudaRuntimeIpc(0)
     raw = bytes(range(IPC_HANDLE_BYTES))
@@ -179,7 +179,7 @@ def test_handle_bytes_round_trip_through_cuda_python_struct() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path without a GPU")
 def test_runtime_errors_name_the_call_without_a_gpu() -> None:
     pytest.importorskip("cuda.bindings.runtime")
-    from ep_comm.backends.cuda_ipc import CudaRuntimeIpc
+    from ep_comm.engines.cuda_ipc import CudaRuntimeIpc
 
     with pytest.raises(RuntimeError, match=r"^cudaSetDevice failed: cudaError"):
         CudaRuntimeIpc(0).malloc_zeroed(1024)

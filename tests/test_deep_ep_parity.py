@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rank_cases import make_routing, make_x
+from support.rank_cases import make_routing, make_x
 
 import ep_comm
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from rank_cases import make_routing, make_x
+from support.rank_cases import make_routing, make_x
 
 
 def _deep_ep_client(rank, world, group):

@@ -1,5 +1,5 @@
-"""Choice of the fused NVIDIA kernel path (ep_comm/fused.py), decided without a GPU: which engines
-a Buffer may use given its capabilities, and which calls may take them."""
+"""Choice of the fused NVIDIA kernel path (ep_comm/paths/fused.py), decided without a GPU: which
+modes a Buffer may run on it given its capabilities, and which calls it takes."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,25 +7,31 @@ import dataclasses
 import pytest
 import torch
 
-from ep_comm.fused import (
-    FusedNormalHandle,
-    KernelCapabilities,
-    _nonnull,
-    low_latency_dispatch_reason,
-    normal_combine_reason,
-    normal_dispatch_reason,
-    plan_kernels,
-)
 from ep_comm.handle import DispatchHandle
+from ep_comm.paths import CombineCall, DispatchCall, FusedKernelPath, LowLatencyDispatchCall
+from ep_comm.paths.fused import FusedNormalHandle, KernelCapabilities, _nonnull
+from ep_comm.placement import ExpertPlacement
 from ep_comm.plan import SendPlan
 
 GOOD = KernelCapabilities(transport="nvshmem", cuda_built=True, nvshmem_built=True, device_type="cuda",
                           hostnames=("node0",) * 4)
 
 
+def _path(generation: int = 0, row_bytes: int = 0) -> FusedKernelPath:
+    """A path that may run both modes, its intranode engine at ``generation`` with rows of up to
+    ``row_bytes`` (0: no engine made yet); no GPU needed until a call runs."""
+    path = FusedKernelPath(None, torch.device("cpu"), 1.0, 1)
+    path.intranode_generation, path.intranode_row_bytes = generation, row_bytes
+    return path
+
+
+def _dispatch(x, topk, weights=None, codec="none", masked=False) -> DispatchCall:
+    mask = torch.zeros(5, 2, dtype=torch.bool)
+    return DispatchCall(x, topk, weights, mask, ExpertPlacement.contiguous(4, 2), codec, masked, 20)
+
+
 def test_plan_uses_both_engines_on_one_node() -> None:
-    plan = plan_kernels(GOOD)
-    assert plan.intranode and plan.low_latency and plan.reason == ""
+    assert FusedKernelPath.decide(GOOD) == (None, None)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -36,14 +42,16 @@ def test_plan_uses_both_engines_on_one_node() -> None:
     (dict(hostnames=("node0", "node0", "node1", "node1")), "span 2 hosts"),
 ])
 def test_plan_refuses(change: dict, match: str) -> None:
-    plan = plan_kernels(dataclasses.replace(GOOD, **change))
-    assert not plan.intranode and not plan.low_latency
-    assert match in plan.reason
+    normal_no, low_latency_no = FusedKernelPath.decide(dataclasses.replace(GOOD, **change))
+    assert match in normal_no and match in low_latency_no
 
 
 def test_plan_without_nvshmem_keeps_the_intranode_engine_only() -> None:
-    plan = plan_kernels(dataclasses.replace(GOOD, nvshmem_built=False))
-    assert plan.intranode and not plan.low_latency and "NVSHMEM" in plan.reason
+    normal_no, low_latency_no = FusedKernelPath.decide(dataclasses.replace(GOOD, nvshmem_built=False))
+    assert normal_no is None and "NVSHMEM" in low_latency_no
+    path = FusedKernelPath(None, torch.device("cpu"), 1.0, 1, normal_no, low_latency_no)
+    assert path.unavailable is None
+    assert path.mode_unavailable("dispatch") is None and "NVSHMEM" in path.mode_unavailable("low_latency_dispatch")
 
 
 def _topk(n: int = 5, k: int = 2) -> torch.Tensor:
@@ -52,10 +60,10 @@ def _topk(n: int = 5, k: int = 2) -> torch.Tensor:
 
 def test_normal_dispatch_takes_the_kernels_for_plain_payloads() -> None:
     x = torch.zeros(5, 128, dtype=torch.bfloat16)
-    assert normal_dispatch_reason(x, _topk(), torch.zeros(5, 2), "none", False) is None
-    assert normal_dispatch_reason(x, _topk(), None, "none", False) is None
+    assert _path().dispatch_reason(_dispatch(x, _topk(), torch.zeros(5, 2))) is None
+    assert _path().dispatch_reason(_dispatch(x, _topk())) is None
     fp8 = (torch.zeros(5, 128, dtype=torch.float8_e4m3fn), torch.ones(5, 1))
-    assert normal_dispatch_reason(fp8, _topk(), None, "none", False) is None
+    assert _path().dispatch_reason(_dispatch(fp8, _topk())) is None
 
 
 @pytest.mark.parametrize("x,topk,weights,codec,masked,match", [
@@ -69,7 +77,7 @@ def test_normal_dispatch_takes_the_kernels_for_plain_payloads() -> None:
     (torch.zeros(5, 4, dtype=torch.bfloat16), _topk(), None, "none", False, "16 bytes"),
 ])
 def test_normal_dispatch_falls_back(x, topk, weights, codec, masked, match) -> None:
-    reason = normal_dispatch_reason(x, topk, weights, codec, masked)
+    reason = _path().dispatch_reason(_dispatch(x, topk, weights, codec, masked))
     assert reason is not None and match in reason
 
 
@@ -85,21 +93,33 @@ def _handle(kernel=None) -> DispatchHandle:
 def test_combine_takes_the_kernels_only_for_its_own_engine() -> None:
     x = torch.zeros(3, 128, dtype=torch.bfloat16)
     fused = _handle(FusedNormalHandle(generation=2, inner=None, num_topk=2))
-    assert normal_combine_reason(fused, x, torch.zeros(3, 2), 0, "none", False, 2, 512) is None
-    assert "did not run" in normal_combine_reason(_handle(), x, None, 0, "none", False, 2, 512)
-    assert "did not run" in normal_combine_reason(fused, x, None, 0, "none", False, 3, 512)
-    assert "bias" in normal_combine_reason(fused, x, None, 1, "none", False, 2, 512)
-    assert "codec" in normal_combine_reason(fused, x, None, 0, "lossless", False, 2, 512)
-    assert "float16" in normal_combine_reason(fused, x.half(), None, 0, "none", False, 2, 512)
-    assert "do not fit" in normal_combine_reason(fused, x.float(), None, 0, "none", False, 2, 256)
-    assert "K" in normal_combine_reason(fused, x, torch.zeros(3, 3), 0, "none", False, 2, 512)
-    assert "masked" in normal_combine_reason(fused, x, None, 0, "none", True, 2, 512)
+
+    def reason(handle, rows, weights=None, biases=(), codec="none", masked=False, generation=2, row_bytes=512):
+        return _path(generation, row_bytes).combine_reason(CombineCall(handle, rows, weights, biases, codec, masked))
+
+    assert reason(fused, x, torch.zeros(3, 2)) is None
+    assert "did not run" in reason(_handle(), x)
+    assert "did not run" in reason(fused, x, generation=3)
+    assert "did not run" in reason(fused, x, row_bytes=0)  # the engine was closed
+    assert "bias" in reason(fused, x, biases=(x,))
+    assert "codec" in reason(fused, x, codec="lossless")
+    assert "float16" in reason(fused, x.half())
+    assert "do not fit" in reason(fused, x.float(), row_bytes=256)
+    assert "K" in reason(fused, x, torch.zeros(3, 3))
+    assert "masked" in reason(fused, x, masked=True)
 
 
 def test_low_latency_reason() -> None:
-    assert low_latency_dispatch_reason(1024, False) is None
-    assert "multiple of 128" in low_latency_dispatch_reason(100, False)
-    assert "masked" in low_latency_dispatch_reason(1024, True)
+
+    def reason(hidden: int, masked: bool) -> str | None:
+        x = torch.zeros(2, hidden, dtype=torch.bfloat16)
+        call = LowLatencyDispatchCall(x, torch.zeros(2, 1, dtype=torch.int64), 4, ExpertPlacement.contiguous(4, 2),
+                                      False, False, False, (), masked)
+        return _path().low_latency_dispatch_reason(call)
+
+    assert reason(1024, False) is None
+    assert "multiple of 128" in reason(100, False)
+    assert "masked" in reason(1024, True)
 
 
 def test_empty_tensors_still_get_an_address() -> None:
@@ -117,9 +137,15 @@ def _plan_on_gloo(rank, world, group):
     import ep_comm
 
     buf = ep_comm.Buffer(group, backend="auto")
-    return buf.backend, buf.kernel_plan.intranode, buf.kernel_plan.low_latency, buf.kernel_plan.reason
+    return buf.backend, buf.path_plan.describe(), str(buf.path_plan)
 
 
-def test_a_gloo_buffer_stays_on_the_transport_path(ranks) -> None:
-    for backend, intranode, low_latency, reason in ranks(2, _plan_on_gloo):
-        assert backend == "torch" and not intranode and not low_latency and "torch transport" in reason
+def test_a_gloo_buffer_stays_on_the_flat_path(ranks) -> None:
+    for backend, described, text in ranks(2, _plan_on_gloo):
+        assert backend == "torch"
+        for mode, rows in described.items():
+            runnable = [name for name, why in rows if why is None]
+            assert runnable == ["flat"], (mode, rows)
+            if mode != "cached_dispatch":
+                assert "torch transport" in dict(rows)["fused kernels"]
+        assert "ranks_per_node is not set" in text

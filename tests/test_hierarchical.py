@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from rank_cases import make_routing, make_x
+from support.rank_cases import make_routing, make_x
 
 import ep_comm
 from ep_comm import reference
-from ep_comm.hierarchical import virtual_node_plans
 from ep_comm.layout import compute_dispatch_layout
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
+from ep_comm.plan import virtual_node_plans
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""The two-hop routing helpers of csrc/common/hierarchy.h (host build, ep_comm._host) against the
-Python two-hop plan (ep_comm/plan.py, ep_comm/layout.py) on random routings."""
+"""The two-hop routing helpers of csrc/common/hierarchy.h against the Python two-hop plan
+(ep_comm/plan.py, ep_comm/layout.py) on random routings: the buffer layout through ep_comm._host
+(ep_comm/engines/two_hop.py sizes its buffer with it), the per-token helpers through the test-only
+bindings (fixture ``host_test_module``, tests/native/host_test_bindings.cpp)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,7 @@ from ep_comm.layout import token_node_mask
 from ep_comm.plan import NodeTopology, build_send_plan, forward_counts, node_receive_order
 
 host = pytest.importorskip("ep_comm._host", reason="ep_comm._host is not built")
-if not hasattr(host, "hier_receive_order"):
+if not hasattr(host, "hier_two_hop_layout"):
     pytest.skip("ep_comm._host predates the two-hop helpers: rebuild it", allow_module_level=True)
 
 SHAPES = [(4, 2), (4, 1), (4, 4), (8, 2), (16, 4), (6, 3), (32, 8)]
@@ -20,22 +22,22 @@ def _in_rank(gen: torch.Generator, n: int, r: int, density: float) -> torch.Tens
 
 
 @pytest.mark.parametrize("r,p", SHAPES)
-def test_forwarding_peer_and_node_mask(r: int, p: int) -> None:
+def test_forwarding_peer_and_node_mask(r: int, p: int, host_test_module) -> None:
     topo = NodeTopology(r, p)
     for src in range(r):
         for node in range(topo.num_nodes):
-            peer = host.hier_forwarding_peer(r, p, src, node)
+            peer = host_test_module.hier_forwarding_peer(r, p, src, node)
             assert peer == topo.forwarding_peer(src, node)
             assert topo.node_of(peer) == node and topo.local_of(peer) == topo.local_of(src)
     gen = torch.Generator().manual_seed(r * 10 + p)
     for n, density in ((0, 0.3), (1, 0.9), (37, 0.2), (200, 0.05)):
         in_rank = _in_rank(gen, n, r, density)
-        got = torch.from_numpy(host.hier_token_node_mask(in_rank.numpy(), p))
+        got = torch.from_numpy(host_test_module.hier_token_node_mask(in_rank.numpy(), p))
         assert torch.equal(got, token_node_mask(in_rank, p))
 
 
 @pytest.mark.parametrize("r,p", SHAPES)
-def test_forward_counts_match_plan(r: int, p: int) -> None:
+def test_forward_counts_match_plan(r: int, p: int, host_test_module) -> None:
     """A forwarder's [P, G] table from the target bits its rail peers put on each row."""
     topo = NodeTopology(r, p)
     gen = torch.Generator().manual_seed(100 + r * 10 + p)
@@ -48,18 +50,18 @@ def test_forward_counts_match_plan(r: int, p: int) -> None:
             rows = in_rank[sent][:, node * p:(node + 1) * p]
             masks.append(rows)
             counts.append(int(sent.sum()))
-            src_bits = host.hier_target_bits(in_rank.numpy(), p, node)
+            src_bits = host_test_module.hier_target_bits(in_rank.numpy(), p, node)
             bits += [b for b, keep in zip(src_bits, sent.tolist()) if keep]
         target_mask = torch.cat(masks)
         want = forward_counts(target_mask, torch.tensor(counts))
-        got = torch.from_numpy(host.hier_forward_counts(bits, counts, p))
+        got = torch.from_numpy(host_test_module.hier_forward_counts(bits, counts, p))
         assert torch.equal(got, want)
     with pytest.raises(ValueError):
-        host.hier_forward_counts([1, 2], [3], 2)
+        host_test_module.hier_forward_counts([1, 2], [3], 2)
 
 
 @pytest.mark.parametrize("r,p", SHAPES)
-def test_receive_order_matches_plan_and_contract(r: int, p: int) -> None:
+def test_receive_order_matches_plan_and_contract(r: int, p: int, host_test_module) -> None:
     """Simulates every receiver: rows arrive by (forwarder, source node, token); the order from
     the helper must restore (source rank, token), like plan.node_receive_order."""
     topo = NodeTopology(r, p)
@@ -73,7 +75,7 @@ def test_receive_order_matches_plan_and_contract(r: int, p: int) -> None:
                 tokens = build_send_plan(in_ranks[src][:, receiver:receiver + 1]).token_index.tolist()
                 arrived += [(src, t) for t in tokens]
                 table[local, g] = len(tokens)
-        recv_counts, order = host.hier_receive_order(table.numpy())
+        recv_counts, order = host_test_module.hier_receive_order(table.numpy())
         want = node_receive_order(table)
         assert recv_counts == want.recv_counts.tolist()
         assert order == want.order.tolist()
@@ -82,13 +84,13 @@ def test_receive_order_matches_plan_and_contract(r: int, p: int) -> None:
         assert recv_counts == [int(m[:, receiver].sum()) for m in in_ranks]
 
 
-def test_rejects_bad_shapes() -> None:
+def test_rejects_bad_shapes(host_test_module) -> None:
     with pytest.raises(ValueError):
-        host.hier_forwarding_peer(4, 3, 0, 0)
+        host_test_module.hier_forwarding_peer(4, 3, 0, 0)
     with pytest.raises(ValueError):
-        host.hier_token_node_mask(torch.zeros(3, 4, dtype=torch.bool).numpy(), 0)
+        host_test_module.hier_token_node_mask(torch.zeros(3, 4, dtype=torch.bool).numpy(), 0)
     with pytest.raises(ValueError):
-        host.hier_receive_order(torch.zeros(4, dtype=torch.int64).numpy())
+        host_test_module.hier_receive_order(torch.zeros(4, dtype=torch.int64).numpy())
 
 
 def _two_hop_layout_py(r: int, p: int, rail_rows: int, node_rows: int, row_bytes: int) -> dict:

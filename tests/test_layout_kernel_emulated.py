@@ -1,5 +1,5 @@
 """The dispatch layout kernel (csrc/cuda/layout.cu) run on the CPU through the CUDA emulation
-(tests/emulated_cuda.py) against ep_comm/layout.py's compute_dispatch_layout: per-rank, per-node
+(tests/support/emulated_cuda.py) against ep_comm/layout.py's compute_dispatch_layout: per-rank, per-node
 and per-expert counts and is_token_in_rank, for routings with dropped (-1) entries, repeated
 ranks, uneven expert placement and several blocks of tokens."""
 from __future__ import annotations
@@ -8,10 +8,11 @@ import ctypes
 
 import pytest
 import torch
-from emulated_cuda import build, compiler, load
+from support.emulated_cuda import build, load
+from support.native import compiler
 
 from ep_comm.layout import compute_dispatch_layout
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler")
 

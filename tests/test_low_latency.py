@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rank_cases import make_routing, make_x
+from support.rank_cases import make_routing, make_x
 
 import ep_comm
 from ep_comm import reference
 from ep_comm.codecs import fp8
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 
 MAX_TOKENS = 16
 

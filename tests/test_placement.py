@@ -6,13 +6,12 @@ from datetime import timedelta
 
 import pytest
 import torch
-from mp_pool import spawn_once
-from rank_cases import make_routing, make_x
+from support.mp_pool import spawn_once
+from support.rank_cases import make_routing, make_x
 
 import ep_comm
 from ep_comm import reference
-from ep_comm.placement import plan_placement
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement, plan_placement
 
 # 10 experts on 4 ranks: rank 0 owns 5, rank 1 owns 2, rank 2 none, rank 3 owns 3 (not contiguous)
 UNEVEN = torch.tensor([0, 3, 0, 1, 0, 3, 0, 1, 0, 3])

@@ -1,12 +1,14 @@
-"""The csrc/common routing and buffer-layout helpers (host build, ep_comm._host) against the
-reference routing maths in ep_comm/layout.py and ep_comm/plan.py, on random routings."""
+"""The csrc/common routing and buffer-layout helpers against the reference routing maths in
+ep_comm/layout.py and ep_comm/plan.py, on random routings: the buffer layouts through ep_comm._host
+(the engines size their buffers with them), the per-token helpers through the test-only bindings
+(fixture ``host_test_module``, tests/native/host_test_bindings.cpp)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from ep_comm.layout import compute_dispatch_layout, localize_topk
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 from ep_comm.plan import build_expert_slot_plan, build_send_plan
 
 host = pytest.importorskip("ep_comm._host", reason="ep_comm._host is not built")
@@ -29,12 +31,12 @@ CASES = [(2, 8, 37, 4), (4, 16, 64, 6), (8, 32, 129, 8), (16, 64, 50, 8), (3, 9,
 
 
 @pytest.mark.parametrize("r,e,n,k", CASES)
-def test_dispatch_layout_matches_reference(r: int, e: int, n: int, k: int) -> None:
+def test_dispatch_layout_matches_reference(r: int, e: int, n: int, k: int, host_test_module) -> None:
     gen = torch.Generator().manual_seed(r * 1000 + n)
     for placement in _placements(gen, e, r):
         topk = _routing(gen, n, k, e)
         ref = compute_dispatch_layout(topk, placement)
-        per_rank, per_node, per_expert, mask = host.routing_dispatch_layout(
+        per_rank, per_node, per_expert, mask = host_test_module.routing_dispatch_layout(
             topk.numpy(), placement.expert_to_rank.int().numpy(), r, 8)
         assert per_rank == ref.num_tokens_per_rank.tolist()
         assert per_expert == ref.num_tokens_per_expert.tolist()
@@ -45,48 +47,48 @@ def test_dispatch_layout_matches_reference(r: int, e: int, n: int, k: int) -> No
             assert per_node == ref.num_tokens_per_rdma_rank.tolist()
 
 
-def test_dispatch_layout_rejects_bad_ids() -> None:
+def test_dispatch_layout_rejects_bad_ids(host_test_module) -> None:
     placement = ExpertPlacement.contiguous(8, 2)
     with pytest.raises(ValueError):
-        host.routing_dispatch_layout(torch.tensor([[8, 0]]).numpy(),
-                                     placement.expert_to_rank.int().numpy(), 2, 8)
+        host_test_module.routing_dispatch_layout(torch.tensor([[8, 0]]).numpy(),
+                                                 placement.expert_to_rank.int().numpy(), 2, 8)
 
 
 @pytest.mark.parametrize("r,e,n,k", CASES[:4])
-def test_localize_matches_reference(r: int, e: int, n: int, k: int) -> None:
+def test_localize_matches_reference(r: int, e: int, n: int, k: int, host_test_module) -> None:
     gen = torch.Generator().manual_seed(7 + n)
     for placement in _placements(gen, e, r):
         topk = _routing(gen, n, k, e)
         weights = torch.rand(n, k, generator=gen)
         for rank in range(r):
             ref_idx, ref_w = localize_topk(topk, weights, rank, placement)
-            idx, w = host.routing_localize(topk.numpy(), weights.numpy(), rank,
-                                           placement.expert_to_rank.int().numpy(),
-                                           placement.expert_to_local.int().numpy())
+            idx, w = host_test_module.routing_localize(topk.numpy(), weights.numpy(), rank,
+                                                       placement.expert_to_rank.int().numpy(),
+                                                       placement.expert_to_local.int().numpy())
             assert torch.equal(torch.from_numpy(idx), ref_idx)
             assert torch.equal(torch.from_numpy(w), ref_w)
 
 
 @pytest.mark.parametrize("n,c", [(0, 4), (1, 4), (7, 3), (100, 8), (4096, 20), (5, 8)])
-def test_channel_ranges_tile_tokens_in_order(n: int, c: int) -> None:
+def test_channel_ranges_tile_tokens_in_order(n: int, c: int, host_test_module) -> None:
     covered = []
     previous_end = 0
     for ch in range(c):
-        begin, end = host.routing_channel_range(n, c, ch)
+        begin, end = host_test_module.routing_channel_range(n, c, ch)
         assert begin == previous_end and begin <= end
         covered.extend(range(begin, end))
         previous_end = end
     assert covered == list(range(n))
 
 
-def test_exclusive_scan() -> None:
+def test_exclusive_scan(host_test_module) -> None:
     values = [3, 0, 5, 1, 0, 9]
-    out = host.routing_exclusive_scan(values)
+    out = host_test_module.routing_exclusive_scan(values)
     assert out == [0, 3, 3, 8, 9, 9, 18]
 
 
 @pytest.mark.parametrize("r,e,c", [(2, 8, 1), (4, 16, 3), (8, 32, 8), (8, 64, 5)])
-def test_intranode_receive_order_matches_plan(r: int, e: int, c: int) -> None:
+def test_intranode_receive_order_matches_plan(r: int, e: int, c: int, host_test_module) -> None:
     """Channels + per-channel counts + recv_row_of place rows by source rank, then source token."""
     gen = torch.Generator().manual_seed(r * 31 + c)
     placement = _placements(gen, e, r)[1]
@@ -101,12 +103,12 @@ def test_intranode_receive_order_matches_plan(r: int, e: int, c: int) -> None:
             start = int(plan.send_counts[:receiver].sum())
             rows = plan.token_index[start:start + int(plan.send_counts[receiver])]
             expected += [(s, int(t)) for t in rows]
-        got = host.routing_intranode_recv_order([m.numpy() for m in masks], c, receiver)
+        got = host_test_module.routing_intranode_recv_order([m.numpy() for m in masks], c, receiver)
         assert [tuple(x) for x in got] == expected
 
 
 @pytest.mark.parametrize("r,e,n,k", [(2, 8, 20, 4), (4, 16, 33, 6), (8, 32, 64, 8), (4, 4, 10, 5)])
-def test_low_latency_slots_match_plan(r: int, e: int, n: int, k: int) -> None:
+def test_low_latency_slots_match_plan(r: int, e: int, n: int, k: int, host_test_module) -> None:
     """Slot of each (token, k) pair = first slot of its source in the expert's block (the prefix of
     earlier sources' pair counts) + ll_pair_index, as low_latency.cu places them."""
     gen = torch.Generator().manual_seed(e * 17 + n)
@@ -132,7 +134,7 @@ def test_low_latency_slots_match_plan(r: int, e: int, n: int, k: int) -> None:
             for local, expert in enumerate(local_experts):
                 first = 0
                 for s, topk in enumerate(topks):
-                    pairs = host.routing_ll_pairs(topk.numpy(), expert)
+                    pairs = host_test_module.routing_ll_pairs(topk.numpy(), expert)
                     got += [(local, first + index, s, token) for token, _, index in pairs]
                     assert int(plan.layout_range[local, s, 0]) == first
                     assert int(plan.layout_range[local, s, 1]) == len(pairs)
@@ -146,7 +148,7 @@ def _regions(layout: dict, names: list[str]) -> list[int]:
 
 
 @pytest.mark.parametrize("r,c,slots,row", [(2, 1, 8, 16), (8, 8, 64, 14400), (4, 20, 128, 7296)])
-def test_intranode_layout_regions(r: int, c: int, slots: int, row: int) -> None:
+def test_intranode_layout_regions(r: int, c: int, slots: int, row: int, host_test_module) -> None:
     lay = host.routing_intranode_layout(r, c, 7, slots, row)
     starts = _regions(lay, ["arrival", "channel_counts", "expert_counts", "ring_tail", "ring_head", "ring"])
     sizes = [4 * r, 4 * r * c, 4 * r * 7, 4 * c * r, 4 * c * r, c * r * slots * row]
@@ -158,12 +160,13 @@ def test_intranode_layout_regions(r: int, c: int, slots: int, row: int) -> None:
     for ch in range(c):
         for src in range(r):
             for slot in range(slots):
-                off = host.routing_ring_row_offset(r, c, 7, slots, row, ch, src, slot)
+                off = host_test_module.routing_ring_row_offset(r, c, 7, slots, row, ch, src, slot)
                 assert lay["ring"] <= off and off + row <= lay["total_bytes"]
                 seen.add(off)
             # absolute slot counters wrap around the ring
-            assert host.routing_ring_row_offset(r, c, 7, slots, row, ch, src, slots + 3) == \
-                host.routing_ring_row_offset(r, c, 7, slots, row, ch, src, 3)
+            ring_row_offset = host_test_module.routing_ring_row_offset
+            assert ring_row_offset(r, c, 7, slots, row, ch, src, slots + 3) == \
+                ring_row_offset(r, c, 7, slots, row, ch, src, 3)
     assert len(seen) == r * c * slots
 
 
@@ -204,11 +207,11 @@ def test_exchange_layout() -> None:
     assert total == stage + 4 * slot + 128  # then the closing barrier's uint64[4], one region
 
 
-def test_timeout_record_layout() -> None:
+def test_timeout_record_layout(host_test_module) -> None:
     fields = host.timeout_record_fields
     names = host.timeout_phase_names
     assert len(set(names.values())) == len(names) and names[0] == "none"
-    record = host.timeout_fill_record(1, 3, 5, 2, 1500, 7)
+    record = host_test_module.timeout_fill_record(1, 3, 5, 2, 1500, 7)
     assert len(record) == fields["words"]
     assert record[fields["status"]] == 1 and record[fields["rank"]] == 3
     assert record[fields["peer"]] == 5 and names[record[fields["phase"]]] == "intranode/dispatch-send"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ep_comm import _host
-from ep_comm.row_copy import _host_can_copy, copy_rows
+from ep_comm.rows import _host_can_copy, copy_rows
 
 
 def _reference(dst, dst_index, src, src_index):

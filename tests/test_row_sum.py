@@ -14,7 +14,7 @@ import torch
 
 from ep_comm import _host
 from ep_comm.plan import SendPlan, build_send_plan
-from ep_comm.row_sum import _host_can_sum, reduce_by_source, weighted_sum_by_token
+from ep_comm.rows import _host_can_sum, reduce_by_source, weighted_sum_by_token
 
 ROOT = Path(__file__).resolve().parent.parent
 

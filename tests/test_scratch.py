@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_comm.scratch import ScratchPool
+from ep_comm.rows import ScratchPool
 
 
 def test_take_give_best_fit_and_keep():

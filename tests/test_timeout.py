@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-from mp_pool import spawn_once
-from rank_cases import make_routing, make_x
+from support.mp_pool import spawn_once
+from support.rank_cases import make_routing, make_x
 
 import ep_comm
 

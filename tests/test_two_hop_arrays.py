@@ -1,17 +1,17 @@
-"""The two-hop kernels' index arrays (``backends.two_hop_engine.two_hop_arrays``) and the virtual-rank
+"""The two-hop kernels' index arrays (``engines.two_hop.two_hop_arrays``) and the virtual-rank
 plans (``hierarchical.virtual_node_plans``), checked on the CPU by replaying what the kernels of
 ``csrc/cuda/internode_two_hop*.cu`` do with them, against ``ep_comm.reference``."""
 from __future__ import annotations
 
 import pytest
 import torch
-from rank_cases import make_routing
+from support.rank_cases import make_routing
 
 from ep_comm import reference
-from ep_comm.backends.nvshmem import two_hop_arrays
-from ep_comm.hierarchical import virtual_node_plans
+from ep_comm.engines import two_hop_arrays
 from ep_comm.layout import compute_dispatch_layout
-from ep_comm.placement_map import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
+from ep_comm.plan import virtual_node_plans
 
 SHAPES = [(2, 2), (2, 4), (4, 1), (1, 4), (3, 2)]
 

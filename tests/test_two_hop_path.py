@@ -1,36 +1,32 @@
-"""The two-hop kernel path of a node-aware Buffer (``ep_comm/two_hop.py``) on the CPU:
+"""The two-hop kernel path of a node-aware Buffer (``ep_comm/paths/two_hop.py``) on the CPU:
 
 - ``hierarchical.exchange_node_plan``, run by 4 gloo ranks (the per-process plan a
   ``TwoHopEngine`` with one PE per process launches with), equals the virtual-rank plan
   (``virtual_node_plans``) field by field, and so do the kernel index arrays
   (``two_hop_arrays``) built from it; a broken exchange (mask rows swapped) is caught;
-- the per-call choice (``two_hop_dispatch_reason`` / ``two_hop_combine_reason``), the
-  construction-time choice (``decide_two_hop``) and the engine capacity rounding;
+- the per-call choice (``TwoHopKernelPath.dispatch_reason`` / ``combine_reason``), the
+  construction-time choice (``TwoHopKernelPath.decide``) and the engine capacity rounding;
 - argument checks of ``TwoHopEngine`` that run before any GPU work, and Buffer's
   ``backend="nvshmem"`` + ``ranks_per_node`` on a machine without CUDA.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
-from rank_cases import make_routing
+from support.rank_cases import make_routing
 
 import ep_comm
-from ep_comm.backends.nvshmem import two_hop_arrays
-from ep_comm.backends.torch_dist import TorchDistTransport
+from ep_comm.engines import two_hop_arrays
 from ep_comm.handle import DispatchHandle
-from ep_comm.hierarchical import exchange_node_plan, virtual_node_plans
+from ep_comm.hierarchical import exchange_node_plan
 from ep_comm.layout import compute_dispatch_layout
-from ep_comm.placement_map import ExpertPlacement
-from ep_comm.plan import build_send_plan
-from ep_comm.two_hop import (
-    MIN_TWO_HOP_CAPACITY,
-    TwoHopKernelHandle,
-    decide_two_hop,
-    two_hop_capacity,
-    two_hop_combine_reason,
-    two_hop_dispatch_reason,
-)
+from ep_comm.paths import CombineCall, DispatchCall, TwoHopKernelPath
+from ep_comm.paths.two_hop import MIN_TWO_HOP_CAPACITY, TwoHopKernelHandle, two_hop_capacity
+from ep_comm.placement import ExpertPlacement
+from ep_comm.plan import build_send_plan, virtual_node_plans
+from ep_comm.transports.torch_dist import TorchDistTransport
 
 SHAPES = [(2, 2), (4, 1), (1, 4)]
 
@@ -52,7 +48,7 @@ def _plan_fields(plan) -> list[torch.Tensor]:
 
 
 def _exchange_case(rank: int, world: int, group, per_node: int, seed: int, corrupt: bool):
-    from ep_comm.backends.node_groups import create_node_transports
+    from ep_comm.transports.node_groups import create_node_transports
 
     tokens, masks = _routes(world, seed)
     flat = TorchDistTransport(group, 30.0, torch.device("cpu"), f"two_hop_path/{per_node}/{seed}")
@@ -96,6 +92,26 @@ def _x(n: int = 4, h: int = 16, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.zeros(n, h, dtype=dtype)
 
 
+def _path(generation: int = 0, row_bytes: int = 0) -> TwoHopKernelPath:
+    """A path whose engine is at ``generation`` with rows of up to ``row_bytes`` (0: none made)."""
+    path = TwoHopKernelPath(None, torch.device("cpu"), None, None, 2, 1.0, 1)
+    path.generation = generation
+    if row_bytes:
+        path.engine = types.SimpleNamespace(row_bytes=row_bytes)  # the one engine fact the choice reads
+    return path
+
+
+def two_hop_dispatch_reason(x, topk_idx, topk_weights, codec, masked):
+    mask = torch.zeros(4, 2, dtype=torch.bool)
+    call = DispatchCall(x, topk_idx, topk_weights, mask, ExpertPlacement.contiguous(4, 2), codec, masked, 20)
+    return _path().dispatch_reason(call)
+
+
+def two_hop_combine_reason(handle, x, topk_weights, num_biases, codec, masked, generation, row_bytes):
+    call = CombineCall(handle, x, topk_weights, (x,) * num_biases, codec, masked)
+    return _path(generation, row_bytes).combine_reason(call)
+
+
 def test_dispatch_reason() -> None:
     idx, w = torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2)
     assert two_hop_dispatch_reason(_x(), idx, w, "none", False) is None
@@ -133,11 +149,12 @@ def test_combine_reason() -> None:
 
 
 def test_construction_decision_and_capacity() -> None:
-    assert decide_two_hop(True, "cuda", 2, [True] * 4).enabled
-    assert "NVSHMEM" in decide_two_hop(False, "cuda", 2, [True] * 4).reason
-    assert "cpu" in decide_two_hop(True, "cpu", 2, [True] * 4).reason
-    assert "at most 8" in decide_two_hop(True, "cuda", 16, [True] * 16).reason
-    assert "[1, 3]" in decide_two_hop(True, "cuda", 2, [True, False, True, False]).reason
+    decide = TwoHopKernelPath.decide
+    assert decide(True, "cuda", 2, [True] * 4) is None
+    assert "NVSHMEM" in decide(False, "cuda", 2, [True] * 4)
+    assert "cpu" in decide(True, "cpu", 2, [True] * 4)
+    assert "at most 8" in decide(True, "cuda", 16, [True] * 16)
+    assert "[1, 3]" in decide(True, "cuda", 2, [True, False, True, False])
     assert two_hop_capacity(0) == two_hop_capacity(1) == MIN_TWO_HOP_CAPACITY
     assert two_hop_capacity(MIN_TWO_HOP_CAPACITY + 1) == 2 * MIN_TWO_HOP_CAPACITY
     assert two_hop_capacity(1000) == 1024 and two_hop_capacity(1024) == 1024
@@ -145,7 +162,7 @@ def test_construction_decision_and_capacity() -> None:
 
 # -- argument checks ----------------------------------------------------------------------------
 def _engine_args(rank: int, world: int, group):
-    from ep_comm.backends.nvshmem import TwoHopEngine
+    from ep_comm.engines import TwoHopEngine
 
     placement = ExpertPlacement.contiguous(8, 4)
     errors = []
@@ -189,7 +206,7 @@ def _host_engine(rank: int, nodes: int, per_node: int, placement: ExpertPlacemen
                  x_bytes: int, num_topk: int):
     """A one-PE-per-process ``TwoHopEngine`` without NVSHMEM: only the attributes its host code
     reads (the launches are replayed in Python by the test)."""
-    from ep_comm.backends.nvshmem import TimeoutRecord, TwoHopEngine, TwoHopRows
+    from ep_comm.engines import TimeoutRecord, TwoHopEngine, TwoHopRows
 
     eng = object.__new__(TwoHopEngine)
     eng.per_process, eng.rank, eng.device = True, rank, torch.device("cpu")
@@ -204,7 +221,7 @@ def _host_engine(rank: int, nodes: int, per_node: int, placement: ExpertPlacemen
 @pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 1), (1, 4)])
 def test_per_process_host_code_matches_reference(nodes: int, per_node: int) -> None:
     from ep_comm import reference
-    from ep_comm.backends.nvshmem import TwoHopRows
+    from ep_comm.engines import TwoHopRows
 
     world, experts, k, hidden, seed = nodes * per_node, 16, 3, 24, 9
     placement = ExpertPlacement.contiguous(experts, world)

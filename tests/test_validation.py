@@ -1,4 +1,4 @@
-"""Bad input: every check of DESIGN.md §3 "Errors" is a ValueError that names the argument."""
+"""Bad input: every check listed under "Errors" in docs/design.md is a ValueError that names the argument."""
 from __future__ import annotations
 
 import pytest

@@ -11,8 +11,10 @@ def codec_kernels(device: torch.device):
     codecs then run on the CPU, or as torch operations)."""
     if device.type != "cuda":
         return None
+    from .._build import load_cuda
+
     try:
-        from ep_comm import _cuda
+        _cuda = load_cuda()
     except ImportError:
         return None
     if not (hasattr(_cuda, "lossless_encode") and hasattr(_cuda, "fp8_quantize")):

@@ -32,11 +32,11 @@ except ImportError:  # pragma: no cover - the host build is part of every instal
 # The most values per chunk that default_chunk_values gives (encode's chunking when none is asked).
 DEFAULT_CHUNK_VALUES = 65536
 # Chunk size for messages coded on a GPU (the dispatch/combine path, codec="auto"'s measurement).
-# One warp codes a chunk, sequentially: on an H200 a full wave of 64K-value chunks took 2.6 ms to
-# decode (bench/codec_gpu.py, 2026-11-30), so a message of fewer chunks than a wave (8,448 warps)
-# takes about that long whatever its size. 8K-value chunks cut that 8-fold (estimated; not yet
-# measured: bench/codec_device_api.py sweeps it) for 0.9% more bytes on real activations and
-# weights (5.6% on gradients' much smaller blobs; 64x7168 messages, measured on the CPU).
+# One warp codes a chunk, sequentially, so a message with fewer chunks than one wave of warps
+# takes as long to decode as a full wave of chunks of that size, whatever the message's size;
+# smaller chunks should shorten that time in proportion (not yet measured), for a few more bytes
+# per blob. docs/gpu.md has the measured wave time and byte cost; bench/codec_device_api.py sweeps
+# the chunk size.
 DEVICE_MESSAGE_CHUNK_VALUES = 8192
 MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24

@@ -10,7 +10,7 @@ naming the call. Whether every rank opened every handle is agreed over the group
 raise together instead of some of them hanging in a kernel later.
 
 Same-process peers (virtual ranks of one GPU test) do not come here: they use plain tensors
-(``ep_comm.backends.intranode_engine.PeerBuffers`` with ``group=None``).
+(``ep_comm.engines.intranode.PeerBuffers`` with ``group=None``).
 """
 from __future__ import annotations
 

@@ -9,9 +9,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..placement_map import ExpertPlacement
+from ..placement import ExpertPlacement
 from .cuda_ipc import IpcPeerBuffers
-from .nvshmem_common import NvshmemSettings, TimeoutRecord, _cuda, _host, _KernelTimer, _ptr, _stream, init_nvshmem
+from .runtime import (
+    KernelTimer,
+    NvshmemSettings,
+    TimeoutRecord,
+    cuda_module,
+    host_module,
+    init_nvshmem,
+    ptr_or_none,
+    stream_handle,
+)
 
 
 class PeerBuffers:
@@ -28,7 +37,7 @@ class PeerBuffers:
 
     def __init__(self, nbytes: int, num_ranks: int, device: torch.device,
                  group: dist.ProcessGroup | None, settings: NvshmemSettings | None) -> None:
-        self.cuda = _cuda()
+        self.cuda = cuda_module()
         self.symmetric = 0
         self._tensors: list[torch.Tensor] = []
         if group is None:
@@ -92,7 +101,7 @@ class IntranodeEngine:
             raise ValueError("ring_slots must be >= 8")
         if not 1 <= num_topk <= 32:
             raise ValueError(f"num_topk must be in [1, 32], got {num_topk}")
-        self.cuda, host = _cuda(), _host()
+        self.cuda, host = cuda_module(), host_module()
         self.num_ranks, self.placement, self.device = num_ranks, placement, torch.device(device)
         self.num_topk, self.num_channels, self.timeout_ns = num_topk, num_channels, int(timeout_s * 1e9)
         self.max_local = int(placement.num_local_experts.max())
@@ -117,8 +126,8 @@ class IntranodeEngine:
 
     def _common(self) -> dict:
         self.barrier_value += 1
-        return {"peers": self.buffers.peers, "expert_to_rank": _ptr(self.e2r),
-                "expert_to_local": _ptr(self.e2l), "num_ranks": self.num_ranks,
+        return {"peers": self.buffers.peers, "expert_to_rank": ptr_or_none(self.e2r),
+                "expert_to_local": ptr_or_none(self.e2l), "num_ranks": self.num_ranks,
                 "num_channels": self.num_channels, "max_local_experts": self.max_local,
                 "num_experts": self.placement.num_experts, "num_topk": self.num_topk,
                 "ring_slots": self.ring_slots, "row_bytes": self.row_bytes,
@@ -143,13 +152,13 @@ class IntranodeEngine:
         per_node = torch.empty(nodes, dtype=torch.int32, device=self.device) if nodes else None
         per_expert = torch.empty(e, dtype=torch.int32, device=self.device)
         mask = torch.empty(n, r, dtype=torch.bool, device=self.device)
-        self.cuda.dispatch_layout({"topk_idx": _ptr(topk), "expert_to_rank": _ptr(self.e2r),
+        self.cuda.dispatch_layout({"topk_idx": ptr_or_none(topk), "expert_to_rank": ptr_or_none(self.e2r),
                                    "num_tokens": n, "num_topk": topk.shape[1], "num_experts": e,
                                    "num_ranks": r, "ranks_per_node": ranks_per_node,
-                                   "num_tokens_per_rank": _ptr(per_rank),
-                                   "num_tokens_per_rdma_rank": _ptr(per_node),
-                                   "num_tokens_per_expert": _ptr(per_expert),
-                                   "is_token_in_rank": _ptr(mask)}, _stream(self.device))
+                                   "num_tokens_per_rank": ptr_or_none(per_rank),
+                                   "num_tokens_per_rdma_rank": ptr_or_none(per_node),
+                                   "num_tokens_per_expert": ptr_or_none(per_expert),
+                                   "is_token_in_rank": ptr_or_none(mask)}, stream_handle(self.device))
         return per_rank, per_node, per_expert, mask
 
     def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
@@ -175,10 +184,10 @@ class IntranodeEngine:
             rec.reset()
         common = self._common()
         self.cuda.intranode_notify(common, [
-            {"rank": rank, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": _ptr(layouts[i][3]),
-             "num_tokens_per_expert": _ptr(layouts[i][2]), "meta": _ptr(metas[i]),
+            {"rank": rank, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": ptr_or_none(layouts[i][3]),
+             "num_tokens_per_expert": ptr_or_none(layouts[i][2]), "meta": ptr_or_none(metas[i]),
              "record": self.records[i].ptr} for i, rank in enumerate(self.local_ranks)],
-            _stream(self.device))
+            stream_handle(self.device))
         self._finish()
         metas_cpu = [m.cpu() for m in metas]
         outs, ranks = [], []
@@ -203,17 +212,17 @@ class IntranodeEngine:
                             x_scales[i].to(torch.float32).contiguous() if x_scales else None)
             outs.append(out)
             keep = out["_keep"]
-            ranks.append({"rank": rank, "num_tokens": x.shape[0], "x": _ptr(keep[0]),
-                          "x_scales": _ptr(keep[3]),
-                          "topk_idx": _ptr(keep[1]), "topk_weights": _ptr(keep[2]),
-                          "is_token_in_rank": _ptr(layouts[i][3]), "meta": _ptr(metas[i]),
-                          "recv_x": _ptr(out["recv_x"]), "recv_scales": _ptr(out["recv_scales"]),
-                          "recv_topk_idx": _ptr(out["recv_topk_idx"]),
-                          "recv_topk_weights": _ptr(out["recv_topk_weights"]),
-                          "recv_src_idx": _ptr(out["recv_src_idx"]), "record": self.records[i].ptr})
-        with _KernelTimer(self.device) as timer:
+            ranks.append({"rank": rank, "num_tokens": x.shape[0], "x": ptr_or_none(keep[0]),
+                          "x_scales": ptr_or_none(keep[3]),
+                          "topk_idx": ptr_or_none(keep[1]), "topk_weights": ptr_or_none(keep[2]),
+                          "is_token_in_rank": ptr_or_none(layouts[i][3]), "meta": ptr_or_none(metas[i]),
+                          "recv_x": ptr_or_none(out["recv_x"]), "recv_scales": ptr_or_none(out["recv_scales"]),
+                          "recv_topk_idx": ptr_or_none(out["recv_topk_idx"]),
+                          "recv_topk_weights": ptr_or_none(out["recv_topk_weights"]),
+                          "recv_src_idx": ptr_or_none(out["recv_src_idx"]), "record": self.records[i].ptr})
+        with KernelTimer(self.device) as timer:
             self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads,
-                                         _stream(self.device))
+                                         stream_handle(self.device))
         self._finish()
         self.last_kernel_ms = timer.ms
         for out in outs:
@@ -241,15 +250,15 @@ class IntranodeEngine:
                                                     device=self.device)
             keep.append((x, w))
             outs.append((cx, cw))
-            ranks.append({"rank": rank, "num_tokens": h.num_tokens, "x": _ptr(x), "topk_weights": _ptr(w),
-                          "is_token_in_rank": _ptr(h.is_token_in_rank), "meta": _ptr(h.meta),
-                          "combined_x": _ptr(cx), "combined_topk_weights": _ptr(cw),
+            ranks.append({"rank": rank, "num_tokens": h.num_tokens, "x": ptr_or_none(x), "topk_weights": ptr_or_none(w),
+                          "is_token_in_rank": ptr_or_none(h.is_token_in_rank), "meta": ptr_or_none(h.meta),
+                          "combined_x": ptr_or_none(cx), "combined_topk_weights": ptr_or_none(cw),
                           "record": self.records[i].ptr})
         for rec in self.records:
             rec.reset()
-        with _KernelTimer(self.device) as timer:
+        with KernelTimer(self.device) as timer:
             self.cuda.intranode_combine(self._common(), ranks, hidden,
-                                        0 if dtype == torch.bfloat16 else 1, _stream(self.device))
+                                        0 if dtype == torch.bfloat16 else 1, stream_handle(self.device))
         self._finish()
         self.last_kernel_ms = timer.ms
         return outs

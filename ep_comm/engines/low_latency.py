@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError
-from ..placement_map import ExpertPlacement
-from .intranode_engine import PeerBuffers, _group_size
-from .nvshmem_common import NvshmemSettings, TimeoutRecord, _cuda, _host, _ptr, _stream
+from ..placement import ExpertPlacement
+from .intranode import PeerBuffers, _group_size
+from .runtime import NvshmemSettings, TimeoutRecord, cuda_module, host_module, ptr_or_none, stream_handle
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class LowLatencyEngine:
             raise ValueError(f"the low-latency engine runs 1..8 ranks per process, got {num_ranks}")
         if hidden % 128:
             raise ValueError(f"hidden must be a multiple of 128, got {hidden}")
-        self.cuda, host = _cuda(), _host()
+        self.cuda, host = cuda_module(), host_module()
         self.num_ranks, self.placement, self.device = num_ranks, placement, torch.device(device)
         self.max_tokens, self.hidden, self.num_topk = max_tokens, hidden, num_topk
         self.max_local = int(placement.num_local_experts.max())
@@ -80,7 +80,7 @@ class LowLatencyEngine:
 
     def _common(self) -> dict:
         return {"peers": self.buffers.peers, "symmetric_base": self.buffers.symmetric or None,
-                "expert_to_rank": _ptr(self.e2r), "expert_to_local": _ptr(self.e2l),
+                "expert_to_rank": ptr_or_none(self.e2r), "expert_to_local": ptr_or_none(self.e2l),
                 "num_ranks": self.num_ranks, "num_experts": self.placement.num_experts,
                 "max_local_experts": self.max_local, "num_topk": self.num_topk,
                 "max_tokens": self.max_tokens, "hidden": self.hidden, "timeout_ns": self.timeout_ns}
@@ -119,7 +119,7 @@ class LowLatencyEngine:
             self.barrier_round += 1
             self.cuda.launch_bounded_barrier(self.buffers.symmetric + self.barrier_offset, self.num_ranks,
                                              self.local_ranks[0], self.barrier_round, self.timeout_ns,
-                                             self.records[0].ptr, _stream(self.device))
+                                             self.records[0].ptr, stream_handle(self.device))
 
     def close(self) -> None:
         """Frees the buffers (collective over the PEs with a group)."""
@@ -170,12 +170,12 @@ class LowLatencyEngine:
             ranks.append(self._rank(i, rank, x, topk, None, res, None))
         launch = LowLatencyLaunch(ranks, (use_fp8, round_scale, use_ue8m0), keep)
         self._before_send()
-        self.cuda.low_latency_dispatch_send(self._common(), ranks, *launch.flags, _stream(self.device))
+        self.cuda.low_latency_dispatch_send(self._common(), ranks, *launch.flags, stream_handle(self.device))
         return results, launch
 
     def finish_dispatch(self, launch: LowLatencyLaunch) -> None:
         """Launches the receive phase, waits for it and raises what the kernels recorded."""
-        self.cuda.low_latency_dispatch_recv(self._common(), launch.ranks, *launch.flags, _stream(self.device))
+        self.cuda.low_latency_dispatch_recv(self._common(), launch.ranks, *launch.flags, stream_handle(self.device))
         self._check()
 
     def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor], use_fp8: bool = False,
@@ -188,11 +188,11 @@ class LowLatencyEngine:
     def _rank(self, i: int, rank: int, x: torch.Tensor, topk: torch.Tensor,
               weights: torch.Tensor | None, res: LowLatencyResult, combined: torch.Tensor | None) -> dict:
         return {"rank": rank, "num_tokens": topk.shape[0],
-                "num_local_experts": int(self.placement.num_local_experts[rank]), "x": _ptr(x),
-                "topk_idx": _ptr(topk), "topk_weights": _ptr(weights), "recv_x": _ptr(res.recv_x),
-                "recv_scales": _ptr(res.recv_scales), "recv_count": _ptr(res.recv_count),
-                "recv_src_info": _ptr(res.recv_src_info), "recv_topk_slot": _ptr(res.recv_topk_slot),
-                "layout_range": _ptr(res.layout_range), "combined_x": _ptr(combined),
+                "num_local_experts": int(self.placement.num_local_experts[rank]), "x": ptr_or_none(x),
+                "topk_idx": ptr_or_none(topk), "topk_weights": ptr_or_none(weights), "recv_x": ptr_or_none(res.recv_x),
+                "recv_scales": ptr_or_none(res.recv_scales), "recv_count": ptr_or_none(res.recv_count),
+                "recv_src_info": ptr_or_none(res.recv_src_info), "recv_topk_slot": ptr_or_none(res.recv_topk_slot),
+                "layout_range": ptr_or_none(res.layout_range), "combined_x": ptr_or_none(combined),
                 "record": self.records[i].ptr}
 
     def start_combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
@@ -216,12 +216,12 @@ class LowLatencyEngine:
             ranks.append(self._rank(i, rank, x, topk, w, handles[i], out))
         launch = LowLatencyLaunch(ranks, (False, False, False), keep)
         self._before_send()
-        self.cuda.low_latency_combine_send(self._common(), ranks, _stream(self.device))
+        self.cuda.low_latency_combine_send(self._common(), ranks, stream_handle(self.device))
         return results, launch
 
     def finish_combine(self, launch: LowLatencyLaunch) -> None:
         """Launches the receive (weighted sum), waits for it and raises what the kernels recorded."""
-        self.cuda.low_latency_combine_recv(self._common(), launch.ranks, _stream(self.device))
+        self.cuda.low_latency_combine_recv(self._common(), launch.ranks, stream_handle(self.device))
         self._check()
 
     def combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],

@@ -14,16 +14,19 @@ from ..errors import CommTimeoutError
 _TIMED_OUT, _OVERFLOW = 1, 2
 
 
-def _cuda():
+def cuda_module():
+    """``ep_comm._cuda``, its NVSHMEM host library loaded first (``_build.load_cuda``)."""
+    from .._build import load_cuda
+
     try:
-        from .. import _cuda
+        _cuda = load_cuda()
     except ImportError as error:
         raise RuntimeError(f"the nvshmem backend needs ep_comm._cuda, which is not built "
                            f"({error})") from error
     return _cuda
 
 
-def _host():
+def host_module():
     from .. import _host
     return _host
 
@@ -31,24 +34,24 @@ def _host():
 def available() -> bool:
     """True when the kernels are built and a CUDA device is visible."""
     try:
-        _cuda()
+        cuda_module()
     except RuntimeError:
         return False
     return torch.cuda.is_available()
 
 
-def _stream(device: torch.device) -> int:
+def stream_handle(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-class _KernelTimer:
+class KernelTimer:
     """CUDA events around the data-moving launches; ``ms`` after the stream synchronised."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.start = self.end = None
 
-    def __enter__(self) -> "_KernelTimer":
+    def __enter__(self) -> "KernelTimer":
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
         self.start.record(torch.cuda.current_stream(self.device))
@@ -62,7 +65,7 @@ class _KernelTimer:
         return float(self.start.elapsed_time(self.end))
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr_or_none(t: torch.Tensor | None) -> int | None:
     return None if t is None else int(t.data_ptr())
 
 
@@ -70,9 +73,9 @@ class TimeoutRecord:
     """The kernels' timeout record (``csrc/common/timeout.h``) in pinned, device-mapped memory."""
 
     def __init__(self) -> None:
-        fields = _host().timeout_record_fields
+        fields = host_module().timeout_record_fields
         self.fields = dict(fields)
-        self.phases = {int(k): str(v) for k, v in _host().timeout_phase_names.items()}
+        self.phases = {int(k): str(v) for k, v in host_module().timeout_phase_names.items()}
         self.words = torch.zeros(int(fields["words"]), dtype=torch.int32,
                                  pin_memory=torch.cuda.is_available())
 
@@ -133,7 +136,7 @@ _NVSHMEM_STATE: dict[str, int] = {}
 
 def init_nvshmem(group: dist.ProcessGroup, settings: NvshmemSettings | None = None) -> tuple[int, int]:
     """Initialises NVSHMEM once per process over ``group``; returns ``(my_pe, n_pes)``."""
-    cuda = _cuda()
+    cuda = cuda_module()
     if not cuda.nvshmem_built():
         raise RuntimeError(f"ep_comm._cuda was built without NVSHMEM ({cuda.nvshmem_reason})")
     if _NVSHMEM_STATE:

@@ -1,5 +1,5 @@
 """``TwoHopEngine``: node-aware (two-hop) normal dispatch/combine (``csrc/cuda/internode_two_hop*.cu``)
-over NVSHMEM symmetric memory, one PE per process (``ep_comm/two_hop.py`` drives it for
+over NVSHMEM symmetric memory, one PE per process (``ep_comm/paths/two_hop.py`` drives it for
 ``Buffer(ranks_per_node=P)``) or virtual ranks of one PE.
 """
 from __future__ import annotations
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..handle import NodePlan
-from ..placement_map import ExpertPlacement
-from .nvshmem_common import NvshmemSettings, TimeoutRecord, _cuda, _host, _ptr, _stream, init_nvshmem
+from ..placement import ExpertPlacement
+from ..plan import NodePlan
+from .runtime import NvshmemSettings, TimeoutRecord, cuda_module, host_module, init_nvshmem, ptr_or_none, stream_handle
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -217,7 +217,7 @@ class TwoHopEngine:
         if max_tokens <= 0 or max_x_bytes <= 0 or num_topk <= 0:
             raise ValueError(f"max_tokens ({max_tokens}), max_x_bytes ({max_x_bytes}) and num_topk "
                              f"({num_topk}) must be positive")
-        self.cuda, host = _cuda(), _host()
+        self.cuda, host = cuda_module(), host_module()
         self.num_ranks, self.ranks_per_node = num_ranks, ranks_per_node
         self.num_nodes = num_ranks // ranks_per_node
         self.placement, self.device = placement, torch.device(device)
@@ -328,8 +328,8 @@ class TwoHopEngine:
             send[:, fmt.weights_offset:fmt.src_offset] = w.view(torch.uint8)
         send[:, fmt.src_offset:fmt.src_offset + 4] = tokens.to(torch.int32).unsqueeze(1).view(torch.uint8)
         recv = torch.empty(handle.num_recv, fmt.payload_bytes, dtype=torch.uint8, device=self.device)
-        args = {"rank": rank, "node_peers": self._node_peers(rank), "send_rows": _ptr(send),
-                **{k: _ptr(v) for k, v in arrays.items()}, "recv_rows": _ptr(recv),
+        args = {"rank": rank, "node_peers": self._node_peers(rank), "send_rows": ptr_or_none(send),
+                **{k: ptr_or_none(v) for k, v in arrays.items()}, "recv_rows": ptr_or_none(recv),
                 "num_recv_rows": handle.num_recv, "record": self.records[rank if not self.per_process else 0].ptr}
         return args, handle, (send, recv, arrays)
 
@@ -359,8 +359,8 @@ class TwoHopEngine:
         Returns:
             per rank a :class:`TwoHopDispatchResult`, bit-identical to a flat dispatch.
         """
-        from ..hierarchical import virtual_node_plans
         from ..layout import compute_dispatch_layout
+        from ..plan import virtual_node_plans
 
         if self.per_process:
             raise ValueError("this engine runs one rank per process: call dispatch_rank")
@@ -379,7 +379,7 @@ class TwoHopEngine:
                    for r in range(self.num_ranks)]
         for record in self.records:
             record.reset()
-        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [e[0] for e in entries], _stream(self.device))
+        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [e[0] for e in entries], stream_handle(self.device))
         self._finish()
         return [self._unpack(r, keep[1], fmt, handle, dtype, hidden, topk_weights[r] is not None)
                 for r, (_, handle, keep) in enumerate(entries)]
@@ -407,7 +407,7 @@ class TwoHopEngine:
         send = self._staging_rows(int(plan.rail_plan.token_index.numel()), fmt.payload_bytes)
         args, handle, keep = self._dispatch_entry(self.rank, plan, x, topk_idx, topk_weights, fmt, send)
         self.records[0].reset()
-        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [args], _stream(self.device))
+        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [args], stream_handle(self.device))
         self._finish()
         return self._unpack(self.rank, keep[1], fmt, handle, x.dtype, x.shape[1], topk_weights is not None)
 
@@ -427,12 +427,12 @@ class TwoHopEngine:
                                   device=self.device)
         cx = torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device)
         cw = torch.empty(h.num_tokens, num_w, dtype=torch.float32, device=self.device) if weights is not None else None
-        args = {"rank": rank, "node_peers": self._node_peers(rank), "x": _ptr(rows),
-                "ret_row": _ptr(h.ret_row), "ret_offsets": _ptr(h.ret_offsets),
-                "rail_offsets": _ptr(h.rail_offsets), "red_offsets": _ptr(h.red_offsets),
-                "red_stage_row": _ptr(h.red_stage_row), "partial": _ptr(partial),
-                "src_offsets": _ptr(h.src_offsets), "src_stage_row": _ptr(h.src_stage_row),
-                "num_tokens": h.num_tokens, "combined_x": _ptr(cx), "combined_weights": _ptr(cw),
+        args = {"rank": rank, "node_peers": self._node_peers(rank), "x": ptr_or_none(rows),
+                "ret_row": ptr_or_none(h.ret_row), "ret_offsets": ptr_or_none(h.ret_offsets),
+                "rail_offsets": ptr_or_none(h.rail_offsets), "red_offsets": ptr_or_none(h.red_offsets),
+                "red_stage_row": ptr_or_none(h.red_stage_row), "partial": ptr_or_none(partial),
+                "src_offsets": ptr_or_none(h.src_offsets), "src_stage_row": ptr_or_none(h.src_stage_row),
+                "num_tokens": h.num_tokens, "combined_x": ptr_or_none(cx), "combined_weights": ptr_or_none(cw),
                 "record": self.records[rank if not self.per_process else 0].ptr}
         return args, (rows, partial, cx, cw)
 
@@ -454,7 +454,7 @@ class TwoHopEngine:
             record.reset()
         fmt = {"hidden": x.shape[1], "dtype": 0 if x.dtype == torch.bfloat16 else 1, "num_weights": num_w,
                "weights_offset": layout[1]}
-        self.cuda.two_hop_combine(self._common(layout[2]), fmt, args, _stream(self.device))
+        self.cuda.two_hop_combine(self._common(layout[2]), fmt, args, stream_handle(self.device))
         self._finish()
 
     def combine(self, xs: list[torch.Tensor], handles: list[TwoHopHandle],

@@ -1,20 +1,12 @@
-"""The fused-kernel path of ``Buffer`` on NVIDIA: one process per rank, all ranks on one node.
+"""The fused-kernel path on NVIDIA: one process per rank, all ranks on one host.
 
-Everywhere else a backend only moves bytes and ``normal.py`` / ``low_latency.py`` do the routing.
-Here the CUDA kernels do layout, packing and sending together (``IntranodeEngine`` over CUDA IPC
-peer buffers for normal mode, ``LowLatencyEngine`` over NVSHMEM symmetric memory for low-latency
-mode), so this is a separate path, chosen in one place:
-
-- ``plan_kernels`` decides once, at ``Buffer`` construction, which engines may run at all;
-- ``FusedKernels.*_reason`` decide per call (``None`` = take the fused path, else why not), from
-  the pure functions ``normal_dispatch_reason`` / ``normal_combine_reason`` /
-  ``low_latency_dispatch_reason``.
-
-Every input of those decisions is the same on every rank (shapes, dtypes, codec, masked ranks,
-engine generation), so all ranks take the same path. Codecs (``fp8``/``lossless``), cached
-dispatches, biases, float64 weights, masked ranks and sizes the kernels cannot take go through the
-flat transport path (``NvshmemTransport``). A dispatch handle made here is a complete
-``DispatchHandle``, so its combine or cached dispatch may also take the transport path.
+The CUDA kernels do layout, packing and sending together: ``engines.intranode.IntranodeEngine``
+over CUDA IPC peer buffers for normal mode, ``engines.low_latency.LowLatencyEngine`` over NVSHMEM
+symmetric memory for low-latency mode. :meth:`FusedKernelPath.decide` says at ``Buffer``
+construction whether each mode may run here at all; the ``*_reason`` methods decide per call.
+Codecs (``fp8``/``lossless``), cached dispatches, biases, float64 weights, masked ranks and sizes
+the kernels cannot take go to the flat path. A dispatch handle made here is a complete
+``DispatchHandle``, so its combine or cached dispatch may also run flat.
 """
 from __future__ import annotations
 
@@ -25,12 +17,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .handle import DispatchHandle, LowLatencyReceiveState
-from .low_latency import LowLatencyDispatchOutput
-from .normal import DispatchOutput
-from .placement_map import ExpertPlacement
-from .plan import build_send_plan
-from .stats import CommStats
+from ..handle import DispatchHandle, LowLatencyReceiveState
+from ..low_latency import LowLatencyDispatchOutput
+from ..normal import DispatchOutput
+from ..placement import ExpertPlacement
+from ..plan import build_send_plan
+from ..stats import CommStats
+from .base import (
+    CombineCall,
+    DispatchCall,
+    LowLatencyCombineCall,
+    LowLatencyDispatchCall,
+    Path,
+)
 
 MAX_FUSED_RANKS = 8
 """Ranks one intranode / low-latency launch addresses (``kMaxRanks`` in launchers.h)."""
@@ -54,95 +53,11 @@ class KernelCapabilities:
     hostnames: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class KernelPlan:
-    """Which fused engines a Buffer may use, and why not when it may not."""
-
-    intranode: bool
-    low_latency: bool
-    reason: str = ""
-
-
-def plan_kernels(caps: KernelCapabilities) -> KernelPlan:
-    """Normal mode through ``IntranodeEngine`` and low-latency mode through ``LowLatencyEngine``
-    when the NVSHMEM transport was chosen, the kernels are built, the Buffer is on a CUDA device,
-    and 1..8 ranks share one host; otherwise neither."""
-    def no(reason: str) -> KernelPlan:
-        return KernelPlan(False, False, reason)
-
-    if caps.transport != "nvshmem":
-        return no(f"the {caps.transport} transport moves bytes only")
-    if not caps.cuda_built:
-        return no("ep_comm._cuda is not built")
-    if caps.device_type != "cuda":
-        return no(f"the Buffer's device is {caps.device_type}, not cuda")
-    if not 1 <= len(caps.hostnames) <= MAX_FUSED_RANKS:
-        return no(f"{len(caps.hostnames)} ranks: the fused kernels address at most {MAX_FUSED_RANKS}")
-    hosts = sorted(set(caps.hostnames))
-    if len(hosts) > 1:
-        return no(f"the ranks span {len(hosts)} hosts ({', '.join(hosts)}); the fused kernels need one")
-    if not caps.nvshmem_built:
-        return KernelPlan(True, False, "low-latency kernels need NVSHMEM, which is not built")
-    return KernelPlan(True, True)
-
-
 def gather_hostnames(group: dist.ProcessGroup) -> tuple[str, ...]:
     """Every rank's hostname, in rank order (collective)."""
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, socket.gethostname(), group=group)
     return tuple(str(h) for h in out)
-
-
-def normal_dispatch_reason(x: object, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                           codec: str, masked: bool) -> str | None:
-    """``None`` when a normal dispatch can run fused, else the reason it cannot."""
-    if masked:
-        return "ranks are masked"
-    if codec != "none":
-        return f"codec {codec!r} runs on the transport path"
-    if topk_idx is None:
-        return "no topk_idx"
-    if topk_idx.shape[1] > MAX_FUSED_TOPK or topk_idx.shape[1] < 1:
-        return f"num_topk {topk_idx.shape[1]} outside [1, {MAX_FUSED_TOPK}]"
-    if topk_weights is not None and topk_weights.dtype != torch.float32:
-        return f"topk_weights is {topk_weights.dtype}; the kernels carry float32"
-    q = x[0] if isinstance(x, tuple) else x
-    if (q.shape[1] * q.element_size()) % 16:  # type: ignore[union-attr]
-        return "rows are not a multiple of 16 bytes"
-    return None
-
-
-def normal_combine_reason(handle: DispatchHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                   num_biases: int, codec: str, masked: bool, generation: int,
-                   max_hidden_bytes: int) -> str | None:
-    """``None`` when a normal combine can run fused, else the reason it cannot."""
-    kernel = handle.kernel
-    if masked:
-        return "ranks are masked"
-    if not isinstance(kernel, FusedNormalHandle) or kernel.generation != generation:
-        return "the dispatch did not run on the current fused engine"
-    if codec != "none":
-        return f"codec {codec!r} runs on the transport path"
-    if num_biases:
-        return "bias is added on the transport path (one rounding, as there)"
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        return f"the combine kernel sums bfloat16 or float32, x is {x.dtype}"
-    row = x.shape[1] * x.element_size()
-    if row % 16 or row > max_hidden_bytes:
-        return f"rows of {row} bytes do not fit the engine ({max_hidden_bytes})"
-    if topk_weights is not None and (topk_weights.dtype != torch.float32
-                                     or topk_weights.shape[1] != kernel.num_topk):
-        return "topk_weights must be float32 [M, K] of the dispatch's K"
-    return None
-
-
-def low_latency_dispatch_reason(hidden: int, masked: bool) -> str | None:
-    """``None`` when a low-latency dispatch can run fused, else the reason it cannot."""
-    if masked:
-        return "ranks are masked"
-    if hidden % 128:
-        return f"hidden {hidden} is not a multiple of 128"
-    return None
 
 
 @dataclass(frozen=True)
@@ -183,21 +98,72 @@ def _nonnull(t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
 
-class FusedKernels:
-    """The engines of one Buffer, made on first use and remade (collectively) when a call needs
-    other sizes. ``generation`` counts remakes; handles of an older engine combine on the
-    transport path (normal mode) or are rejected (low-latency mode)."""
+class FusedKernelPath(Path):
+    """The fused engines of one Buffer, made on first use and remade (collectively) when a call
+    needs other sizes. The generations count remakes; handles of an older engine combine on the
+    flat path (normal mode) or are rejected (low-latency mode).
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, plan: KernelPlan,
-                 timeout_s: float) -> None:
-        self.group, self.device, self.plan, self.timeout_s = group, device, plan, timeout_s
-        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    Args:
+        unavailable: why normal mode cannot run here (None: it can).
+        low_latency_unavailable: why low-latency mode cannot run here (None: it can).
+    """
+
+    name = "fused kernels"
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float, buffer_id: int,
+                 unavailable: str | None = None, low_latency_unavailable: str | None = None) -> None:
+        super().__init__(unavailable if unavailable is not None and low_latency_unavailable is not None else None)
+        self.normal_unavailable, self.low_latency_unavailable = unavailable, low_latency_unavailable
+        self.group, self.device, self.timeout_s, self.buffer_id = group, device, timeout_s, buffer_id
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.num_ranks = dist.get_world_size(group) if group is not None else 1
         self.intranode = None
         self.intranode_key: tuple = ()
         self.intranode_generation = 0
+        self.intranode_row_bytes = 0
         self.low_latency = None
         self.low_latency_key: tuple = ()
         self.low_latency_generation = 0
+
+    def mode_unavailable(self, mode: str) -> str | None:
+        return self.low_latency_unavailable if mode.startswith("low_latency") else self.normal_unavailable
+
+    @staticmethod
+    def decide(caps: KernelCapabilities) -> tuple[str | None, str | None]:
+        """``(why normal mode cannot run, why low-latency mode cannot run)``, None where it can:
+        both need the NVSHMEM transport, the kernels built, a CUDA device, and 1..8 ranks on one
+        host; low-latency mode also needs NVSHMEM built in."""
+        if caps.transport != "nvshmem":
+            no = f"the {caps.transport} transport moves bytes only"
+        elif not caps.cuda_built:
+            no = "ep_comm._cuda is not built"
+        elif caps.device_type != "cuda":
+            no = f"the Buffer's device is {caps.device_type}, not cuda"
+        elif not 1 <= len(caps.hostnames) <= MAX_FUSED_RANKS:
+            no = f"{len(caps.hostnames)} ranks: the fused kernels address at most {MAX_FUSED_RANKS}"
+        elif len(set(caps.hostnames)) > 1:
+            hosts = sorted(set(caps.hostnames))
+            no = f"the ranks span {len(hosts)} hosts ({', '.join(hosts)}); the fused kernels need one"
+        else:
+            no = None
+        if no is not None:
+            return no, no
+        return None, (None if caps.nvshmem_built else "low-latency kernels need NVSHMEM, which is not built")
+
+    @classmethod
+    def build(cls, group: dist.ProcessGroup, device: torch.device, transport: str, timeout_s: float,
+              buffer_id: int) -> FusedKernelPath:
+        """Decides what may run here (collective: all-gathers the hostnames on the NVSHMEM
+        transport) and returns the path; no engine is made yet."""
+        if transport != "nvshmem":
+            caps = KernelCapabilities(transport, False, False, device.type, ())
+        else:
+            from ..engines.runtime import cuda_module
+
+            caps = KernelCapabilities(transport, True, bool(cuda_module().nvshmem_built()), device.type,
+                                      gather_hostnames(group))
+        normal_no, low_latency_no = cls.decide(caps)
+        return cls(group, device, timeout_s, buffer_id, normal_no, low_latency_no)
 
     # -- engines ---------------------------------------------------------------------------------
     def _retire(self, engine: object) -> None:
@@ -206,22 +172,23 @@ class FusedKernels:
 
     def _intranode_engine(self, placement: ExpertPlacement, num_topk: int, row_bytes: int,
                           num_scales: int, num_channels: int):
-        from .backends.nvshmem import IntranodeEngine
+        from ..engines import IntranodeEngine
 
         key = (tuple(placement.expert_to_rank.tolist()), num_topk, num_scales, num_channels)
-        if self.intranode is not None and self.intranode_key[:4] == key and self.intranode_key[4] >= row_bytes:
+        if self.intranode is not None and self.intranode_key == key and self.intranode_row_bytes >= row_bytes:
             return self.intranode
         self._retire(self.intranode)
         self.intranode = None
+        self.intranode_row_bytes = 0
         self.intranode = IntranodeEngine(self.num_ranks, placement, self.device, num_topk, row_bytes,
                                          num_channels=num_channels, timeout_s=self.timeout_s,
                                          max_scales=num_scales, group=self.group)
-        self.intranode_key = (*key, row_bytes)
+        self.intranode_key, self.intranode_row_bytes = key, row_bytes
         self.intranode_generation += 1
         return self.intranode
 
     def _low_latency_engine(self, placement: ExpertPlacement, max_tokens: int, hidden: int, num_topk: int):
-        from .backends.nvshmem import LowLatencyEngine
+        from ..engines import LowLatencyEngine
 
         key = (tuple(placement.expert_to_rank.tolist()), max_tokens, hidden, num_topk)
         if self.low_latency is not None and self.low_latency_key == key:
@@ -234,42 +201,79 @@ class FusedKernels:
         self.low_latency_generation += 1
         return self.low_latency
 
-    @property
-    def intranode_max_hidden_bytes(self) -> int:
-        return int(self.intranode_key[4]) if self.intranode is not None else 0
-
-    # -- per-call choice (the one place the fused path is chosen) --------------------------------
-    def dispatch_reason(self, x: object, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                        codec: str, masked: bool) -> str | None:
-        if not self.plan.intranode:
-            return self.plan.reason
-        return normal_dispatch_reason(x, topk_idx, topk_weights, codec, masked)
-
-    def combine_reason(self, handle: DispatchHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                       num_biases: int, codec: str, masked: bool) -> str | None:
-        if not self.plan.intranode or self.intranode is None:
-            return self.plan.reason or "no intranode engine"
-        return normal_combine_reason(handle, x, topk_weights, num_biases, codec, masked,
-                                     self.intranode_generation, self.intranode_max_hidden_bytes)
-
-    def low_latency_reason(self, hidden: int, masked: bool) -> str | None:
-        if not self.plan.low_latency:
-            return self.plan.reason
-        return low_latency_dispatch_reason(hidden, masked)
-
     def close(self) -> None:
         """Releases the engines' buffers (collective)."""
         self._retire(self.intranode)
         self._retire(self.low_latency)
         self.intranode = self.low_latency = None
+        self.intranode_row_bytes = 0
+
+    # -- per-call choice -------------------------------------------------------------------------
+    def dispatch_reason(self, call: DispatchCall) -> str | None:
+        if self.normal_unavailable is not None:
+            return self.normal_unavailable
+        if call.masked:
+            return "ranks are masked"
+        if call.codec != "none":
+            return f"codec {call.codec!r} runs on the flat path"
+        topk_idx, topk_weights = call.topk_idx, call.topk_weights
+        if topk_idx is None:
+            return "no topk_idx"
+        if topk_idx.shape[1] > MAX_FUSED_TOPK or topk_idx.shape[1] < 1:
+            return f"num_topk {topk_idx.shape[1]} outside [1, {MAX_FUSED_TOPK}]"
+        if topk_weights is not None and topk_weights.dtype != torch.float32:
+            return f"topk_weights is {topk_weights.dtype}; the kernels carry float32"
+        q = call.x[0] if isinstance(call.x, tuple) else call.x
+        if (q.shape[1] * q.element_size()) % 16:
+            return "rows are not a multiple of 16 bytes"
+        return None
+
+    def combine_reason(self, call: CombineCall) -> str | None:
+        if self.normal_unavailable is not None:
+            return self.normal_unavailable
+        kernel, x, topk_weights = call.handle.kernel, call.x, call.topk_weights
+        if call.masked:
+            return "ranks are masked"
+        if (not isinstance(kernel, FusedNormalHandle) or kernel.generation != self.intranode_generation
+                or self.intranode_row_bytes == 0):
+            return "the dispatch did not run on the current fused engine"
+        if call.codec != "none":
+            return f"codec {call.codec!r} runs on the flat path"
+        if call.biases:
+            return "bias is added on the flat path (one rounding, as there)"
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return f"the combine kernel sums bfloat16 or float32, x is {x.dtype}"
+        row = x.shape[1] * x.element_size()
+        if row % 16 or row > self.intranode_row_bytes:
+            return f"rows of {row} bytes do not fit the engine ({self.intranode_row_bytes})"
+        if topk_weights is not None and (topk_weights.dtype != torch.float32
+                                         or topk_weights.shape[1] != kernel.num_topk):
+            return "topk_weights must be float32 [M, K] of the dispatch's K"
+        return None
+
+    def low_latency_dispatch_reason(self, call: LowLatencyDispatchCall) -> str | None:
+        if self.low_latency_unavailable is not None:
+            return self.low_latency_unavailable
+        if call.masked:
+            return "ranks are masked"
+        if call.x.shape[1] % 128:
+            return f"hidden {call.x.shape[1]} is not a multiple of 128"
+        return None
+
+    def low_latency_combine_reason(self, call: LowLatencyCombineCall) -> str | None:
+        if self.low_latency_unavailable is not None:
+            return self.low_latency_unavailable
+        if not isinstance(call.handle.kernel, FusedLowLatencyHandle):
+            return "the dispatch did not run on the fused kernels"
+        return None
 
     # -- normal mode -----------------------------------------------------------------------------
-    def dispatch(self, buffer_id: int, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                 topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, placement: ExpertPlacement,
-                 num_channels: int) -> DispatchOutput:
+    def dispatch(self, call: DispatchCall) -> DispatchOutput:
         """A normal dispatch through the intranode kernels (see ``normal.dispatch`` for shapes)."""
-        from .backends.nvshmem import _host
+        from ..engines.runtime import host_module
 
+        x, topk_idx, topk_weights, placement = call.x, call.topk_idx, call.topk_weights, call.placement
+        num_channels = max(1, call.num_sms // 2)
         dev = self.device
         scales = scales_f32 = None
         if isinstance(x, tuple):
@@ -296,12 +300,12 @@ class FusedKernels:
         counts = torch.tensor(out["num_recv_tokens_per_expert"][:num_local], dtype=torch.int64)
         recv_counts = out["recv_counts"]
         handle = DispatchHandle(
-            buffer_id=buffer_id, send_plan=build_send_plan(mask), recv_counts=recv_counts,
+            buffer_id=self.buffer_id, send_plan=build_send_plan(mask), recv_counts=recv_counts,
             is_token_in_rank=mask, num_tokens=int(payload.shape[0]), num_recv_tokens=int(recv_counts.sum()),
             num_worst_tokens=0, hidden=hidden, num_experts=placement.num_experts,
             recv_src_token_index=out["recv_src_idx"].to(torch.int64),
             kernel=FusedNormalHandle(self.intranode_generation, out["handle"], int(topk.shape[1])))
-        row = int(_host().routing_row_layout(hidden_bytes, num_scales, int(topk.shape[1]), True,
+        row = int(host_module().routing_row_layout(hidden_bytes, num_scales, int(topk.shape[1]), True,
                                              weights is not None, True)["row_bytes"])
         sent = [int(n) * row for n in per_rank.tolist()]
         recv = [int(n) * row for n in recv_counts.tolist()]
@@ -309,18 +313,18 @@ class FusedKernels:
                           extra={"fused_kernels": 1.0, "kernel_ms": engine.last_kernel_ms})
         return DispatchOutput(recv_x, out["recv_topk_idx"], out["recv_topk_weights"], counts, handle, stats)
 
-    def combine(self, handle: DispatchHandle, x: torch.Tensor, topk_weights: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
+    def combine(self, call: CombineCall) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
         """A normal combine through the intranode kernels (``combine_reason`` said yes)."""
-        from .backends.nvshmem import _host
+        from ..engines.runtime import host_module
 
+        handle, x, topk_weights = call.handle, call.x, call.topk_weights
         kernel = handle.kernel
         assert isinstance(kernel, FusedNormalHandle) and self.intranode is not None
         m = handle.num_recv_tokens
         rows = x[:m].to(self.device).contiguous()
         weights = None if topk_weights is None else _nonnull(topk_weights[:m].to(self.device).contiguous())
         combined, combined_w = self.intranode.combine([rows], [kernel.inner], [weights])[0]
-        row = int(_host().routing_row_layout(rows.shape[1] * rows.element_size(), 0, kernel.num_topk,
+        row = int(host_module().routing_row_layout(rows.shape[1] * rows.element_size(), 0, kernel.num_topk,
                                              False, weights is not None, False)["row_bytes"])
         sent = [int(n) * row for n in handle.recv_counts.tolist()]
         recv = [int(n) * row for n in handle.send_plan.splits()]
@@ -329,15 +333,15 @@ class FusedKernels:
         return combined, combined_w, stats
 
     # -- low-latency mode ------------------------------------------------------------------------
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
-                             placement: ExpertPlacement, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                             receive_area: tuple[torch.Tensor, ...]) -> LowLatencyDispatchOutput:
+    def low_latency_dispatch(self, call: LowLatencyDispatchCall) -> LowLatencyDispatchOutput:
         """Queues the send kernel; the output's ``receive()`` runs the receive kernel (see
         ``low_latency.dispatch`` for shapes). Its ``kernel`` goes into the ``LowLatencyHandle``."""
-        from .backends.nvshmem import _host
+        from ..engines.runtime import host_module
 
-        x = x.to(self.device).contiguous()
-        topk = topk_idx.to(self.device, torch.int64).contiguous()
+        use_fp8, round_scale, use_ue8m0 = call.use_fp8, call.round_scale, call.use_ue8m0
+        receive_area, placement, max_tokens = call.receive_area, call.placement, call.max_tokens
+        x = call.x.to(self.device).contiguous()
+        topk = call.topk_idx.to(self.device, torch.int64).contiguous()
         hidden = int(x.shape[1])
         engine = self._low_latency_engine(placement, max_tokens, hidden, int(topk.shape[1]))
         if receive_area[0].device != self.device:
@@ -349,7 +353,7 @@ class FusedKernels:
         recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (
             (receive_area[0], receive_area[1]) if use_fp8 else receive_area[0])
         state = LowLatencyReceiveState()
-        wire_row = int(_host().routing_ll_row(hidden, use_fp8)[2])
+        wire_row = int(host_module().routing_ll_row(hidden, use_fp8)[2])
         r = self.num_ranks
         stats = CommStats("low_latency_dispatch", "fp8" if use_fp8 else "none", [0] * r, [0] * r,
                           [0] * r, [0] * r, rank=self.rank, extra={"fused_kernels": 1.0})
@@ -371,11 +375,10 @@ class FusedKernels:
 
         return LowLatencyDispatchOutput(recv_x, res.recv_count, state, receive, stats, kernel=kernel)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            kernel: object, out: torch.Tensor | None
-                            ) -> tuple[Callable[[], torch.Tensor], CommStats]:
+    def low_latency_combine(self, call: LowLatencyCombineCall) -> tuple[Callable[[], torch.Tensor], CommStats]:
         """Queues the combine's send kernel; the callable runs the receive and gives ``[N, H]``
         bf16 (``out`` when given)."""
+        x, topk_idx, topk_weights, kernel, out = call.x, call.topk_idx, call.topk_weights, call.handle.kernel, call.out
         if not isinstance(kernel, FusedLowLatencyHandle) or kernel.generation != self.low_latency_generation \
                 or self.low_latency is None:
             raise ValueError("handle: its low-latency buffer was replaced by a later dispatch with other "

@@ -1,26 +1,20 @@
 """The two-hop kernel path of a node-aware ``Buffer`` on NVIDIA (``ranks_per_node=P`` with the
-NVSHMEM transport): normal dispatch/combine through ``backends.two_hop_engine.TwoHopEngine``, one NVSHMEM
+NVSHMEM transport): normal dispatch/combine through ``engines.two_hop.TwoHopEngine``, one NVSHMEM
 PE per process, each process driving its own rank.
 
-Chosen in one place, as ``fused.py`` does for the single-node kernels:
-
-- ``TwoHopKernels.__init__`` decides once, at ``Buffer`` construction (collectively), whether the
-  engine may run at all (``TwoHopPlan``): kernels built with NVSHMEM, a CUDA device,
-  ``P <= 8`` and every rank's node peers load/store reachable through NVSHMEM;
-- ``TwoHopKernels.dispatch_reason`` / ``combine_reason`` decide per call (``None`` = take the
-  kernels, else why not) from the pure functions ``two_hop_dispatch_reason`` /
-  ``two_hop_combine_reason``, whose inputs are the same on every rank.
-
+:meth:`TwoHopKernelPath.build` decides once, at ``Buffer`` construction (collectively), whether
+the engine may run at all: kernels built with NVSHMEM, a CUDA device, ``P <= 8`` and every rank's
+node peers load/store reachable through NVSHMEM. The ``*_reason`` methods decide per call.
 Everything else (codecs, FP8 tuple input, no ``topk_idx``, float64 weights, biases, cached
-dispatches, a combine of a handle from an older engine) runs ``hierarchical.py`` over the node
-transports (``torch.distributed`` subgroups of the user's group): the same two-hop routing and
-results, without the kernels. Masked ranks make the Buffer flat (``Buffer.mask_ranks``).
+dispatches, a combine of a handle from an older engine) goes to the node-aware path
+(``hierarchical.py`` over ``torch.distributed`` subgroups): the same two-hop routing and results,
+without the kernels. Masked ranks make the Buffer flat.
 
 Counts before the kernels: the kernels' index arrays need this rank's ``NodePlan`` on the host, so
 ``hierarchical.exchange_node_plan`` runs three small host-synchronous collectives first: one over
 the Buffer's flat transport (every rank's ``N``, which sizes the engine identically everywhere, and
 the forwarders' rail counts) and two over the rail and node subgroups (target masks, forward
-tables). The subgroups already exist for the fallback path and their exchanges need no symmetric
+tables). The subgroups already exist for the node-aware path and their exchanges need no symmetric
 memory of their own; the flat one must reach every rank, because ``nvshmem_malloc`` is collective
 over all PEs and every rank must make the same engine.
 """
@@ -31,25 +25,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .backends.base import Transport
-from .handle import DispatchHandle
-from .normal import DispatchOutput
-from .placement_map import ExpertPlacement
-from .plan import build_send_plan
-from .stats import CommStats
+from ..handle import DispatchHandle
+from ..normal import DispatchOutput
+from ..placement import ExpertPlacement
+from ..plan import build_send_plan
+from ..stats import CommStats
+from ..transports.base import Transport
+from ..transports.node_groups import NodeTransports
+from .base import CombineCall, DispatchCall, Path
+from .node_aware import MASKED
 
 MAX_TWO_HOP_RANKS_PER_NODE = 8
 """``kMaxNodeRanks`` of csrc/cuda_bindings/two_hop_launch.h."""
 MIN_TWO_HOP_CAPACITY = 64
 """Smallest per-rank token capacity an engine is made with (capacities grow in powers of two)."""
-
-
-@dataclass(frozen=True)
-class TwoHopPlan:
-    """Whether a Buffer may run the two-hop kernels at all, and why not when it may not."""
-
-    enabled: bool
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,108 +60,77 @@ def two_hop_capacity(max_tokens: int) -> int:
     return max(MIN_TWO_HOP_CAPACITY, 1 << max(int(max_tokens) - 1, 0).bit_length())
 
 
-def two_hop_dispatch_reason(x: object, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                            codec: str, masked: bool) -> str | None:
-    """``None`` when a node-aware dispatch can run on the two-hop kernels, else why not."""
-    if masked:
-        return "ranks are masked"
-    if codec != "none":
-        return f"codec {codec!r} runs on hierarchical.py"
-    if isinstance(x, tuple):
-        return "FP8 tuple input (scales) runs on hierarchical.py"
-    if topk_idx is None:
-        return "no topk_idx"
-    if topk_idx.shape[1] < 1:
-        return "num_topk is 0"
-    if topk_weights is not None and topk_weights.dtype != torch.float32:
-        return f"topk_weights is {topk_weights.dtype}; the kernels carry float32"
-    return None
-
-
-def two_hop_combine_reason(handle: DispatchHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                           num_biases: int, codec: str, masked: bool, generation: int,
-                           row_bytes: int) -> str | None:
-    """``None`` when a node-aware combine can run on the two-hop kernels, else why not.
-    ``row_bytes`` is the current engine's row capacity (0: no engine)."""
-    kernel = handle.kernel
-    if masked:
-        return "ranks are masked"
-    if not isinstance(kernel, TwoHopKernelHandle) or kernel.generation != generation:
-        return "the dispatch did not run on the current two-hop engine"
-    if codec != "none":
-        return f"codec {codec!r} runs on hierarchical.py"
-    if num_biases:
-        return "bias is added on hierarchical.py (one rounding, as there)"
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        return f"the combine kernel sums bfloat16 or float32, x is {x.dtype}"
-    num_w = 0
-    if topk_weights is not None:
-        if topk_weights.dtype != torch.float32:
-            return f"topk_weights is {topk_weights.dtype}; the kernels sum float32"
-        num_w = int(topk_weights.shape[1])
-    x_bytes = x.shape[1] * x.element_size()
-    payload = _align16(_align16(x_bytes) + 4 * num_w)
-    if payload > row_bytes:
-        return f"combine rows of {payload} bytes exceed the engine's {row_bytes}"
-    return None
-
-
 def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def decide_two_hop(nvshmem_built: bool, device_type: str, ranks_per_node: int,
-                   reachable: list[bool]) -> TwoHopPlan:
-    """The construction-time decision from its inputs (``reachable``: every rank's node peers
-    load/store reachable, in rank order)."""
-    if not nvshmem_built:
-        return TwoHopPlan(False, "ep_comm._cuda was built without NVSHMEM")
-    if device_type != "cuda":
-        return TwoHopPlan(False, f"the Buffer's device is {device_type}, not cuda")
-    if not 1 <= ranks_per_node <= MAX_TWO_HOP_RANKS_PER_NODE:
-        return TwoHopPlan(False, f"ranks_per_node={ranks_per_node}: the two-hop kernels address at most "
-                                 f"{MAX_TWO_HOP_RANKS_PER_NODE} ranks per node")
-    missing = [r for r, ok in enumerate(reachable) if not ok]
-    if missing:
-        return TwoHopPlan(False, f"ranks {missing} cannot reach their node peers' NVSHMEM memory "
-                                 f"(nvshmem_ptr is null)")
-    return TwoHopPlan(True)
-
-
-class TwoHopKernels:
+class TwoHopKernelPath(Path):
     """The two-hop engine of one Buffer, made on first use and remade (collectively, on every
     rank at once) when a call needs more tokens, wider rows, another ``K`` or placement.
-    ``generation`` counts remakes; handles of an older engine combine on ``hierarchical.py``.
+    ``generation`` counts remakes; handles of an older engine combine on the node-aware path.
 
-    Construction is collective over ``group`` (it all-gathers whether each rank reaches its node
-    peers through the flat transport's symmetric buffer).
+    Args:
+        groups: the Buffer's node transports; transport: its flat transport (NVSHMEM).
+        unavailable: why the engine cannot run on this Buffer (None: it can).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, transport: Transport,
-                 ranks_per_node: int, timeout_s: float) -> None:
-        from .backends.nvshmem import _cuda
+    name = "two-hop kernels"
 
-        self.group, self.device, self.transport = group, device, transport
-        self.ranks_per_node, self.timeout_s = ranks_per_node, timeout_s
-        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        cuda = _cuda()
-        built = bool(cuda.nvshmem_built())
-        mine = False
-        if built and device.type == "cuda":
-            first = self.rank // ranks_per_node * ranks_per_node
-            base = int(getattr(transport, "symmetric", 0))
-            mine = bool(base) and all(int(cuda.nvshmem_ptr(base, pe)) != 0
-                                      for pe in range(first, first + ranks_per_node))
-        gathered: list[object] = [None] * self.num_ranks
-        dist.all_gather_object(gathered, mine, group=group)
-        self.plan = decide_two_hop(built, device.type, ranks_per_node, [bool(v) for v in gathered])
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, transport: Transport | None,
+                 groups: NodeTransports | None, ranks_per_node: int, timeout_s: float, buffer_id: int,
+                 unavailable: str | None = None) -> None:
+        super().__init__(unavailable)
+        self.group, self.device, self.transport, self.groups = group, device, transport, groups
+        self.ranks_per_node, self.timeout_s, self.buffer_id = ranks_per_node, timeout_s, buffer_id
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.num_ranks = dist.get_world_size(group) if group is not None else ranks_per_node
         self.engine = None
         self.key: tuple = ()
         self.generation = 0
 
+    @staticmethod
+    def decide(nvshmem_built: bool, device_type: str, ranks_per_node: int, reachable: list[bool]) -> str | None:
+        """Why the engine cannot run (None: it can), from the construction-time facts
+        (``reachable``: every rank's node peers load/store reachable, in rank order)."""
+        if not nvshmem_built:
+            return "ep_comm._cuda was built without NVSHMEM"
+        if device_type != "cuda":
+            return f"the Buffer's device is {device_type}, not cuda"
+        if not 1 <= ranks_per_node <= MAX_TWO_HOP_RANKS_PER_NODE:
+            return (f"ranks_per_node={ranks_per_node}: the two-hop kernels address at most "
+                    f"{MAX_TWO_HOP_RANKS_PER_NODE} ranks per node")
+        missing = [r for r, ok in enumerate(reachable) if not ok]
+        if missing:
+            return f"ranks {missing} cannot reach their node peers' NVSHMEM memory (nvshmem_ptr is null)"
+        return None
+
+    @classmethod
+    def build(cls, group: dist.ProcessGroup, device: torch.device, transport: Transport, groups: NodeTransports,
+              ranks_per_node: int, timeout_s: float, buffer_id: int) -> TwoHopKernelPath:
+        """Decides whether the engine may run here (collective over ``group``: all-gathers whether
+        each rank reaches its node peers through the flat transport's symmetric buffer)."""
+        if transport.name != "nvshmem":
+            return cls(group, device, transport, groups, ranks_per_node, timeout_s, buffer_id,
+                       f"the {transport.name} transport moves bytes only")
+        from ..engines.runtime import cuda_module
+
+        rank = dist.get_rank(group)
+        cuda = cuda_module()
+        built = bool(cuda.nvshmem_built())
+        mine = False
+        if built and device.type == "cuda":
+            first = rank // ranks_per_node * ranks_per_node
+            base = int(getattr(transport, "symmetric", 0))
+            mine = bool(base) and all(int(cuda.nvshmem_ptr(base, pe)) != 0
+                                      for pe in range(first, first + ranks_per_node))
+        gathered: list[object] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        why = cls.decide(built, device.type, ranks_per_node, [bool(v) for v in gathered])
+        return cls(group, device, transport, groups, ranks_per_node, timeout_s, buffer_id, why)
+
     # -- engine ----------------------------------------------------------------------------------
     def _engine(self, placement: ExpertPlacement, num_topk: int, x_bytes: int, max_tokens: int):
-        from .backends.nvshmem import TwoHopEngine
+        from ..engines import TwoHopEngine
 
         capacity = two_hop_capacity(max_tokens)
         e2r = tuple(placement.expert_to_rank.tolist())
@@ -188,6 +146,7 @@ class TwoHopKernels:
 
     @property
     def row_bytes(self) -> int:
+        """The current engine's row capacity in bytes (0: no engine)."""
         return int(self.engine.row_bytes) if self.engine is not None else 0
 
     def close(self) -> None:
@@ -196,35 +155,56 @@ class TwoHopKernels:
             self.engine.close()
             self.engine = None
 
-    # -- per-call choice (the one place the two-hop kernels are chosen) --------------------------
-    def dispatch_reason(self, x: object, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                        codec: str, masked: bool) -> str | None:
-        if not self.plan.enabled:
-            return self.plan.reason
-        return two_hop_dispatch_reason(x, topk_idx, topk_weights, codec, masked)
+    def ranks_changed(self, transport: Transport) -> None:
+        self.unavailable = self.unavailable or MASKED
 
-    def combine_reason(self, handle: DispatchHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                       num_biases: int, codec: str, masked: bool) -> str | None:
-        if not self.plan.enabled or self.engine is None:
-            return self.plan.reason or "no two-hop engine"
-        return two_hop_combine_reason(handle, x, topk_weights, num_biases, codec, masked,
-                                      self.generation, self.row_bytes)
+    # -- per-call choice -------------------------------------------------------------------------
+    def dispatch_reason(self, call: DispatchCall) -> str | None:
+        if call.masked:
+            return "ranks are masked"
+        if call.codec != "none":
+            return f"codec {call.codec!r} runs on the node-aware path"
+        if isinstance(call.x, tuple):
+            return "FP8 tuple input (scales) runs on the node-aware path"
+        if call.topk_idx is None:
+            return "no topk_idx"
+        if call.topk_idx.shape[1] < 1:
+            return "num_topk is 0"
+        if call.topk_weights is not None and call.topk_weights.dtype != torch.float32:
+            return f"topk_weights is {call.topk_weights.dtype}; the kernels carry float32"
+        return None
+
+    def combine_reason(self, call: CombineCall) -> str | None:
+        kernel, x, topk_weights = call.handle.kernel, call.x, call.topk_weights
+        if call.masked:
+            return "ranks are masked"
+        if not isinstance(kernel, TwoHopKernelHandle) or kernel.generation != self.generation or self.row_bytes == 0:
+            return "the dispatch did not run on the current two-hop engine"
+        if call.codec != "none":
+            return f"codec {call.codec!r} runs on the node-aware path"
+        if call.biases:
+            return "bias is added on the node-aware path (one rounding, as there)"
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return f"the combine kernel sums bfloat16 or float32, x is {x.dtype}"
+        num_w = 0
+        if topk_weights is not None:
+            if topk_weights.dtype != torch.float32:
+                return f"topk_weights is {topk_weights.dtype}; the kernels sum float32"
+            num_w = int(topk_weights.shape[1])
+        payload = _align16(_align16(x.shape[1] * x.element_size()) + 4 * num_w)
+        if payload > self.row_bytes:
+            return f"combine rows of {payload} bytes exceed the engine's {self.row_bytes}"
+        return None
 
     # -- calls -----------------------------------------------------------------------------------
-    def dispatch(self, buffer_id: int, groups: object, x: torch.Tensor, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor,
-                 placement: ExpertPlacement) -> DispatchOutput:
+    def dispatch(self, call: DispatchCall) -> DispatchOutput:
         """A node-aware dispatch on the kernels (``dispatch_reason`` said yes); same results and
-        handle fields as ``hierarchical.dispatch`` (see there for shapes), plus ``kernel``.
+        handle fields as ``hierarchical.dispatch`` (see there for shapes), plus ``kernel``."""
+        from ..hierarchical import exchange_node_plan
 
-        Args:
-            groups: the Buffer's ``NodeTransports``.
-            x: ``[N, H]`` any dtype. topk_idx: ``[N, K]`` int64. topk_weights: ``[N, K]`` float32
-                or None. is_token_in_rank: ``[N, R]`` bool.
-        """
-        from .hierarchical import exchange_node_plan
-
-        exchanged = exchange_node_plan(self.transport, groups, is_token_in_rank)  # type: ignore[arg-type]
+        x, topk_idx, topk_weights = call.x, call.topk_idx, call.topk_weights
+        is_token_in_rank, placement = call.is_token_in_rank, call.placement
+        exchanged = exchange_node_plan(self.transport, self.groups, is_token_in_rank)  # type: ignore[arg-type]
         plan = exchanged.plan
         payload = x.to(self.device).contiguous()
         topk = topk_idx.to(self.device, torch.int64).contiguous()
@@ -234,22 +214,22 @@ class TwoHopKernels:
         res = engine.dispatch_rank(payload, topk, weights, plan)
         counts = torch.tensor(res.num_recv_tokens_per_expert, dtype=torch.int64)
         handle = DispatchHandle(
-            buffer_id=buffer_id, send_plan=build_send_plan(is_token_in_rank), recv_counts=exchanged.recv_counts,
+            buffer_id=self.buffer_id, send_plan=build_send_plan(is_token_in_rank), recv_counts=exchanged.recv_counts,
             is_token_in_rank=is_token_in_rank, num_tokens=int(payload.shape[0]),
             num_recv_tokens=int(exchanged.recv_counts.sum()), num_worst_tokens=0, hidden=int(payload.shape[1]),
             num_experts=placement.num_experts, recv_src_token_index=res.recv_src_idx, node_plan=plan,
             kernel=TwoHopKernelHandle(self.generation, res.handle, int(topk.shape[1])))
         row = res.recv_x.shape[1] * res.recv_x.element_size()
-        from .backends.nvshmem import TwoHopRows
+        from ..engines import TwoHopRows
 
         stats = self._stats("dispatch", plan, TwoHopRows(row, int(topk.shape[1])).payload_bytes, forward=True)
         return DispatchOutput(res.recv_x, res.recv_topk_idx, res.recv_topk_weights, counts, handle, stats)
 
-    def combine(self, handle: DispatchHandle, x: torch.Tensor, topk_weights: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
+    def combine(self, call: CombineCall) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
         """A node-aware combine on the kernels (``combine_reason`` said yes): ``x [M, H]`` bf16 or
         float32, ``topk_weights [M, K]`` float32 or None; returns ``(combined [N, H]`` x's dtype,
         ``combined_weights [N, K]`` float32 or None, stats)."""
+        handle, x, topk_weights = call.handle, call.x, call.topk_weights
         kernel = handle.kernel
         assert isinstance(kernel, TwoHopKernelHandle) and self.engine is not None
         m = handle.num_recv_tokens

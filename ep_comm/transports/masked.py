@@ -7,8 +7,12 @@ masked ranks arrive as zeros (an empty low-latency block, a zero count).
 """
 from __future__ import annotations
 
-import torch
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeoutError
 from .base import PendingExchange, Transport
 
 
@@ -61,3 +65,30 @@ class MaskedTransport(Transport):
         full = torch.zeros_like(counts, device="cpu")
         full[self.live] = got
         return full
+
+
+def form_live_transport(group: dist.ProcessGroup, live: list[int], rank: int, timeout_s: float,
+                        device: torch.device, name: str) -> MaskedTransport:
+    """A ``MaskedTransport`` over a new group of the ``live`` ranks of ``group`` (collective over
+    them). ``name`` must be the same on every live rank and new for each formation: on gloo it
+    prefixes the store keys of a group made straight from the job's store, so a rank that stalled
+    and came back (and so made fewer groups than the survivors) still meets them.
+
+    Raises:
+        CommTimeoutError: the group could not be formed within ``timeout_s``.
+    """
+    from .torch_dist import TorchDistTransport
+
+    try:
+        if str(dist.get_backend(group)) == "gloo":
+            store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+            inner = TorchDistTransport.with_gloo_backend(store, live.index(rank), len(live), timeout_s, name)
+        else:
+            subgroup = dist.new_group(ranks=[dist.get_global_rank(group, r) for r in live],
+                                      timeout=timedelta(seconds=timeout_s), backend=str(dist.get_backend(group)),
+                                      use_local_synchronization=True)
+            inner = TorchDistTransport(subgroup, timeout_s, device, name)
+    except (RuntimeError, dist.DistError) as error:
+        raise CommTimeoutError(f"ep_comm: rank {rank} could not form a group of ranks {live} "
+                               f"within timeout_s={timeout_s:g}: {error}", peers=[], phase="mask_ranks") from error
+    return MaskedTransport(inner, live, dist.get_world_size(group), rank)

@@ -1,16 +1,8 @@
-"""NVIDIA backend: the compiled kernels of ``ep_comm._cuda`` behind small Python engines.
-
-- ``NvshmemTransport``: a ``Transport`` (byte all-to-all with GPU-initiated NVSHMEM puts and
-  signals), bootstrapped from the user's ``torch.distributed`` group by broadcasting the NVSHMEM
-  unique id over it. NVSHMEM settings are passed explicitly (``NvshmemSettings``).
-- ``IntranodeEngine``: normal-mode layout/dispatch/combine through peer buffers (NVLink peers
-  mapped with CUDA IPC, ``cuda_ipc.py``, or ``R`` virtual ranks of one process on one GPU for
-  tests), fused into the kernels of ``csrc/cuda/layout.cu`` and ``intranode.cu``.
-- ``LowLatencyEngine``: the low-latency kernels of ``csrc/cuda/low_latency.cu`` over NVSHMEM
-  symmetric memory (or virtual ranks).
-- ``TwoHopEngine``: node-aware (two-hop) normal dispatch/combine (``csrc/cuda/internode_two_hop*.cu``)
-  over NVSHMEM symmetric memory, one PE per process (``ep_comm/two_hop.py`` drives it for
-  ``Buffer(ranks_per_node=P)``) or virtual ranks of one PE.
+"""The NVSHMEM transport: a byte all-to-all with GPU-initiated NVSHMEM puts and signals
+(``csrc/cuda/internode.cu``), bootstrapped from the user's ``torch.distributed`` group by
+broadcasting the NVSHMEM unique id over it; NVSHMEM settings are passed explicitly
+(``engines.runtime.NvshmemSettings``). The kernel engines that also run on NVSHMEM memory live in
+``ep_comm.engines``.
 
 Buffer byte layouts are defined once in ``csrc/common/buffer_layout.h``; sizes are read through
 ``ep_comm._host`` so Python and the kernels agree. Every kernel wait is bounded: a timeout is
@@ -21,9 +13,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..engines.runtime import (
+    NvshmemSettings,
+    TimeoutRecord,
+    cuda_module,
+    host_module,
+    init_nvshmem,
+    ptr_or_none,
+    stream_handle,
+)
 from ..errors import CommTimeoutError
 from .base import PendingExchange, Transport
-from .nvshmem_common import NvshmemSettings, TimeoutRecord, _cuda, _host, _ptr, _stream, available, init_nvshmem
 
 
 class NvshmemTransport(Transport):
@@ -45,18 +45,18 @@ class NvshmemTransport(Transport):
             raise ValueError(f"backend='nvshmem' needs a CUDA device, got device={device} "
                              f"(CUDA available: {torch.cuda.is_available()})")
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
-        self.cuda = _cuda()
+        self.cuda = cuda_module()
         if slot_bytes is None:
             slot_bytes = max(num_rdma_bytes // max(self.num_ranks, 1), 1 << 20) if num_rdma_bytes else 16 << 20
         if settings is None:
-            total = _host().routing_exchange_layout(self.num_ranks, slot_bytes)[3]
+            total = host_module().routing_exchange_layout(self.num_ranks, slot_bytes)[3]
             extra = {"NVSHMEM_IBGDA_NUM_RC_PER_PE": str(num_qps_per_rank)} if num_qps_per_rank > 0 else {}
             settings = NvshmemSettings(symmetric_size=max(1 << 30, 2 * total), extra=extra)
         pe, n = init_nvshmem(group, settings)
         if n != self.num_ranks:
             raise ValueError(f"NVSHMEM has {n} PEs but the group has {self.num_ranks} ranks")
         self.pe = pe
-        _, _, self.slot_bytes, total = _host().routing_exchange_layout(self.num_ranks, slot_bytes)
+        _, _, self.slot_bytes, total = host_module().routing_exchange_layout(self.num_ranks, slot_bytes)
         self.symmetric = self.cuda.nvshmem_malloc(total)
         self.timeout_ns = int(timeout_s * 1e9)
         self.record = TimeoutRecord()
@@ -67,7 +67,7 @@ class NvshmemTransport(Transport):
         """Whether ``backend="auto"`` may pick this transport for ``group``: the kernels were
         built with NVSHMEM and this process sees a CUDA device."""
         try:
-            cuda = _cuda()
+            cuda = cuda_module()
         except RuntimeError:
             return False
         return bool(cuda.nvshmem_built()) and torch.cuda.is_available() and group is not None
@@ -95,11 +95,11 @@ class NvshmemTransport(Transport):
                                 recv_start + lo, (r_len - lo).clamp(0, self.slot_bytes)]).to(self.device)
             self.round_value += 1
             self.cuda.exchange_round({
-                "symmetric": self.symmetric, "slot_bytes": self.slot_bytes, "send": _ptr(send),
-                "send_offsets": _ptr(args[0]), "send_bytes": _ptr(args[1]), "recv": _ptr(recv),
-                "recv_offsets": _ptr(args[2]), "recv_bytes": _ptr(args[3]),
+                "symmetric": self.symmetric, "slot_bytes": self.slot_bytes, "send": ptr_or_none(send),
+                "send_offsets": ptr_or_none(args[0]), "send_bytes": ptr_or_none(args[1]), "recv": ptr_or_none(recv),
+                "recv_offsets": ptr_or_none(args[2]), "recv_bytes": ptr_or_none(args[3]),
                 "num_ranks": self.num_ranks, "my_pe": self.pe, "round_value": self.round_value,
-                "timeout_ns": self.timeout_ns, "record": self.record.ptr}, _stream(self.device))
+                "timeout_ns": self.timeout_ns, "record": self.record.ptr}, stream_handle(self.device))
             torch.cuda.current_stream(self.device).synchronize()
             self._check(phase)
         return PendingExchange(lambda: recv)
@@ -119,17 +119,4 @@ class NvshmemTransport(Transport):
             raise CommTimeoutError(f"{error} during {phase}", peers=error.peers, phase=phase) from None
 
 
-# ---- peer buffers: virtual ranks, or NVSHMEM symmetric memory ----------------------------------
-
-
-# The engines live in their own modules; re-exported here, the backend's public face.
-from .intranode_engine import IntranodeEngine, IntranodeHandle, PeerBuffers  # noqa: E402
-from .low_latency_engine import LowLatencyEngine, LowLatencyLaunch, LowLatencyResult  # noqa: E402
-from .two_hop_engine import MAX_NODE_RANKS, TwoHopDispatchResult, TwoHopEngine, TwoHopHandle, TwoHopRows, two_hop_arrays  # noqa: E402
-
-__all__ = [
-    "MAX_NODE_RANKS", "IntranodeEngine", "IntranodeHandle", "LowLatencyEngine", "LowLatencyLaunch",
-    "LowLatencyResult", "NvshmemSettings", "NvshmemTransport", "PeerBuffers", "TimeoutRecord",
-    "TwoHopDispatchResult", "TwoHopEngine", "TwoHopHandle", "TwoHopRows", "available", "init_nvshmem",
-    "two_hop_arrays",
-]
+__all__ = ["NvshmemTransport"]
