@@ -10,12 +10,13 @@ from .buffer import Buffer
 from .config import Config
 from .errors import CommTimeoutError
 from .event import EventHandle, EventOverlap
-from .handle import DispatchHandle, LowLatencyHandle
+from .handle import DispatchHandle, InternodeDispatchHandle, IntranodeDispatchHandle, LowLatencyHandle
 from .placement import ExpertPlacement
 from .stats import CommStats
 
 __all__ = [
     "Buffer", "CommStats", "CommTimeoutError", "Config", "DispatchHandle", "EventHandle",
-    "EventOverlap", "ExpertPlacement", "LowLatencyHandle", "build_info", "combine", "dispatch",
+    "EventOverlap", "ExpertPlacement", "InternodeDispatchHandle", "IntranodeDispatchHandle", "LowLatencyHandle",
+    "build_info", "combine", "dispatch",
 ]
 __version__ = "0.1.0"

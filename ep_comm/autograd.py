@@ -11,12 +11,11 @@ a Buffer is passed by its id, looked up in a registry of live Buffers. Gradients
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 
 import torch
 
 from .buffer import Buffer
-from .handle import DispatchHandle
+from .handle import DispatchHandle, DispatchState, OwnDispatchHandle
 from .plan import SendPlan
 from .validation import PAYLOAD_DTYPES, check_codec, check_nonneg_int, check_num_experts, require_tensor
 
@@ -33,12 +32,12 @@ def _buffer(buffer_id: int) -> Buffer:
 def _handle(buffer: Buffer, token_index: torch.Tensor, send_counts: torch.Tensor,
             recv_counts: torch.Tensor, num_tokens: int, hidden: int) -> DispatchHandle:
     num_recv = int(recv_counts.sum())
-    return DispatchHandle(
+    return OwnDispatchHandle((), DispatchState(
         buffer_id=buffer.buffer_id, send_plan=SendPlan(token_index, send_counts),
         recv_counts=recv_counts.cpu(), is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
         num_tokens=num_tokens, num_recv_tokens=num_recv, num_worst_tokens=0, hidden=hidden,
         num_experts=0, recv_src_token_index=torch.empty(0, dtype=torch.int64),
-        mask_epoch=buffer.mask_epoch)
+        mask_epoch=buffer.mask_epoch))
 
 
 # -- ep_comm::dispatch --------------------------------------------------------------------------
@@ -203,12 +202,12 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
     from .layout import align_up
 
-    handle = DispatchHandle(
+    handle = OwnDispatchHandle((), DispatchState(
         buffer_id=buffer.buffer_id, send_plan=SendPlan(token_index, send_counts),
         recv_counts=recv_counts, is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
         num_tokens=x.shape[0], num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0,
         hidden=x.shape[1], num_experts=num_experts,
-        recv_src_token_index=torch.empty(0, dtype=torch.int64), mask_epoch=buffer.mask_epoch)
+        recv_src_token_index=torch.empty(0, dtype=torch.int64), mask_epoch=buffer.mask_epoch))
     counts_list = align_up(counts.tolist(), expert_alignment)
     if num_worst_tokens > 0:
         rows = handle.num_recv_tokens
@@ -219,7 +218,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         recv_x = torch.nn.functional.pad(recv_x, (0, 0, 0, pad))
         recv_w = torch.nn.functional.pad(recv_w, (0, 0, 0, pad))
         recv_idx = torch.nn.functional.pad(recv_idx, (0, 0, 0, pad), value=-1)
-        handle = replace(handle, num_worst_tokens=num_worst_tokens)
+        handle = handle.with_state(num_worst_tokens=num_worst_tokens)
         counts_list = []
     from .event import EventOverlap
 

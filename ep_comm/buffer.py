@@ -8,11 +8,18 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from . import low_latency, normal
+from . import handle_entries, low_latency, normal
 from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
 from .event import EventHandle, EventOverlap, finish_event, wait_previous
-from .handle import DispatchHandle, LowLatencyHandle
+from .handle import (
+    DispatchHandle,
+    DispatchState,
+    InternodeDispatchHandle,
+    IntranodeDispatchHandle,
+    LowLatencyHandle,
+    LowLatencyState,
+)
 from .layout import NUM_MAX_NVL_PEERS, align_up, compute_dispatch_layout, drop_entries_of_ranks
 from .paths import (
     CachedDispatchCall,
@@ -372,7 +379,7 @@ class Buffer:
         if topk_idx is None:
             return self._dispatch_without_topk(x, num_tokens, is_token_in_rank, num_tokens_per_expert,
                                                topk_weights, expert_alignment, num_worst_tokens, codec_name,
-                                               async_finish, x_device)
+                                               async_finish, x_device, config)
         num_experts = self._infer_num_experts(num_tokens_per_expert)
         topk_idx = check_topk_idx(topk_idx, num_experts, x_device, num_tokens)
         if topk_weights is not None:
@@ -393,31 +400,48 @@ class Buffer:
         out = self._run("dispatch", DispatchCall(x, topk_idx, topk_weights, is_token_in_rank, placement, codec_name,
                                                  bool(self.masked_ranks), self.num_sms))
         self._record(out.stats, dropped)
-        return self._dispatch_result(out, out.counts_per_expert, expert_alignment, num_worst_tokens, async_finish)
+        return self._dispatch_result(out, out.counts_per_expert, expert_alignment, num_worst_tokens, async_finish,
+                                     config)
 
     def _dispatch_result(self, out: normal.DispatchOutput, counts_per_expert: torch.Tensor,
-                         expert_alignment: int, num_worst_tokens: int, async_finish: bool):
+                         expert_alignment: int, num_worst_tokens: int, async_finish: bool, config: Config | None):
         """A fresh dispatch's return tuple (padded to ``num_worst_tokens`` when > 0)."""
-        handle_out = replace(out.handle, mask_epoch=self.mask_epoch)
+        state = replace(out.handle, mask_epoch=self.mask_epoch)
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
         if num_worst_tokens > 0:
-            if handle_out.num_recv_tokens > num_worst_tokens:
+            if state.num_recv_tokens > num_worst_tokens:
                 raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the "
-                                 f"{handle_out.num_recv_tokens} tokens this rank received")
-            handle_out = replace(handle_out, num_worst_tokens=num_worst_tokens)
+                                 f"{state.num_recv_tokens} tokens this rank received")
+            state = replace(state, num_worst_tokens=num_worst_tokens)
             recv_x = normal.pad_rows(recv_x, num_worst_tokens)
             recv_topk = normal.pad_rows(recv_topk, num_worst_tokens, -1)
             recv_w = normal.pad_rows(recv_w, num_worst_tokens, 0)
             counts_list: list[int] = []
         else:
             counts_list = align_up(counts_per_expert.tolist(), expert_alignment)
+        handle_out = self._deep_ep_handle(state, (config.num_sms if config is not None else self.num_sms) // 2)
         event = finish_event(async_finish, self.device)
         return recv_x, recv_topk, recv_w, counts_list, handle_out, event
+
+    def _deep_ep_handle(self, state: DispatchState, num_channels: int) -> DispatchHandle:
+        """DeepEP's handle tuple of a dispatch (its entries on the Buffer's device). The per-rank
+        token counts the entries need come from the path, or from one more count exchange."""
+        if state.tokens_per_rank is None or (state.node_plan is None and state.count_matrix is None):
+            row = torch.tensor([*state.send_plan.send_counts.tolist(), state.num_tokens], dtype=torch.int64)
+            table = self.transport.exchange_counts(row.expand(self.group_size, -1).contiguous(),
+                                                   "dispatch/handle_counts")
+            state = replace(state, count_matrix=table[:, :-1], tokens_per_rank=table[:, -1])
+        if state.node_plan is not None:
+            entries, kind = handle_entries.internode_entries(state, num_channels, self.rank), InternodeDispatchHandle
+        else:
+            entries, kind = handle_entries.intranode_entries(state, num_channels), IntranodeDispatchHandle
+        device = state.is_token_in_rank.device
+        return kind(tuple(t.to(device) for t in entries), state)
 
     def _dispatch_without_topk(self, x, num_tokens: int, is_token_in_rank: torch.Tensor | None,
                                num_tokens_per_expert: torch.Tensor | None, topk_weights: torch.Tensor | None,
                                expert_alignment: int, num_worst_tokens: int, codec: str, async_finish: bool,
-                               x_device: torch.device):
+                               x_device: torch.device, config: Config | None):
         """DeepEP's dispatch from the layout alone: rows go where ``is_token_in_rank`` says;
         ``recv_topk_idx`` / ``recv_topk_weights`` are None and the per-expert counts are the
         senders' ``num_tokens_per_expert`` for this rank's experts, summed (one more exchange)."""
@@ -442,7 +466,7 @@ class Buffer:
         mine = normal.exchange_expert_counts(self.transport, placement, num_tokens_per_expert, self.masked_ranks)
         out.stats.num_collectives += 1
         self._record(out.stats)
-        return self._dispatch_result(out, mine, expert_alignment, num_worst_tokens, async_finish)
+        return self._dispatch_result(out, mine, expert_alignment, num_worst_tokens, async_finish, config)
 
     def _infer_num_experts(self, num_tokens_per_expert: torch.Tensor | None) -> int:
         if num_tokens_per_expert is not None:
@@ -460,7 +484,9 @@ class Buffer:
 
     def _check_handle(self, handle: object, name: str, kind: type = DispatchHandle) -> None:
         if not isinstance(handle, kind):
-            raise ValueError(f"{name} must be an ep_comm.{kind.__name__}, got {type(handle).__name__}")
+            made = " (a tuple built or sliced outside ep_comm is not one)" if isinstance(handle, (tuple, list)) else ""
+            raise ValueError(f"{name} must be the ep_comm.{kind.__name__} a dispatch of this Buffer returned"
+                             f"{made}, got {type(handle).__name__}")
         if handle.buffer_id != self.buffer_id:  # type: ignore[attr-defined]
             raise ValueError(f"{name} was made by another Buffer")
         if handle.mask_epoch != self.mask_epoch:  # type: ignore[attr-defined]
@@ -513,10 +539,10 @@ class Buffer:
     # -- low-latency mode ----------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False, *,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None):
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
         """Decode-time dispatch into fixed per-expert slots.
 
         Args:
@@ -557,10 +583,11 @@ class Buffer:
             bool(self.masked_ranks)))
         self._record(out.stats, dropped)
         handle = LowLatencyHandle(
-            buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
-            topk_idx=topk_idx.clone(), state=out.state, recv_count=out.recv_count,
-            mask_epoch=self.mask_epoch, kernel=out.kernel)
+            (out.recv_src_info, out.layout_range, num_max_dispatch_tokens_per_rank, int(x.shape[1]), num_experts),
+            LowLatencyState(buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                            hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
+                            topk_idx=topk_idx.clone(), receive=out.state, recv_count=out.recv_count,
+                            mask_epoch=self.mask_epoch, kernel=out.kernel))
 
         def receive() -> None:
             with self._waited(dispatch_wait_recv_cost_stats):
@@ -568,7 +595,7 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None and not handle.stats_added:
                 cumulative_local_expert_recv_stats.add_(out.recv_count.to(
                     cumulative_local_expert_recv_stats.dtype))
-                handle.stats_added = True
+                handle.state.stats_added = True
 
         hook: Callable[[], None] | None = receive
         if not return_recv_hook:
@@ -611,9 +638,9 @@ class Buffer:
                            device=handle.topk_idx.device)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, async_finish: bool = False,
-                            return_recv_hook: bool = False, *, zero_copy: bool = False,
-                            out: torch.Tensor | None = None, use_logfmt: bool = False,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None):
         """Returns expert outputs and reduces them with the top-k weights.
 
@@ -636,7 +663,7 @@ class Buffer:
             ``combined_x[i] = sum_k topk_weights[i, k] * x[expert of k][slot of i]``.
         """
         self._check_handle(handle, "handle", LowLatencyHandle)
-        if not handle.state.done:
+        if not handle.receive.done:
             raise ValueError("handle: the dispatch's receive hook has not been called yet")
         num_ranks = self.group_size
         slots = num_ranks * handle.num_max_dispatch_tokens_per_rank

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CommTimeoutError
-from .handle import DispatchHandle
+from .handle import DispatchState
 from .layout import count_per_local_expert, localize_rows, token_node_mask
 from .normal import (
     DispatchOutput,
@@ -160,8 +160,10 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
     forward_plan = build_send_plan(target_mask)
     table = forward_counts(target_mask, rail_recv_counts)
     fwd = forward_plan.token_index
-    fields2 = list(payload_fields(x)) + [FieldSpec("src", torch.int32, 1)]
-    values2 = {"x": RowSource(got["x"], fwd), "src": RowSource(got["src"], fwd)}
+    # the target bits travel on so every receiver knows which ranks of its node got each row
+    fields2 = list(payload_fields(x)) + [FieldSpec("src", torch.int32, 1), FieldSpec("targets", torch.uint8, per_node)]
+    values2 = {"x": RowSource(got["x"], fwd), "src": RowSource(got["src"], fwd),
+               "targets": RowSource(got["targets"], fwd)}
     if isinstance(x, tuple):
         values2["scales"] = RowSource(got["scales"], fwd)
     if topk_idx is not None:
@@ -194,12 +196,13 @@ def dispatch(groups: NodeTransports, buffer_id: int, x: Payload, topk_idx: torch
         recv_w = final.get("weights")
         counts = count_per_local_expert(recv_topk, int(placement.num_local_experts[me]))
     node_plan = NodePlan(per_node, rail_plan, rail_recv_counts, forward_plan, node_table, order.order)
-    handle = DispatchHandle(
+    handle = DispatchState(
         buffer_id=buffer_id, send_plan=build_send_plan(is_token_in_rank), recv_counts=order.recv_counts,
         is_token_in_rank=is_token_in_rank, num_tokens=int(is_token_in_rank.shape[0]),
         num_recv_tokens=int(order.recv_counts.sum()), num_worst_tokens=0, hidden=hidden,
         num_experts=placement.num_experts, recv_src_token_index=final["src"].reshape(-1).to(torch.int64),
-        node_plan=node_plan)
+        node_plan=node_plan, rail_src_index=got["src"].reshape(-1).to(torch.int64),
+        rail_targets=got["targets"].bool(), recv_targets=final["targets"].bool())
     stats = ledger.stats("dispatch", codec, me, groups.num_collectives - before)
     return DispatchOutput(recv_x, recv_topk, recv_w, counts, handle, stats)
 
@@ -219,7 +222,7 @@ def _forwarded(groups: NodeTransports, plan: NodePlan, fmt: RowFormat, rail_valu
     return _take(hop2.fields, plan.recv_order)
 
 
-def cached_dispatch(groups: NodeTransports, handle: DispatchHandle, x: Payload,
+def cached_dispatch(groups: NodeTransports, handle: DispatchState, x: Payload,
                     codec: str) -> tuple[Payload, CommStats]:
     """Re-sends ``x [N, H]`` (or an FP8 tuple) along the two-hop plan of ``handle``; no layout
     exchange. Returns ``([M, H]`` rows in contract order, stats)."""
@@ -236,7 +239,7 @@ def cached_dispatch(groups: NodeTransports, handle: DispatchHandle, x: Payload,
     return _payload(final, x), stats
 
 
-def combine(groups: NodeTransports, handle: DispatchHandle, x: torch.Tensor,
+def combine(groups: NodeTransports, handle: DispatchState, x: torch.Tensor,
             topk_weights: torch.Tensor | None, bias: tuple[torch.Tensor, ...],
             codec: str) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
     """Two-hop combine: the reverse of :func:`dispatch`, reducing at the forwarder first.
@@ -294,11 +297,15 @@ class ExchangedNodePlan:
         recv_counts: ``[R]`` int64 rows received from each source rank (contract order).
         tokens_per_rank: ``[R]`` int64, every rank's ``N`` (the engines size their stages by
             the largest, so every rank makes the same engine).
+        rail_src_index / rail_targets: as a forwarder, the source token index ``[S1]`` int64 and
+            the target ranks on this node ``[S1, P]`` bool of every rail row, in arrival order.
     """
 
     plan: NodePlan
     recv_counts: torch.Tensor
     tokens_per_rank: torch.Tensor
+    rail_src_index: torch.Tensor
+    rail_targets: torch.Tensor
 
 
 def exchange_node_plan(flat: Transport, groups: NodeTransports,
@@ -329,17 +336,23 @@ def exchange_node_plan(flat: Transport, groups: NodeTransports,
     counts = flat.exchange_counts(table, "two_hop_plan/counts")
     tokens_per_rank = counts[:, 0].clone()
     rail_recv_counts = counts[peers, 1].clone()
-    # target bits of every sent row on its destination node, as the rail payload would carry them
+    # target bits of every sent row on its destination node, as the rail payload would carry them,
+    # then the row's source token index (4 bytes)
     row_node = row_rank(rail_plan.send_counts, rail_plan.num_rows)
     sent = mask[rail_plan.token_index].view(-1, nodes, per_node)
-    targets = sent[torch.arange(rail_plan.num_rows), row_node].to(torch.uint8).contiguous()
+    targets = sent[torch.arange(rail_plan.num_rows), row_node].to(torch.uint8)
+    src = rail_plan.token_index.to(torch.int32).unsqueeze(1).view(torch.uint8)
+    rows = torch.cat([targets, src], dim=1).contiguous()
+    width = per_node + 4
     try:
-        got = groups.rail.exchange_bytes(targets.view(-1).to(groups.rail.device),
-                                         (rail_plan.send_counts * per_node).tolist(),
-                                         (rail_recv_counts * per_node).tolist(), "two_hop_plan/rail_masks").wait()
+        got = groups.rail.exchange_bytes(rows.view(-1).to(groups.rail.device),
+                                         (rail_plan.send_counts * width).tolist(),
+                                         (rail_recv_counts * width).tolist(), "two_hop_plan/rail_masks").wait()
     except CommTimeoutError as error:
         raise groups.map_timeout(error, True) from error
-    target_mask = _forward_mask(got.cpu().view(-1, per_node))
+    got = got.cpu().view(-1, width)
+    target_mask = _forward_mask(got[:, :per_node])
+    rail_src_index = got[:, per_node:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
     forward_plan = build_send_plan(target_mask)
     try:
         node_table = groups.node.exchange_counts(forward_counts(target_mask, rail_recv_counts),
@@ -348,4 +361,20 @@ def exchange_node_plan(flat: Transport, groups: NodeTransports,
         raise groups.map_timeout(error, False) from error
     order = node_receive_order(node_table)
     plan = NodePlan(per_node, rail_plan, rail_recv_counts, forward_plan, node_table, order.order)
-    return ExchangedNodePlan(plan, order.recv_counts, tokens_per_rank)
+    return ExchangedNodePlan(plan, order.recv_counts, tokens_per_rank, rail_src_index, target_mask)
+
+
+def exchange_recv_targets(groups: NodeTransports, plan: NodePlan, rail_targets: torch.Tensor) -> torch.Tensor:
+    """``[M, P]`` bool: the ranks of this node that received each row this rank received (in
+    contract order), from the forwarders' ``rail_targets [S1, P]`` bool: one exchange over the
+    node transport (:func:`dispatch` carries the bits in its payload instead)."""
+    per_node = plan.ranks_per_node
+    rows = rail_targets[plan.forward_plan.token_index].to(torch.uint8).contiguous()
+    try:
+        got = groups.node.exchange_bytes(rows.view(-1).to(groups.node.device),
+                                         (plan.forward_plan.send_counts * per_node).tolist(),
+                                         (plan.node_recv_counts.sum(1) * per_node).tolist(),
+                                         "two_hop_plan/recv_targets").wait()
+    except CommTimeoutError as error:
+        raise groups.map_timeout(error, False) from error
+    return got.cpu().view(-1, per_node)[plan.recv_order].bool()

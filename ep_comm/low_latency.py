@@ -47,6 +47,9 @@ class LowLatencyDispatchOutput:
         state: routing facts the combine needs.
         receive: completes the exchange and fills the tensors (idempotent).
         stats: bytes moved.
+        recv_src_info: ``[L, R*T]`` int32, each filled slot's token index on its source rank, and
+        layout_range: ``[L, R]`` int64, ``first slot << 32 | count`` per local expert and source
+            rank: DeepEP's low-latency handle entries (filled by ``receive()``).
         kernel: engine state when the fused kernels ran it (``ep_comm.paths.fused``), else None.
     """
 
@@ -55,13 +58,15 @@ class LowLatencyDispatchOutput:
     state: LowLatencyReceiveState
     receive: Callable[[], None]
     stats: CommStats
+    recv_src_info: torch.Tensor
+    layout_range: torch.Tensor
     kernel: object | None = None
 
 
 def _row_format(hidden: int, topk: int, use_fp8: bool, use_ue8m0: bool) -> RowFormat:
     """Top-k ids first, then scales, then the payload, then padding to 8 bytes, so every field
     of every row starts aligned for its dtype whatever the hidden size."""
-    fields = [FieldSpec("topk", torch.int32, topk)]
+    fields = [FieldSpec("topk", torch.int32, topk), FieldSpec("src", torch.int32, 1)]
     if not use_fp8:
         fields.append(FieldSpec("x", torch.bfloat16, hidden))
     else:
@@ -128,6 +133,7 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     for name, value in payload.items():
         copy_rows(send_fields[name], send_row, value, token)
     send_fields["topk"].index_copy_(0, send_row, torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
+    send_fields["src"].index_copy_(0, send_row, token.to(torch.int32).unsqueeze(1))
     counts = mask.sum(0, dtype=torch.int64)
     send[:, max_tokens, :8] = counts.unsqueeze(1).view(torch.uint8)
     splits = [block_bytes] * num_ranks
@@ -146,6 +152,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         recv_x = receive_area[0]
         targets = {"x": recv_x}
     recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
+    recv_src_info = torch.full((num_local, slots_per_expert), -1, dtype=torch.int32, device=x.device)
+    layout_range = torch.zeros(num_local, num_ranks, dtype=torch.int64, device=x.device)
     state = LowLatencyReceiveState()
     raw_row = hidden * 2 + topk * 4
     stats = CommStats("low_latency_dispatch", "fp8" if use_fp8 else "none",
@@ -168,6 +176,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         for name, target in targets.items():
             copy_rows(target.view(num_local * slots_per_expert, target.shape[-1]), target_row, fields[name], pair_row)
         pair_rank = src_rank[slot_plan.row]
+        recv_src_info.view(-1)[target_row] = fields["src"].index_select(0, pair_row).reshape(-1)
+        layout_range.copy_(pack_layout_range(slot_plan.layout_range))
         recv_count.copy_(slot_plan.recv_count.to(torch.int32))
         state.pair_rank = pair_rank
         state.pair_slot = slot_plan.slot
@@ -180,7 +190,7 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         scratch.give("low_latency_dispatch/recv", recv_buffer)
         state.done = True
 
-    return LowLatencyDispatchOutput(recv_x, recv_count, state, receive, stats)
+    return LowLatencyDispatchOutput(recv_x, recv_count, state, receive, stats, recv_src_info, layout_range)
 
 
 def combine(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -280,3 +290,9 @@ def timed_wait(stats: torch.Tensor | None, live: torch.Tensor):
     yield
     if stats is not None:
         stats.add_(live.to(stats.device, torch.int64) * (time.perf_counter_ns() - started))
+
+
+def pack_layout_range(pairs: torch.Tensor) -> torch.Tensor:
+    """DeepEP's ``[L, R]`` int64 ``begin << 32 | count`` from ``[L, R, 2]`` (first slot, count)."""
+    pairs = pairs.to(torch.int64)
+    return (pairs[..., 0] << 32) | pairs[..., 1]

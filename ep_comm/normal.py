@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .handle import DispatchHandle
+from .handle import DispatchState
 from .layout import count_per_local_expert, localize_rows
 from .payload import FieldSpec, Payload, RowFormat, RowSource, chunk_bytes, fp8_raw_row_delta, pack, unpack
 from .placement import ExpertPlacement
@@ -37,7 +37,7 @@ class DispatchOutput:
     topk_idx: torch.Tensor | None
     topk_weights: torch.Tensor | None
     counts_per_expert: torch.Tensor | None
-    handle: DispatchHandle
+    handle: DispatchState
     stats: CommStats
 
 
@@ -92,9 +92,12 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
             fields.append(FieldSpec("weights", topk_weights.dtype, topk_weights.shape[1]))
     fmt = RowFormat(tuple(fields))
     pending_counts = None
+    # every rank also learns every rank's N and send counts (DeepEP's rank prefix matrix)
+    also = [int(is_token_in_rank.shape[0]), *row_splits]
     if codec != "lossless":
         # sizes are known before packing: exchange them while the rows are being packed
-        pending_counts = start_count_exchange(transport, row_splits, [chunk_bytes(fmt, n) for n in row_splits])
+        pending_counts = start_count_exchange(transport, row_splits, [chunk_bytes(fmt, n) for n in row_splits],
+                                              also=also)
     values = payload_values(x, plan.token_index)
     values["src"] = RowSource(plan.token_index.to(torch.int32).unsqueeze(1))
     if topk_idx is not None:
@@ -106,8 +109,8 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
             values["weights"] = RowSource(local_w)
     outbox = pack(fmt, values, row_splits, codec, raw_row_delta=raw_delta)
     if pending_counts is None:
-        pending_counts = start_count_exchange(transport, row_splits, outbox.byte_splits)
-    received_table = pending_counts.wait().view(torch.int64).view(transport.num_ranks, 2).cpu()
+        pending_counts = start_count_exchange(transport, row_splits, outbox.byte_splits, also=also)
+    received_table = pending_counts.wait().view(torch.int64).view(transport.num_ranks, -1).cpu()
     rows_from = received_table[:, 0].tolist()
     bytes_from = received_table[:, 1].tolist()
     received = transport.exchange_bytes(outbox.data, outbox.byte_splits, bytes_from,
@@ -128,19 +131,20 @@ def dispatch(transport: Transport, buffer_id: int, x: torch.Tensor | tuple[torch
         recv_topk = fields_in["topk"].to(torch.int64)
         recv_w = fields_in.get("weights")
         counts = count_per_local_expert(recv_topk, num_local)
-    handle = DispatchHandle(
+    handle = DispatchState(
         buffer_id=buffer_id, send_plan=plan, recv_counts=recv_counts,
         is_token_in_rank=is_token_in_rank, num_tokens=int(is_token_in_rank.shape[0]),
         num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0, hidden=hidden,
         num_experts=placement.num_experts,
-        recv_src_token_index=fields_in["src"].reshape(-1).to(torch.int64))
+        recv_src_token_index=fields_in["src"].reshape(-1).to(torch.int64),
+        count_matrix=received_table[:, 3:].clone(), tokens_per_rank=received_table[:, 2].clone())
     recv_raw = [n * (fmt.row_bytes + raw_delta) for n in rows_from]
     stats = _stats("dispatch", codec, transport, outbox.raw_byte_splits, outbox.byte_splits,
                    recv_raw, bytes_from, before)
     return DispatchOutput(recv_x, recv_topk, recv_w, counts, handle, stats)
 
 
-def cached_dispatch(transport: Transport, handle: DispatchHandle,
+def cached_dispatch(transport: Transport, handle: DispatchState,
                     x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     codec: str) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], CommStats]:
     """Re-sends ``x [N, H]`` (or an FP8 tuple) along the plan of ``handle``; no layout exchange.
@@ -177,10 +181,11 @@ def quantize_for_codec(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], code
 
 
 def start_count_exchange(transport: Transport, rows: list[int], nbytes: list[int],
-                          phase: str = "dispatch/counts"):
-    """Starts sending every rank its ``(rows, bytes)`` pair; ``wait()`` gives ``[R * 16]`` uint8."""
-    table = torch.tensor([[n, b] for n, b in zip(rows, nbytes)], dtype=torch.int64)
-    splits = [16] * transport.num_ranks
+                          phase: str = "dispatch/counts", also: list[int] = ()):
+    """Starts sending every rank its ``(rows, bytes)`` pair followed by the values ``also`` (the
+    same to every rank); ``wait()`` gives ``[R * 8 * (2 + len(also))]`` uint8."""
+    table = torch.tensor([[n, b, *also] for n, b in zip(rows, nbytes)], dtype=torch.int64)
+    splits = [8 * table.shape[1]] * transport.num_ranks
     return transport.exchange_bytes(table.view(torch.uint8).reshape(-1), splits, splits, phase)
 
 
@@ -193,7 +198,7 @@ def receive_byte_counts(transport: Transport, outbox, rows_from: list[int], fmt:
     return transport.exchange_counts(table, phase)[:, 0].tolist()
 
 
-def combine(transport: Transport, handle: DispatchHandle, x: torch.Tensor,
+def combine(transport: Transport, handle: DispatchState, x: torch.Tensor,
             topk_weights: torch.Tensor | None, bias: tuple[torch.Tensor, ...],
             codec: str) -> tuple[torch.Tensor, torch.Tensor | None, CommStats]:
     """Returns every received row to its source and sums per token.

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ep_comm.handle import DispatchHandle
+from ep_comm.handle import DispatchState
 from ep_comm.paths import CombineCall, DispatchCall, FusedKernelPath, LowLatencyDispatchCall
 from ep_comm.paths.fused import FusedNormalHandle, KernelCapabilities, _nonnull
 from ep_comm.placement import ExpertPlacement
@@ -81,8 +81,8 @@ def test_normal_dispatch_falls_back(x, topk, weights, codec, masked, match) -> N
     assert reason is not None and match in reason
 
 
-def _handle(kernel=None) -> DispatchHandle:
-    return DispatchHandle(buffer_id=1, send_plan=SendPlan(torch.zeros(0, dtype=torch.int64),
+def _handle(kernel=None) -> DispatchState:
+    return DispatchState(buffer_id=1, send_plan=SendPlan(torch.zeros(0, dtype=torch.int64),
                                                           torch.zeros(2, dtype=torch.int64)),
                           recv_counts=torch.zeros(2, dtype=torch.int64),
                           is_token_in_rank=torch.zeros(5, 2, dtype=torch.bool), num_tokens=5,

@@ -38,7 +38,7 @@ def _ll_case(rank, world, group, experts, topk, hidden, tokens, use_fp8, round_s
     if hook:
         combine_hook()
     return dict(x=x, idx=idx, w=w, recv_x=recv_x, recv_count=recv_count, y=y, combined=combined,
-                stats_acc=stats_acc, layout_range=handle.layout_range, wire=buf.last_stats)
+                stats_acc=stats_acc, handle=tuple(handle), wire=buf.last_stats)
 
 
 @pytest.mark.parametrize("world,experts,topk,hidden,tokens,hook", [
@@ -59,11 +59,19 @@ def test_low_latency_bf16_matches_reference(ranks, world, experts, topk, hidden,
         assert got["recv_count"].dtype == torch.int32
         assert got["recv_count"].tolist() == want.count
         assert torch.equal(got["stats_acc"], got["recv_count"])
-        # layout_range: per (expert, source rank) the (first slot, count) of that rank's tokens
+        # DeepEP's handle: (recv_src_info, layout_range, T, hidden, E)
+        recv_src_info, layout_range, *sizes = got["handle"]
+        assert sizes == [MAX_TOKENS, hidden, experts]
+        assert recv_src_info.dtype == torch.int32 and recv_src_info.shape == (experts // world, world * MAX_TOKENS)
+        assert layout_range.dtype == torch.int64 and layout_range.shape == (experts // world, world)
         for j, slots in enumerate(want.slots):
+            # each filled slot holds its token's index on the source rank
+            assert recv_src_info[j, :len(slots)].tolist() == [token for _, token in slots]
+            # layout_range: per source rank, first slot << 32 | count of that rank's tokens
             for src in range(world):
                 positions = [i for i, (s, _) in enumerate(slots) if s == src]
-                first, count = got["layout_range"][j, src].tolist()
+                packed = int(layout_range[j, src])
+                first, count = packed >> 32, packed & 0xFFFFFFFF
                 assert count == len(positions)
                 if positions:
                     assert positions == list(range(first, first + count))

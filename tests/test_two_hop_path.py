@@ -19,7 +19,7 @@ from support.rank_cases import make_routing
 
 import ep_comm
 from ep_comm.engines import two_hop_arrays
-from ep_comm.handle import DispatchHandle
+from ep_comm.handle import DispatchState
 from ep_comm.hierarchical import exchange_node_plan
 from ep_comm.layout import compute_dispatch_layout
 from ep_comm.paths import CombineCall, DispatchCall, TwoHopKernelPath
@@ -124,9 +124,9 @@ def test_dispatch_reason() -> None:
     assert "float32" in two_hop_dispatch_reason(_x(), idx, w.double(), "none", False)
 
 
-def _handle(kernel: object) -> DispatchHandle:
+def _handle(kernel: object) -> DispatchState:
     mask = torch.zeros(4, 2, dtype=torch.bool)
-    return DispatchHandle(buffer_id=1, send_plan=build_send_plan(mask), recv_counts=torch.zeros(2, dtype=torch.int64),
+    return DispatchState(buffer_id=1, send_plan=build_send_plan(mask), recv_counts=torch.zeros(2, dtype=torch.int64),
                           is_token_in_rank=mask, num_tokens=4, num_recv_tokens=4, num_worst_tokens=0, hidden=16,
                           num_experts=4, recv_src_token_index=torch.zeros(4, dtype=torch.int64), kernel=kernel)
 

@@ -68,5 +68,5 @@ class FlatPath(Path):
         return "the dispatch ran on the fused kernels" if call.handle.kernel is not None else None
 
     def low_latency_combine(self, call: LowLatencyCombineCall) -> tuple[Callable[[], torch.Tensor], CommStats]:
-        return low_latency.combine(self.transport, call.x, call.topk_idx, call.topk_weights, call.handle.state,
+        return low_latency.combine(self.transport, call.x, call.topk_idx, call.topk_weights, call.handle.receive,
                                    call.placement, call.out, self.scratch)

@@ -6,7 +6,7 @@ symmetric memory for low-latency mode. :meth:`FusedKernelPath.decide` says at ``
 construction whether each mode may run here at all; the ``*_reason`` methods decide per call.
 Codecs (``fp8``/``lossless``), cached dispatches, biases, float64 weights, masked ranks and sizes
 the kernels cannot take go to the flat path. A dispatch handle made here is a complete
-``DispatchHandle``, so its combine or cached dispatch may also run flat.
+``DispatchState``, so its combine or cached dispatch may also run flat.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..handle import DispatchHandle, LowLatencyReceiveState
-from ..low_latency import LowLatencyDispatchOutput
+from ..handle import DispatchState, LowLatencyReceiveState
+from ..low_latency import LowLatencyDispatchOutput, pack_layout_range
 from ..normal import DispatchOutput
 from ..placement import ExpertPlacement
 from ..plan import build_send_plan
@@ -62,7 +62,7 @@ def gather_hostnames(group: dist.ProcessGroup) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class FusedNormalHandle:
-    """Rides in ``DispatchHandle.kernel``: the engine state a fused combine needs.
+    """Rides in ``DispatchState.kernel``: the engine state a fused combine needs.
 
     Attributes:
         generation: the engine that made it. inner: ``IntranodeHandle`` (meta ``[R*C + L + 1]``
@@ -299,7 +299,7 @@ class FusedKernelPath(Path):
         num_local = int(placement.num_local_experts[self.rank])
         counts = torch.tensor(out["num_recv_tokens_per_expert"][:num_local], dtype=torch.int64)
         recv_counts = out["recv_counts"]
-        handle = DispatchHandle(
+        handle = DispatchState(
             buffer_id=self.buffer_id, send_plan=build_send_plan(mask), recv_counts=recv_counts,
             is_token_in_rank=mask, num_tokens=int(payload.shape[0]), num_recv_tokens=int(recv_counts.sum()),
             num_worst_tokens=0, hidden=hidden, num_experts=placement.num_experts,
@@ -371,9 +371,12 @@ class FusedKernelPath(Path):
             stats.bytes_recv_raw = [n * 2 * hidden for n in kernel.pairs_from]
             stats.bytes_recv_wire = [n * wire_row for n in kernel.pairs_from]
             state.layout_range = res.layout_range
+            layout_range.copy_(pack_layout_range(res.layout_range))
             state.done = True
 
-        return LowLatencyDispatchOutput(recv_x, res.recv_count, state, receive, stats, kernel=kernel)
+        layout_range = torch.zeros(res.layout_range.shape[:2], dtype=torch.int64, device=self.device)
+        return LowLatencyDispatchOutput(recv_x, res.recv_count, state, receive, stats, res.recv_src_info,
+                                        layout_range, kernel=kernel)
 
     def low_latency_combine(self, call: LowLatencyCombineCall) -> tuple[Callable[[], torch.Tensor], CommStats]:
         """Queues the combine's send kernel; the callable runs the receive and gives ``[N, H]``

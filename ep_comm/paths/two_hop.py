@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..handle import DispatchHandle
+from ..handle import DispatchState
 from ..normal import DispatchOutput
 from ..placement import ExpertPlacement
 from ..plan import build_send_plan
@@ -43,7 +43,7 @@ MIN_TWO_HOP_CAPACITY = 64
 
 @dataclass(frozen=True)
 class TwoHopKernelHandle:
-    """Rides in ``DispatchHandle.kernel`` of a dispatch that ran on the two-hop kernels.
+    """Rides in ``DispatchState.kernel`` of a dispatch that ran on the two-hop kernels.
 
     Attributes:
         generation: the engine that made it. inner: the engine's ``TwoHopHandle`` (device index
@@ -200,7 +200,7 @@ class TwoHopKernelPath(Path):
     def dispatch(self, call: DispatchCall) -> DispatchOutput:
         """A node-aware dispatch on the kernels (``dispatch_reason`` said yes); same results and
         handle fields as ``hierarchical.dispatch`` (see there for shapes), plus ``kernel``."""
-        from ..hierarchical import exchange_node_plan
+        from ..hierarchical import exchange_node_plan, exchange_recv_targets
 
         x, topk_idx, topk_weights = call.x, call.topk_idx, call.topk_weights
         is_token_in_rank, placement = call.is_token_in_rank, call.placement
@@ -213,11 +213,14 @@ class TwoHopKernelPath(Path):
         engine = self._engine(placement, int(topk.shape[1]), x_bytes, int(exchanged.tokens_per_rank.max()))
         res = engine.dispatch_rank(payload, topk, weights, plan)
         counts = torch.tensor(res.num_recv_tokens_per_expert, dtype=torch.int64)
-        handle = DispatchHandle(
+        handle = DispatchState(
             buffer_id=self.buffer_id, send_plan=build_send_plan(is_token_in_rank), recv_counts=exchanged.recv_counts,
             is_token_in_rank=is_token_in_rank, num_tokens=int(payload.shape[0]),
             num_recv_tokens=int(exchanged.recv_counts.sum()), num_worst_tokens=0, hidden=int(payload.shape[1]),
             num_experts=placement.num_experts, recv_src_token_index=res.recv_src_idx, node_plan=plan,
+            tokens_per_rank=exchanged.tokens_per_rank, rail_src_index=exchanged.rail_src_index,
+            rail_targets=exchanged.rail_targets,
+            recv_targets=exchange_recv_targets(self.groups, plan, exchanged.rail_targets),
             kernel=TwoHopKernelHandle(self.generation, res.handle, int(topk.shape[1])))
         row = res.recv_x.shape[1] * res.recv_x.element_size()
         from ..engines import TwoHopRows
@@ -258,4 +261,4 @@ class TwoHopKernelPath(Path):
             sent[node * per_node + j] += int(node_out[j]) * row
             recv[node * per_node + j] += int(node_in[j]) * row
         return CommStats(op, "none", sent, list(sent), recv, list(recv), rank=self.rank,
-                         num_collectives=3 if forward else 0, extra={"two_hop_kernels": 1.0})
+                         num_collectives=4 if forward else 0, extra={"two_hop_kernels": 1.0})
