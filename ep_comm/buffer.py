@@ -1,6 +1,7 @@
 """Buffer: the public facade with DeepEP's V1 calls (layout, dispatch, combine, low-latency)."""
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
@@ -9,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 from . import handle_entries, low_latency, normal
+from .agreement import CallHeader, agree
 from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
+from .errors import BufferStateError
 from .event import EventHandle, EventOverlap, finish_event, wait_previous
 from .handle import (
     DispatchHandle,
@@ -57,6 +60,34 @@ from .validation import (
 _buffer_ids = itertools.count(1)
 
 
+def _collective(mode: str):
+    """Wraps a communicating call: refuses it while the group is out of step; when the call fails
+    before its opening exchange (its arguments were rejected), still opens with a failed status so
+    the peers fail with it instead of timing out; when it fails after (a timeout, an exchange cut
+    short), marks the group out of step until ``reset()`` or ``mask_ranks()``."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if self._broken is not None:
+                raise BufferStateError(f"ep_comm: this Buffer's group is out of step since {self._broken}; "
+                                       f"call reset() (or mask_ranks(...) with the failed ranks) on every live rank")
+            self._call_mode, self._opened, self._disagreed = mode, False, False
+            try:
+                return method(self, *args, **kwargs)
+            except ValueError:
+                if not self._opened:
+                    self._open(CallHeader(self._call_mode, 0, ok=False))
+                elif not self._disagreed:
+                    self._broken = f"a failed {self._call_mode}"
+                raise
+            except Exception as error:
+                if self._opened:
+                    self._broken = f"a failed {self._call_mode} ({type(error).__name__})"
+                raise
+        return call
+    return wrap
+
+
 class Buffer:
     """Expert-parallel communication buffer over one process group (DeepEP V1 API).
 
@@ -99,6 +130,11 @@ class Buffer:
     """
 
     num_sms: int = 20
+    _seq = 0
+    _opened = False
+    _disagreed = False
+    _broken: str | None = None
+    _call_mode = ""
 
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -271,6 +307,13 @@ class Buffer:
         """
         self._set_masked(self.masked_ranks - check_rank_list("ranks", ranks, self.group_size, self.rank))
 
+    def reset(self) -> None:
+        """Re-forms the group of the live ranks after a failed call (a ``CommTimeoutError``, an
+        exchange cut short) left it out of step; until then every call raises
+        ``BufferStateError``. Collective over the live ranks; ``mask_ranks`` does the same while
+        taking ranks out. Handles made before it are rejected; normal mode then runs flat."""
+        self._set_masked(self.masked_ranks)
+
     def _set_masked(self, masked: frozenset[int]) -> None:
         live = [r for r in range(self.group_size) if r not in masked]
         if len(live) < 1:
@@ -286,11 +329,25 @@ class Buffer:
         self.transport = transport
         self.masked_ranks = masked
         self.mask_epoch += 1
+        self._broken, self._seq = None, 0
         for path in self.path_plan.paths:
             path.ranks_changed(self.transport)
 
     def _drop_masked(self, topk_idx: torch.Tensor, placement: ExpertPlacement) -> tuple[torch.Tensor, int]:
         return drop_entries_of_ranks(topk_idx, placement, self.masked_ranks)
+
+    def _open(self, header: CallHeader) -> None:
+        """The call's opening exchange (portable transport): every live rank's header must match
+        this one before any payload moves (``ep_comm.agreement``)."""
+        seq, self._seq = self._seq, self._seq + 1
+        self._opened = True
+        if self.transport.name == "torch":
+            live = [r for r in range(self.group_size) if r not in self.masked_ranks]
+            try:
+                agree(self.transport, replace(header, seq=seq), live)
+            except ValueError:
+                self._disagreed = True
+                raise
 
     def _run(self, mode: str, call: object):
         """Runs ``call`` on the first path of :attr:`path_plan` that takes it."""
@@ -326,6 +383,7 @@ class Buffer:
                 layout.num_tokens_per_expert, layout.is_token_in_rank, event)
 
     # -- normal dispatch / combine -------------------------------------------------------------
+    @_collective("dispatch")
     def dispatch(self, x, handle: DispatchHandle | None = None,
                  num_tokens_per_rank: torch.Tensor | None = None,
                  num_tokens_per_rdma_rank: torch.Tensor | None = None,
@@ -362,13 +420,18 @@ class Buffer:
         check_nonneg_int("num_worst_tokens", num_worst_tokens)
         if config is not None and not isinstance(config, Config):
             raise ValueError(f"config must be an ep_comm.Config, got {type(config).__name__}")
-        codec_name = self._resolve_codec(codec_name, x, hidden)
+        if codec_name != "auto":
+            check_codec_input(codec_name, x, hidden)
         wait_previous(previous_event)
+        dtype = (x[0] if isinstance(x, tuple) else x).dtype
 
         if handle is not None:
+            self._call_mode = "cached_dispatch"
             self._check_handle(handle, "handle")
             if num_tokens != handle.num_tokens:  # the hidden size may differ (the layout is per token)
                 raise ValueError(f"x has {num_tokens} tokens but handle was made for {handle.num_tokens}")
+            self._open(CallHeader("cached_dispatch", 0, dtype=dtype, hidden=hidden, codec=codec_name))
+            codec_name = self._resolve_codec(codec_name, x, hidden)
             recv_x, stats = self._run("cached_dispatch", CachedDispatchCall(handle, x, codec_name,
                                                                             bool(self.masked_ranks)))
             self._record(stats)
@@ -397,6 +460,9 @@ class Buffer:
             require_tensor("num_tokens_per_rank", num_tokens_per_rank, dim=1, device=self._input_device)
             require_shape("num_tokens_per_rank", num_tokens_per_rank, (self.group_size,))
 
+        self._open(CallHeader("dispatch", 0, dtype=dtype, hidden=hidden, topk=int(topk_idx.shape[1]),
+                              num_experts=num_experts, codec=codec_name, weights=topk_weights is not None))
+        codec_name = self._resolve_codec(codec_name, x, hidden)
         out = self._run("dispatch", DispatchCall(x, topk_idx, topk_weights, is_token_in_rank, placement, codec_name,
                                                  bool(self.masked_ranks), self.num_sms))
         self._record(out.stats, dropped)
@@ -461,6 +527,10 @@ class Buffer:
             dead = torch.zeros(self.group_size, dtype=torch.bool, device=is_token_in_rank.device)
             dead[list(self.masked_ranks)] = True
             is_token_in_rank = is_token_in_rank & ~dead
+        self._open(CallHeader("dispatch", 0, dtype=(x[0] if isinstance(x, tuple) else x).dtype,
+                              hidden=int((x[0] if isinstance(x, tuple) else x).shape[1]), num_experts=num_experts,
+                              codec=codec))
+        codec = self._resolve_codec(codec, x, 0)
         out = self._run("dispatch", DispatchCall(x, None, None, is_token_in_rank, placement, codec,
                                                  bool(self.masked_ranks), self.num_sms))
         mine = normal.exchange_expert_counts(self.transport, placement, num_tokens_per_expert, self.masked_ranks)
@@ -492,6 +562,7 @@ class Buffer:
         if handle.mask_epoch != self.mask_epoch:  # type: ignore[attr-defined]
             raise ValueError(f"{name} was made before the last mask_ranks/unmask_ranks; dispatch again")
 
+    @_collective("combine")
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
                 bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
@@ -514,7 +585,8 @@ class Buffer:
             raise ValueError(f"x has {x.shape[0]} rows but the handle received "
                              f"{handle.num_recv_rows}: x and handle do not match")
         codec_name = check_codec(codec, ("none", "lossless", "auto"))
-        codec_name = self._resolve_codec(codec_name, x, x.shape[1])
+        if codec_name != "auto":
+            check_codec_input(codec_name, x, x.shape[1])
         if topk_weights is not None:
             require_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float64), dim=2,
                            device=self._input_device)
@@ -529,6 +601,10 @@ class Buffer:
                 require_tensor(f"bias[{i}]", b, dtypes=PAYLOAD_DTYPES, dim=2, device=self._input_device)
                 require_shape(f"bias[{i}]", b, (handle.num_tokens, x.shape[1]))
         wait_previous(previous_event)
+        self._open(CallHeader("combine", 0, dtype=x.dtype, hidden=int(x.shape[1]), codec=codec_name,
+                              topk=0 if topk_weights is None else int(topk_weights.shape[1]),
+                              weights=topk_weights is not None))
+        codec_name = self._resolve_codec(codec_name, x, x.shape[1])
         combined, combined_w, stats = self._run("combine", CombineCall(handle, x, topk_weights, biases, codec_name,
                                                                        bool(self.masked_ranks)))
         self._record(stats)
@@ -537,6 +613,7 @@ class Buffer:
         return combined, combined_w, finish_event(async_finish, self.device)
 
     # -- low-latency mode ----------------------------------------------------------------------
+    @_collective("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
@@ -576,6 +653,10 @@ class Buffer:
                           (num_local,))
         self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
+        fp8_kind = "none" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_round" if round_scale else "fp8"
+        self._open(CallHeader("low_latency_dispatch", 0, dtype=x.dtype, hidden=int(x.shape[1]),
+                              topk=int(topk_idx.shape[1]), num_experts=num_experts,
+                              capacity=num_max_dispatch_tokens_per_rank, codec=fp8_kind))
         area = self._ll_receive_areas.next(num_local, self.group_size * num_max_dispatch_tokens_per_rank,
                                            x.shape[1], use_fp8, use_ue8m0, x.device)
         out = self._run("low_latency_dispatch", LowLatencyDispatchCall(
@@ -637,6 +718,7 @@ class Buffer:
         return torch.empty(handle.num_local_experts, slots, handle.hidden, dtype=torch.bfloat16,
                            device=handle.topk_idx.device)
 
+    @_collective("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -682,6 +764,9 @@ class Buffer:
             if not isinstance(flag, (bool, int)) or flag not in (0, 1):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        self._open(CallHeader("low_latency_combine", 0, dtype=x.dtype, hidden=handle.hidden,
+                              topk=int(topk_idx.shape[1]), num_experts=handle.num_experts,
+                              capacity=handle.num_max_dispatch_tokens_per_rank))
         finish, stats = self._run("low_latency_combine", LowLatencyCombineCall(
             handle, x, topk_idx, topk_weights, placement, out, bool(self.masked_ranks)))
         self._record(stats, dropped)

@@ -15,3 +15,9 @@ class CommTimeoutError(RuntimeError):
         super().__init__(message)
         self.peers = list(peers or [])
         self.phase = phase
+
+
+class BufferStateError(RuntimeError):
+    """The Buffer's group is out of step after a failed call (a timeout, or an exchange that
+    stopped half-way): every further call raises this until ``Buffer.reset()`` or
+    ``Buffer.mask_ranks(...)`` re-forms the group."""

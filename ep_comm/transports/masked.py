@@ -7,6 +7,7 @@ masked ranks arrive as zeros (an empty low-latency block, a zero count).
 """
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,17 @@ class MaskedTransport(Transport):
         self.name = inner.name
         self.backend_name = getattr(inner, "backend_name", inner.name)
 
+    @contextlib.contextmanager
+    def _global_peers(self):
+        """Renames the peers of a ``CommTimeoutError`` from the live group's ranks (what the inner
+        transport knows) to the full group's ranks (what ``Buffer.mask_ranks`` takes)."""
+        try:
+            yield
+        except CommTimeoutError as error:
+            peers = [self.live[p] for p in error.peers if 0 <= p < len(self.live)]
+            raise CommTimeoutError(f"{error} [live-group ranks {error.peers} are Buffer ranks {peers}]",
+                                   peers=peers, phase=error.phase) from error
+
     @property
     def num_collectives(self) -> int:  # type: ignore[override]
         return self.inner.num_collectives
@@ -43,11 +55,13 @@ class MaskedTransport(Transport):
         pieces = [send[offsets[r]:offsets[r + 1]] for r in self.live]
         live_send = torch.cat(pieces) if pieces else send[:0]
         live_recv_splits = [recv_splits[r] for r in self.live]
-        pending = self.inner.exchange_bytes(live_send, [send_splits[r] for r in self.live],
-                                            live_recv_splits, phase)
+        with self._global_peers():
+            pending = self.inner.exchange_bytes(live_send, [send_splits[r] for r in self.live],
+                                                live_recv_splits, phase)
 
         def expand() -> torch.Tensor:
-            got = pending.wait()
+            with self._global_peers():
+                got = pending.wait()
             full = torch.zeros(sum(recv_splits), dtype=torch.uint8, device=got.device)
             recv_offsets = [0]
             for n in recv_splits:
@@ -61,7 +75,8 @@ class MaskedTransport(Transport):
         return PendingExchange(expand)
 
     def exchange_counts(self, counts: torch.Tensor, phase: str) -> torch.Tensor:
-        got = self.inner.exchange_counts(counts[self.live], phase)
+        with self._global_peers():
+            got = self.inner.exchange_counts(counts[self.live], phase)
         full = torch.zeros_like(counts, device="cpu")
         full[self.live] = got
         return full

@@ -1,0 +1,94 @@
+"""The opening exchange of every call on the portable transport: a fixed-size header from each
+rank, checked before any payload size is trusted.
+
+Ranks that call with different arguments (another hidden size, dtype, top-k, expert count or
+capacity, another mode, a call behind or ahead) would otherwise exchange payloads whose sizes
+each computed alone, which aborts gloo's process or delivers wrong bytes. The header is the same
+size in every mode, so even ranks in different calls meet in it; every rank then raises the same
+``ValueError``, naming the field and the ranks that differ, and the group stays in step. A rank
+whose own arguments were rejected sends a failed status instead, so its peers fail with it rather
+than time out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .transports.base import Transport
+
+VERSION = 1
+"""Changes whenever the wire format of any mode changes: ranks of different ep_comm versions fail
+in the header instead of misreading each other's payloads."""
+
+MODES = ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
+CODECS = ("none", "fp8", "lossless", "auto", "fp8_round", "fp8_ue8m0")
+DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class CallHeader:
+    """What every rank must agree on for one call (0 where a field does not apply).
+
+    Attributes:
+        mode: one of ``MODES``. seq: the Buffer's call counter (a rank in another call shows here).
+        ok: 0 when this rank rejected its own arguments. dtype: payload dtype. hidden: ``H``.
+        topk: ``K`` of the routing or the weights carried. num_experts: ``E``. capacity: ``T`` of
+        low-latency mode. codec: one of ``CODECS``. weights: whether top-k weights travel.
+    """
+
+    mode: str
+    seq: int
+    ok: bool = True
+    dtype: torch.dtype | None = None
+    hidden: int = 0
+    topk: int = 0
+    num_experts: int = 0
+    capacity: int = 0
+    codec: str = "none"
+    weights: bool = False
+
+    def row(self) -> list[int]:
+        return [VERSION, MODES.index(self.mode) + 1, self.seq, int(self.ok), DTYPES.index(self.dtype), self.hidden,
+                self.topk, self.num_experts, self.capacity, CODECS.index(self.codec), int(self.weights)]
+
+
+_COLUMNS = ("version", "mode", "seq", "ok", "dtype", "hidden", "topk", "num_experts", "capacity", "codec",
+            "weights")
+assert len(_COLUMNS) == 1 + len(fields(CallHeader))
+
+
+def _shown(column: str, value: int) -> str:
+    if column == "mode":
+        return MODES[value - 1] if 1 <= value <= len(MODES) else f"mode {value}"
+    if column == "dtype":
+        return str(DTYPES[value]) if 0 <= value < len(DTYPES) else f"dtype {value}"
+    if column == "codec":
+        return CODECS[value] if 0 <= value < len(CODECS) else f"codec {value}"
+    return str(value)
+
+
+def agree(transport: Transport, header: CallHeader, live: list[int]) -> None:
+    """Exchanges ``header`` with every rank (one small collective) and checks the live ranks'
+    headers are equal.
+
+    Raises:
+        ValueError: a rank rejected its arguments, or the ranks disagree; the message names the
+            field and each rank's value (ranks of the Buffer's group).
+    """
+    row = header.row()
+    table = torch.tensor([row] * transport.num_ranks, dtype=torch.int64)
+    got = transport.exchange_counts(table, f"{header.mode}/header")
+    rejected = [r for r in live if int(got[r, _COLUMNS.index("ok")]) == 0 and int(got[r, 0]) != 0]
+    if rejected and header.ok:
+        raise ValueError(f"ep_comm {header.mode}: rank(s) {rejected} rejected their arguments to this call "
+                         f"(the error on those ranks says why); no rank sent any payload")
+    if not header.ok:
+        return  # this rank raises its own argument error
+    for i, column in enumerate(_COLUMNS):
+        values = {r: int(got[r, i]) for r in live}
+        if len(set(values.values())) > 1:
+            shown = ", ".join(f"rank {r}: {_shown(column, v)}" for r, v in values.items())
+            hint = " (a rank is in another call)" if column in ("mode", "seq") else ""
+            raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
+                             f"no rank sent any payload")

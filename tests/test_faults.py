@@ -1,0 +1,154 @@
+"""Faults and ranks that disagree, on 2 and 4 gloo ranks: every disagreement is a ValueError on
+every rank naming the field and each rank's value (never a crash, a hang or wrong data), the group
+stays in step for a valid call right after, a rank that rejects its own arguments makes its peers
+fail with it (no timeout), a timeout leaves the Buffer refusing calls until ``reset()``, and a
+second failure after ``mask_ranks`` names the dead rank's Buffer rank."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from support.mp_pool import spawn_once
+from support.rank_cases import make_routing, make_x
+
+import ep_comm
+from ep_comm import reference
+from ep_comm.placement import ExpertPlacement
+
+EXPERTS = 8
+
+
+def _valid_round(buf, rank, seed=3):
+    """A dispatch + combine every rank makes alike; returns what it received and combined."""
+    idx, w = make_routing(rank, seed, 7, EXPERTS, 2)
+    x = make_x(rank, seed, 7, 64, torch.bfloat16)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                              num_tokens_per_expert=torch.zeros(EXPERTS, dtype=torch.int32))
+    combined, _, _ = buf.combine(recv_x, handle)
+    return dict(x=x, idx=idx, w=w, recv_x=recv_x, combined=combined)
+
+
+def _disagree(rank, world, group, case):
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    idx, w = make_routing(rank, 5, 6, EXPERTS, 2)
+    x = make_x(rank, 5, 6, 128, torch.bfloat16)
+    counts = torch.zeros(EXPERTS, dtype=torch.int32)
+    odd = rank == world - 1
+    try:
+        if case == "dtype":
+            buf.dispatch(x.half() if odd else x, topk_idx=idx, num_tokens_per_expert=counts)
+        elif case == "num_experts":
+            buf.dispatch(x, topk_idx=idx.clamp(max=3), num_tokens_per_expert=counts[:4] if odd else counts)
+        elif case == "topk":
+            buf.dispatch(x, topk_idx=idx[:, :1] if odd else idx, num_tokens_per_expert=counts)
+        elif case == "combine_hidden":
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=counts)
+            rows = torch.zeros(recv_x.shape[0], 256 if odd else 128, dtype=torch.bfloat16)
+            buf.combine(rows, handle)
+        elif case == "ll_hidden":
+            buf.low_latency_dispatch(x[:, :64] if odd else x, idx, 8, EXPERTS, use_fp8=False)
+        elif case == "ll_capacity":
+            buf.low_latency_dispatch(x, idx, 16 if odd else 8, EXPERTS, use_fp8=False)
+        elif case == "mode":
+            if odd:
+                buf.low_latency_dispatch(x, idx, 8, EXPERTS, use_fp8=False)
+            else:
+                buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=counts)
+        elif case == "rejected":  # one rank's own topk_idx is out of range
+            buf.dispatch(x, topk_idx=idx + (100 if odd else 0), num_tokens_per_expert=counts)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return dict(error=error, after=_valid_round(buf, rank))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case,field", [
+    ("dtype", "dtype"), ("num_experts", "num_experts"), ("topk", "topk"), ("combine_hidden", "hidden"),
+    ("ll_hidden", "hidden"), ("ll_capacity", "capacity"), ("mode", "mode"), ("rejected", "topk_idx"),
+])
+def test_ranks_that_disagree_fail_alike_and_stay_in_step(ranks, world, case, field):
+    results = ranks(world, _disagree, case)
+    odd = world - 1
+    for rank, got in enumerate(results):
+        assert got["error"] is not None, f"rank {rank} raised nothing"
+        if case == "rejected" and rank != odd:
+            assert f"rank(s) [{odd}] rejected their arguments" in got["error"]
+        elif case == "rejected":
+            assert "topk_idx" in got["error"]
+        else:
+            assert f"disagree on {field}" in got["error"], got["error"]
+            assert f"rank {odd}:" in got["error"] and "rank 0:" in got["error"]
+    # the next call on the same Buffers is in step and exact
+    placement = ExpertPlacement.contiguous(EXPERTS, world)
+    after = [r["after"] for r in results]
+    ref = reference.dispatch([a["x"] for a in after], [a["idx"] for a in after], [a["w"] for a in after], placement)
+    for rank, got in enumerate(after):
+        assert torch.equal(got["recv_x"], ref[rank].x)
+    combined = reference.combine([a["recv_x"] for a in after], ref, [a["x"].shape[0] for a in after])
+    for rank, got in enumerate(after):
+        assert torch.equal(got["combined"], combined[rank])
+
+
+TIMEOUT_S = 3.0
+
+
+def _timeout_then_reset(rank, world, group):
+    buf = ep_comm.Buffer(group, timeout_s=TIMEOUT_S)
+    out = {}
+    if rank == 0:
+        try:
+            _valid_round(buf, rank)
+        except ep_comm.CommTimeoutError as error:
+            out["timeout"] = error.peers
+        try:
+            _valid_round(buf, rank)
+        except ep_comm.errors.BufferStateError as error:
+            out["refused"] = str(error)
+        time.sleep(3)  # the ranks' reset() calls must meet within timeout_s
+    else:
+        time.sleep(TIMEOUT_S + 4)  # misses rank 0's call
+    buf.reset()
+    out["after"] = _valid_round(buf, rank, seed=9)
+    return out
+
+
+def test_after_a_timeout_the_buffer_refuses_calls_until_reset():
+    results = spawn_once(2, _timeout_then_reset, timeout=60)
+    assert results[0]["timeout"] == [1]
+    assert "reset()" in results[0]["refused"]
+    placement = ExpertPlacement.contiguous(EXPERTS, 2)
+    after = [r["after"] for r in results]
+    ref = reference.dispatch([a["x"] for a in after], [a["idx"] for a in after], [a["w"] for a in after], placement)
+    for rank, got in enumerate(after):
+        assert torch.equal(got["recv_x"], ref[rank].x)
+
+
+def _two_failures(rank, world, group):
+    buf = ep_comm.Buffer(group, timeout_s=TIMEOUT_S)
+    if rank == 2:
+        os._exit(3)
+    seen = []
+    try:
+        _valid_round(buf, rank)
+    except ep_comm.CommTimeoutError as error:
+        seen.append(error.peers)
+    buf.mask_ranks(seen[-1])
+    if rank == 3:
+        os._exit(3)
+    try:
+        _valid_round(buf, rank)
+    except ep_comm.CommTimeoutError as error:
+        seen.append(error.peers)
+    buf.mask_ranks(seen[-1])
+    after = _valid_round(buf, rank, seed=4)
+    return dict(seen=seen, masked=sorted(buf.masked_ranks), combined_rows=after["combined"].shape[0])
+
+
+def test_a_second_failure_names_the_buffer_rank_and_the_job_recovers():
+    results = spawn_once(4, _two_failures, timeout=90, may_die=frozenset({2, 3}))
+    for rank in (0, 1):
+        assert results[rank]["seen"] == [[2], [3]], results[rank]
+        assert results[rank]["masked"] == [2, 3] and results[rank]["combined_rows"] == 7
