@@ -103,10 +103,12 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--channels", type=int, default=8)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-low-latency", action="store_true",
+                        help="normal mode only (e.g. under ncu, which profiles the intranode kernels)")
     a = parser.parse_args()
     copy_bps = copy_bandwidth(1 << 30)
     normal = normal_mode(a.ranks, a.tokens, a.hidden, a.topk, a.experts, a.channels, a.iters)
-    ll = low_latency_mode(a.ranks, 128, a.hidden, a.topk, a.experts, a.iters)
+    ll = None if a.no_low_latency else low_latency_mode(a.ranks, 128, a.hidden, a.topk, a.experts, a.iters)
     copy_gbps = copy_bps / 1e9
     summary = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbps,
                "normal": normal, "low_latency": ll,

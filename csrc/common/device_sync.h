@@ -1,14 +1,43 @@
 // Device-only memory-ordering and bounded-wait primitives for peer-to-peer signalling
 // (NVLink peers, virtual ranks on one GPU, and host-mapped timeout records).
 #pragma once
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(EP_CUDA_EMULATION)
 #include "timeout.h"
 
 namespace ep_comm {
 
+#if defined(EP_CUDA_EMULATION)
+// The CUDA emulation (csrc/emulation/cuda_runtime.h) runs every block of a launch as fibers of one
+// OS thread: these are the same operations on host memory, and every spin iteration yields so the
+// block (or virtual rank) that sets the flag gets to run.
+__device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+__device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+__device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+__device__ __forceinline__ unsigned long long global_timer_ns() { return ::ep_emu::global_timer_ns(); }
+__device__ __forceinline__ void spin_pause() { ::ep_emu::spin_yield(); }
+__device__ __forceinline__ int4 ld_volatile_int4(const int4* p) {
+  const volatile int* q = reinterpret_cast<const volatile int*>(p);
+  return int4{q[0], q[1], q[2], q[3]};
+}
+__device__ __forceinline__ int4 ld_nc_na_int4(const int4* p) { return *p; }
+__device__ __forceinline__ void st_int4(int4* p, int4 v) { *p = v; }
+#else
 __device__ __forceinline__ int ld_acquire_sys(const int* p) {
   int v;
   asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Relaxed system-scope load: no L1 invalidation (ld.acquire.sys emits CCTL.IVALL), so spins use
+// it and acquire once after success.
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
@@ -19,11 +48,38 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned 
   asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+__device__ __forceinline__ void spin_pause() {}
+__device__ __forceinline__ int4 ld_volatile_int4(const int4* p) {
+  int4 v;
+  asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Non-coherent load that does not allocate in L1, for inputs no one writes during the kernel.
+__device__ __forceinline__ int4 ld_nc_na_int4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// A plain 16-byte store, kept after the loads before it (the compiler does not move volatile asm).
+__device__ __forceinline__ void st_int4(int4* p, int4 v) {
+  asm volatile("st.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+#endif
 
 // Bounded wait state: the deadline and where to report. Copyable into kernel parameters.
 struct WaitCtx {
@@ -50,6 +106,8 @@ __device__ __forceinline__ bool failed(const WaitCtx& w) {
   return *reinterpret_cast<volatile int*>(w.record + kStatus) != kOk;
 }
 
+// Every wait spins on relaxed loads (no L1 invalidation per iteration) and acquires once after
+// success, so what the waiter reads next is ordered after what the peer wrote before its release.
 // Spins until *flag >= target, compared modulo 2^32 (flag - target as a signed difference), so
 // monotonic round counters keep working after they wrap past INT_MAX; valid while the two are
 // within 2^31 of each other. Returns false (after recording who and what it waited for) when
@@ -58,7 +116,11 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const int* flag, int 
                                          int phase, int detail) {
   unsigned long long start = 0;
   for (unsigned iter = 0;; ++iter) {
-    if (static_cast<int>(static_cast<unsigned>(ld_acquire_sys(flag)) - static_cast<unsigned>(target)) >= 0) return true;
+    if (static_cast<int>(static_cast<unsigned>(ld_relaxed_sys(flag)) - static_cast<unsigned>(target)) >= 0) {
+      ld_acquire_sys(flag);  // orders what follows after the release that stored the value seen
+      return true;
+    }
+    spin_pause();
     if ((iter & 255u) == 0) {
       unsigned long long now = global_timer_ns();
       if (start == 0) start = now;
@@ -77,7 +139,11 @@ __device__ __forceinline__ bool wait_signal(const WaitCtx& w, const unsigned lon
                                             int detail) {
   unsigned long long start = 0;
   for (unsigned iter = 0;; ++iter) {
-    if (ld_acquire_sys_u64(signal) >= value) return true;
+    if (ld_relaxed_sys_u64(signal) >= value) {
+      ld_acquire_sys_u64(signal);
+      return true;
+    }
+    spin_pause();
     if ((iter & 255u) == 0) {
       const unsigned long long now = global_timer_ns();
       if (start == 0) start = now;
@@ -95,8 +161,8 @@ __device__ __forceinline__ int wait_nonzero(const WaitCtx& w, const int* flag, i
                                             int detail) {
   unsigned long long start = 0;
   for (unsigned iter = 0;; ++iter) {
-    int v = ld_acquire_sys(flag);
-    if (v != 0) return v;
+    if (ld_relaxed_sys(flag) != 0) return ld_acquire_sys(flag);
+    spin_pause();
     if ((iter & 255u) == 0) {
       unsigned long long now = global_timer_ns();
       if (start == 0) start = now;
@@ -109,29 +175,63 @@ __device__ __forceinline__ int wait_nonzero(const WaitCtx& w, const int* flag, i
   }
 }
 
-// Warp-cooperative copy of `bytes` (a multiple of 16; both ends 16-byte aligned) from a read-only
-// input tensor (non-coherent cached loads are safe there).
+// Warp-cooperative row copies of `bytes` (a multiple of 16; both ends 16-byte aligned): each lane
+// issues kCopyUnroll independent 16-byte loads before the first of their stores, so a warp keeps
+// 32 * kCopyUnroll * 16 bytes (4 KiB) in flight.
+constexpr int kCopyUnroll = 8;
+
+// From a read-only input tensor: non-coherent loads that do not allocate in L1.
 __device__ __forceinline__ void warp_copy16_ro(void* dst, const void* src, int64_t bytes, int lane) {
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
-  for (int64_t i = lane; i < bytes / 16; i += 32) d[i] = __ldg(s + i);
+  s += lane;
+  d += lane;
+  int left = static_cast<int>(bytes / 16) - lane;
+#pragma unroll 1
+  for (; left >= 32 * kCopyUnroll; left -= 32 * kCopyUnroll, s += 32 * kCopyUnroll, d += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];  // whole batches: no predicates, every load issued before the first store
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) v[u] = ld_nc_na_int4(s + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) st_int4(d + 32 * u, v[u]);
+  }
+  if (left > 0) {  // the last, partial batch
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u)
+      if (32 * u < left) v[u] = ld_nc_na_int4(s + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u)
+      if (32 * u < left) st_int4(d + 32 * u, v[u]);
+  }
 }
 
-__device__ __forceinline__ int4 ld_volatile_int4(const int4* p) {
-  int4 v;
-  asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// The same copy from a communication buffer that peers rewrite during the kernel (ring slots are
-// reused): volatile loads, never a stale cached line.
+// From a communication buffer that peers rewrite during the kernel (ring slots are reused):
+// volatile loads, never a stale cached line.
 __device__ __forceinline__ void warp_copy16_comm(void* dst, const void* src, int64_t bytes, int lane) {
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
-  for (int64_t i = lane; i < bytes / 16; i += 32) d[i] = ld_volatile_int4(s + i);
+  s += lane;
+  d += lane;
+  int left = static_cast<int>(bytes / 16) - lane;
+#pragma unroll 1
+  for (; left >= 32 * kCopyUnroll; left -= 32 * kCopyUnroll, s += 32 * kCopyUnroll, d += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];  // whole batches: no predicates, every load issued before the first store
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) v[u] = ld_volatile_int4(s + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) st_int4(d + 32 * u, v[u]);
+  }
+  if (left > 0) {  // the last, partial batch
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u)
+      if (32 * u < left) v[u] = ld_volatile_int4(s + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u)
+      if (32 * u < left) st_int4(d + 32 * u, v[u]);
+  }
 }
 
 }  // namespace ep_comm
-#endif  // __CUDACC__
+#endif  // __CUDACC__ || EP_CUDA_EMULATION

@@ -10,6 +10,14 @@
 //    channel (= source token order), renumbering top-k ids to local experts.
 // The combine runs the rings the other way; its receiver sums, per token, the rows coming back
 // from every rank the token went to. Every wait is bounded (csrc/common/device_sync.h).
+// Sender and receiver blocks of one launch wait for each other, so the launchers refuse a grid that
+// cannot be resident on the device at once (occupancy checked at launch) instead of spinning until
+// the timeout.
+//
+// Memory order of a ring: the sender's lanes store rows, __syncwarp() orders those stores before
+// lane 0's st.release.sys of the tail (one system fence per publish, every kPublishRows rows); the
+// receiver's lane 0 spins on relaxed loads, acquires once, and __syncwarp() orders the other lanes'
+// reads of the rows after that acquire. The head flows back the same way.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -17,9 +25,13 @@
 #include "../common/device_sync.h"
 #include "../common/routing.h"
 #include "../cuda_bindings/launchers.h"
+#include "launch.h"
 
 namespace ep_comm::cuda {
 namespace {
+
+constexpr int kPublishRows = 2;  // a sender publishes its ring tail at least every this many rows
+constexpr int kIntranodeMaxThreads = 256;  // dispatch blocks: a warp per peer, 2 blocks per SM at least
 
 template <class T>
 struct RankSet {
@@ -40,9 +52,7 @@ __device__ bool rank_barrier(const IntranodeCommon& c, const IntranodeLayout& la
                              const WaitCtx& w) {
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  if (threadIdx.x == 0) __threadfence_system();
-  __syncthreads();
+  __syncthreads();  // the block's earlier stores precede each thread's release below
   if (threadIdx.x < c.num_ranks) {
     const int r = threadIdx.x;
     st_release_sys(word(c.peers[r], lay.arrival, me), c.barrier_value);
@@ -77,53 +87,61 @@ __global__ void notify_kernel(IntranodeCommon c, RankSet<NotifyRank> set) {
   for (int r = 0; r < R; ++r)
     for (int l = threadIdx.x; l < L; l += blockDim.x) *word(c.peers[r], lay.expert_counts, me * L + l) = 0;
   __syncthreads();
-  if (threadIdx.x == 0) __threadfence_system();
-  __syncthreads();
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
     const int r = c.expert_to_rank[e];
     *word(c.peers[r], lay.expert_counts, me * L + c.expert_to_local[e]) = p.num_tokens_per_expert[e];
   }
   if (!rank_barrier(c, lay, me, w)) return;
   const int* counts = word(c.peers[me], lay.channel_counts, 0);
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) p.meta[i] = ld_acquire_sys(counts + i);
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) p.meta[i] = ld_relaxed_sys(counts + i);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int sum = 0;
-    for (int s = 0; s < R; ++s) sum += ld_acquire_sys(word(c.peers[me], lay.expert_counts, s * L + l));
+    for (int s = 0; s < R; ++s) sum += ld_relaxed_sys(word(c.peers[me], lay.expert_counts, s * L + l));
     p.meta[R * C + l] = sum;
   }
   if (threadIdx.x == 0) {
     int total = 0;
-    for (int i = 0; i < R * C; ++i) total += ld_acquire_sys(counts + i);
+    for (int i = 0; i < R * C; ++i) total += ld_relaxed_sys(counts + i);
     p.meta[R * C + L] = total;
   }
 }
 
-// Sender side of one ring: waits (lane 0) until slot `tail` is free, publishing `tail` first so
-// the receiver can make progress. Returns false on timeout (whole warp).
-__device__ __forceinline__ bool wait_ring_space(const WaitCtx& w, int* remote_tail,
-                                                const int* remote_head, int tail, int& head_cache,
-                                                int64_t slots, int peer, int phase, int channel) {
-  const int lane = threadIdx.x & 31;
+// Sender side of one ring: publishes `tail` (the rows written so far) with one release after
+// __syncwarp() has ordered every lane's row stores before it. Whole warp.
+__device__ __forceinline__ void publish_tail(int* remote_tail, int tail, int& published) {
+  __syncwarp();
+  if (tail != published && (threadIdx.x & 31) == 0) st_release_sys(remote_tail, tail);
+  published = tail;
+}
+
+// Waits (lane 0 spins) until slot `tail` is free, publishing `tail` first so the receiver can make
+// progress. Returns false on timeout (whole warp).
+__device__ __forceinline__ bool wait_ring_space(const WaitCtx& w, int* remote_tail, const int* remote_head,
+                                                int tail, int& published, int& head_cache, int slots, int peer,
+                                                int phase, int channel) {
   if (tail - head_cache < slots) return true;
+  publish_tail(remote_tail, tail, published);
   int ok = 1;
-  if (lane == 0) {
-    __threadfence_system();
-    st_release_sys(remote_tail, tail);
-    ok = wait_geq(w, remote_head, tail - static_cast<int>(slots) + 1, peer, phase, channel);
-    if (ok) head_cache = ld_acquire_sys(remote_head);
+  if ((threadIdx.x & 31) == 0) {
+    ok = wait_geq(w, remote_head, tail - slots + 1, peer, phase, channel);
+    if (ok) head_cache = ld_relaxed_sys(remote_head);
   }
   ok = __shfl_sync(0xffffffffu, ok, 0);
   head_cache = __shfl_sync(0xffffffffu, head_cache, 0);
+  __syncwarp();  // lane 0's acquire of the head precedes every lane's stores into the freed slots
   return ok != 0;
 }
 
-// Receiver side: waits (lane 0) until ring tail > consumed; returns the tail, or -1 on timeout.
+// Receiver side: waits (lane 0 spins) until ring tail > consumed; returns the tail, or -1 on
+// timeout. __syncwarp() orders lane 0's acquire before every lane's reads of the rows.
 __device__ __forceinline__ int wait_ring_data(const WaitCtx& w, const int* tail, int consumed,
                                               int peer, int phase, int channel) {
   int value = -1;
   if ((threadIdx.x & 31) == 0 && wait_geq(w, tail, consumed + 1, peer, phase, channel))
-    value = ld_acquire_sys(tail);
-  return __shfl_sync(0xffffffffu, value, 0);
+    value = ld_relaxed_sys(tail);
+  value = __shfl_sync(0xffffffffu, value, 0);
+  __syncwarp();
+  return value;
 }
 
 __device__ __forceinline__ int64_t meta_prefix(const int32_t* meta, int index) {
@@ -132,33 +150,44 @@ __device__ __forceinline__ int64_t meta_prefix(const int32_t* meta, int index) {
   return offset;
 }
 
+// First byte of ring (channel, src) in the buffer at `base`; its slot s is at + s * row_bytes.
+__device__ __forceinline__ uint8_t* ring_of(uint8_t* base, const IntranodeLayout& lay, int num_ranks,
+                                            int channel, int src) {
+  return base + ring_row_offset(lay, num_ranks, channel, src, 0);
+}
+__device__ __forceinline__ int next_slot(int slot, int slots) { return slot + 1 == slots ? 0 : slot + 1; }
+
 // ---- dispatch ---------------------------------------------------------------------------------
-__global__ void dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_bytes,
-                                int num_scales) {
+__global__ void __launch_bounds__(kIntranodeMaxThreads, 2)
+dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_bytes, int num_scales) {
   const DispatchRank& p = set.r[blockIdx.y];
   const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const IntranodeLayout lay = layout_of(c);
   const RowLayout row = make_row_layout(hidden_bytes, num_scales, K, true, p.topk_weights != nullptr, true);
   const WaitCtx w{p.record, c.timeout_ns, me};
+  const int slots = static_cast<int>(c.ring_slots);
+  const int64_t row_bytes = lay.row_bytes;
   const bool sender = blockIdx.x < C;
   const int ch = sender ? blockIdx.x : blockIdx.x - C;
   if (sender) {
     for (int dst = warp; dst < R; dst += blockDim.x >> 5) {
       const Range range = channel_range(p.num_tokens, C, ch);
-      int* remote_tail = word(c.peers[dst], lay.ring_tail, ch * R + me);
-      const int* remote_head = word(c.peers[dst], lay.ring_head, ch * R + me);
-      int tail = 0, head_cache = 0, published = 0;
+      uint8_t* const peer = c.peers[dst];
+      int* remote_tail = word(peer, lay.ring_tail, ch * R + me);
+      const int* remote_head = word(peer, lay.ring_head, ch * R + me);
+      uint8_t* const ring = ring_of(peer, lay, R, ch, me);
+      int tail = 0, head_cache = 0, published = 0, slot = 0;
       for (int base = range.begin; base < range.end; base += 32) {
         const int t = base + lane;
         unsigned hits = __ballot_sync(0xffffffffu, t < range.end && p.is_token_in_rank[int64_t(t) * R + dst]);
         while (hits) {
           const int token = base + __ffs(hits) - 1;
           hits &= hits - 1;
-          if (!wait_ring_space(w, remote_tail, remote_head, tail, head_cache, c.ring_slots, dst,
+          if (!wait_ring_space(w, remote_tail, remote_head, tail, published, head_cache, slots, dst,
                                kIntranodeDispatchSend, ch))
             return;
-          uint8_t* out = c.peers[dst] + ring_row_offset(lay, R, ch, me, tail);
+          uint8_t* out = ring + slot * row_bytes;
           warp_copy16_ro(out + row.x_offset, p.x + token * hidden_bytes, hidden_bytes, lane);
           auto* scales = reinterpret_cast<float*>(out + row.scales_offset);
           for (int i = lane; i < num_scales; i += 32) scales[i] = p.x_scales[int64_t(token) * num_scales + i];
@@ -169,30 +198,30 @@ __global__ void dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, in
           }
           if (lane == 0) *reinterpret_cast<int32_t*>(out + row.src_offset) = token;
           ++tail;
+          slot = next_slot(slot, slots);
+          // publish only new values: the receiver's last observation must be the last write, so
+          // no stale tail lands in its buffer after it resets the rings for the next operation
+          if (tail - published >= kPublishRows) publish_tail(remote_tail, tail, published);
         }
-        __syncwarp();
-        // publish only new values: the receiver's last observation must be the last write, so
-        // no stale tail lands in its buffer after it resets the rings for the next operation
-        if (tail != published && lane == 0) {
-          __threadfence_system();
-          st_release_sys(remote_tail, tail);
-        }
-        published = tail;
       }
+      publish_tail(remote_tail, tail, published);
     }
     return;
   }
+  uint8_t* const own = c.peers[me];
   for (int src = warp; src < R; src += blockDim.x >> 5) {
     const int count = p.meta[src * C + ch];
     const int64_t out_base = meta_prefix(p.meta, src * C + ch);
-    const int* tail = word(c.peers[me], lay.ring_tail, ch * R + src);
-    int* head = word(c.peers[me], lay.ring_head, ch * R + src);
-    int consumed = 0;
+    const int* tail = word(own, lay.ring_tail, ch * R + src);
+    int* head = word(own, lay.ring_head, ch * R + src);
+    const uint8_t* const ring = ring_of(own, lay, R, ch, src);
+    int consumed = 0, slot = 0;
     while (consumed < count) {
       const int available = wait_ring_data(w, tail, consumed, src, kIntranodeDispatchRecv, ch);
       if (available < 0) return;
       for (; consumed < available; ++consumed) {
-        const uint8_t* in = c.peers[me] + ring_row_offset(lay, R, ch, src, consumed);
+        const uint8_t* in = ring + slot * row_bytes;
+        slot = next_slot(slot, slots);
         const int64_t out = out_base + consumed;
         warp_copy16_comm(p.recv_x + out * hidden_bytes, in + row.x_offset, hidden_bytes, lane);
         const auto* scales = reinterpret_cast<const volatile float*>(in + row.scales_offset);
@@ -208,7 +237,7 @@ __global__ void dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, in
         }
         if (lane == 0) p.recv_src_idx[out] = *reinterpret_cast<const volatile int32_t*>(in + row.src_offset);
       }
-      __syncwarp();
+      __syncwarp();  // every lane's reads of the slots precede their release
       if (lane == 0) st_release_sys(head, consumed);
     }
   }
@@ -249,10 +278,34 @@ __device__ __forceinline__ int4 pack_vec(const float* acc, float*) {
 
 constexpr int kCombineWarps = 8;  // tokens reduced at once by a receiver block; ring_slots >= this
 
+// One 16-byte vector of a combined row: the loads from every source the token went to are issued
+// together (unrolled over kMaxRanks, inactive sources predicated off), then summed in rank order.
+// Source r's row is at rows + slot[r] * row_vectors (slot[r] < 0: the token did not go to r).
 template <class T>
-__global__ void __launch_bounds__(kCombineWarps * 32)
-combine_kernel(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
-  const CombineRank& p = set.r[blockIdx.y];
+__device__ __forceinline__ int4 reduce_vector(const int4* rows, const int (&slot)[kMaxRanks], int64_t row_vectors,
+                                              int v) {
+  int4 in[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (slot[r] >= 0) in[r] = ld_volatile_int4(rows + slot[r] * row_vectors + v);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (slot[r] >= 0) add_vec(acc, in[r], static_cast<T*>(nullptr));
+  return pack_vec(acc, static_cast<T*>(nullptr));
+}
+
+// The receiver's per-block state (kernels stay plain functions for the CUDA emulation: their
+// __shared__ variables live in the kernel, the template body gets them by reference).
+struct CombineShared {
+  int position[kCombineWarps][kMaxRanks];  // slot of each warp's token in each source's ring, or -1
+  int consumed[kMaxRanks];
+  int abort_flag;
+};
+
+template <class T>
+__device__ __forceinline__ void combine_body(const IntranodeCommon& c, const CombineRank& p, int64_t hidden,
+                                             CombineShared& sh) {
   const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const IntranodeLayout lay = layout_of(c);
@@ -260,41 +313,43 @@ combine_kernel(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
   const bool has_weights = p.topk_weights != nullptr;
   const RowLayout row = make_row_layout(hidden_bytes, 0, K, false, has_weights, false);
   const WaitCtx w{p.record, c.timeout_ns, me};
+  const int slots = static_cast<int>(c.ring_slots);
+  const int64_t row_bytes = lay.row_bytes;
   const bool sender = blockIdx.x < C;
   const int ch = sender ? blockIdx.x : blockIdx.x - C;
   if (sender) {  // return the rows that arrived from `src` through channel ch, in order
     for (int src = warp; src < R; src += blockDim.x >> 5) {
       const int count = p.meta[src * C + ch];
       const int64_t first = meta_prefix(p.meta, src * C + ch);
-      int* remote_tail = word(c.peers[src], lay.ring_tail, ch * R + me);
-      const int* remote_head = word(c.peers[src], lay.ring_head, ch * R + me);
-      int head_cache = 0;
+      uint8_t* const peer = c.peers[src];
+      int* remote_tail = word(peer, lay.ring_tail, ch * R + me);
+      const int* remote_head = word(peer, lay.ring_head, ch * R + me);
+      uint8_t* const ring = ring_of(peer, lay, R, ch, me);
+      int head_cache = 0, published = 0, slot = 0;
       for (int i = 0; i < count; ++i) {
-        if (!wait_ring_space(w, remote_tail, remote_head, i, head_cache, c.ring_slots, src,
+        if (!wait_ring_space(w, remote_tail, remote_head, i, published, head_cache, slots, src,
                              kIntranodeCombineSend, ch))
           return;
-        uint8_t* out = c.peers[src] + ring_row_offset(lay, R, ch, me, i);
+        uint8_t* out = ring + slot * row_bytes;
+        slot = next_slot(slot, slots);
         warp_copy16_ro(out + row.x_offset, p.x + (first + i) * hidden_bytes, hidden_bytes, lane);
         if (has_weights && lane < K)
           reinterpret_cast<float*>(out + row.weights_offset)[lane] = p.topk_weights[(first + i) * K + lane];
-        if ((i & 7) == 7 || i + 1 == count) {
-          __syncwarp();
-          if (lane == 0) {
-            __threadfence_system();
-            st_release_sys(remote_tail, i + 1);
-          }
-        }
+        if (i + 1 - published >= kPublishRows) publish_tail(remote_tail, i + 1, published);
       }
+      publish_tail(remote_tail, count, published);
     }
     return;
   }
   // receiver: tokens of channel ch, kCombineWarps at a time, one warp per token
-  __shared__ int position[kCombineWarps][kMaxRanks];
-  __shared__ int consumed[kMaxRanks];
-  __shared__ int abort_flag;
+  auto& position = sh.position;
+  auto& consumed = sh.consumed;
+  int& abort_flag = sh.abort_flag;
   if (threadIdx.x < R) consumed[threadIdx.x] = 0;
   if (threadIdx.x == 0) abort_flag = 0;
   __syncthreads();
+  uint8_t* const own = c.peers[me];
+  const int vectors = static_cast<int>(hidden_bytes / 16);
   const Range range = channel_range(p.num_tokens, C, ch);
   for (int base = range.begin; base < range.end; base += kCombineWarps) {
     if (threadIdx.x < R) {
@@ -311,46 +366,73 @@ combine_kernel(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
       bool ok = true;
       for (int r = 0; r < R && ok; ++r) {
         const int pos = position[warp][r];
-        if (pos >= 0) ok = wait_ring_data(w, word(c.peers[me], lay.ring_tail, ch * R + r), pos, r,
-                                          kIntranodeCombineRecv, ch) >= 0;
+        if (pos >= 0)
+          ok = wait_ring_data(w, word(own, lay.ring_tail, ch * R + r), pos, r, kIntranodeCombineRecv, ch) >= 0;
       }
+      // the token's sources and their slots, once per token: ring (ch, r) holds slots
+      // [r * S, (r + 1) * S) of the channel's rings, all in rows of row_bytes
+      int slot[kMaxRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        const int pos = r < R ? position[warp][r] : -1;
+        slot[r] = pos >= 0 ? r * slots + pos % slots : -1;
+      }
+      const uint8_t* const rows = ring_of(own, lay, R, ch, 0);
       if (!ok) {
         if (lane == 0) abort_flag = 1;
       } else {
         int4* out = reinterpret_cast<int4*>(p.combined_x + token * hidden_bytes);
-        for (int64_t v = lane; v < hidden_bytes / 16; v += 32) {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int r = 0; r < R; ++r) {
-            const int pos = position[warp][r];
-            if (pos < 0) continue;
-            const uint8_t* in = c.peers[me] + ring_row_offset(lay, R, ch, r, pos) + row.x_offset;
-            add_vec(acc, ld_volatile_int4(reinterpret_cast<const int4*>(in) + v), static_cast<T*>(nullptr));
-          }
-          out[v] = pack_vec(acc, static_cast<T*>(nullptr));
-        }
+        const int4* x_rows = reinterpret_cast<const int4*>(rows + row.x_offset);
+        for (int v = lane; v < vectors; v += 32) st_int4(out + v, reduce_vector<T>(x_rows, slot, row_bytes / 16, v));
         if (p.combined_topk_weights && lane < K) {
           float sum = 0.0f;
-          for (int r = 0; r < R; ++r) {
-            const int pos = position[warp][r];
-            if (pos < 0 || !has_weights) continue;
-            const uint8_t* in = c.peers[me] + ring_row_offset(lay, R, ch, r, pos) + row.weights_offset;
-            sum += reinterpret_cast<const volatile float*>(in)[lane];
-          }
+#pragma unroll
+          for (int r = 0; r < kMaxRanks; ++r)
+            if (slot[r] >= 0 && has_weights)
+              sum += reinterpret_cast<const volatile float*>(rows + slot[r] * row_bytes + row.weights_offset)[lane];
           p.combined_topk_weights[int64_t(token) * K + lane] = sum;
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // every warp's reads of the slots precede their release
     if (abort_flag) return;
     if (threadIdx.x < R) {
       const int r = threadIdx.x;
       int next = consumed[r];
       for (int j = 0; j < kCombineWarps; ++j) next += position[j][r] >= 0;
       consumed[r] = next;
-      st_release_sys(word(c.peers[me], lay.ring_head, ch * R + r), next);
+      st_release_sys(word(own, lay.ring_head, ch * R + r), next);
     }
     __syncthreads();
   }
+}
+
+__global__ void __launch_bounds__(kCombineWarps * 32, 2)
+combine_kernel_bf16(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
+  __shared__ CombineShared sh;
+  combine_body<__nv_bfloat16>(c, set.r[blockIdx.y], hidden, sh);
+}
+__global__ void __launch_bounds__(kCombineWarps * 32, 2)
+combine_kernel_f32(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
+  __shared__ CombineShared sh;
+  combine_body<float>(c, set.r[blockIdx.y], hidden, sh);
+}
+
+// The launchers' co-residency check: every block of a launch must be resident at once (senders and
+// receivers wait for each other). Refuses the launch (take_launch_error reports why) otherwise.
+template <class Kernel>
+bool fits_at_once(Kernel kernel, const char* what, int blocks, int threads) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess)
+    return true;  // the launch itself reports the error
+  if (blocks <= per_sm * sms) return true;
+  refuse_launch(std::string(what) + ": a grid of " + std::to_string(blocks) + " blocks of " + std::to_string(threads) +
+                " threads cannot be resident at once (" + std::to_string(per_sm) + " per SM x " +
+                std::to_string(sms) + " SMs); its senders and receivers would wait for each other until the "
+                "timeout: use fewer channels or fewer ranks per process");
+  return false;
 }
 
 template <class T>
@@ -364,14 +446,17 @@ RankSet<T> to_set(const T* ranks, int n) {
 
 void launch_intranode_notify(const IntranodeCommon& c, const NotifyRank* ranks, int num_virtual,
                              void* stream) {
-  notify_kernel<<<dim3(1, num_virtual), 256, 0, static_cast<cudaStream_t>(stream)>>>(c, to_set(ranks, num_virtual));
+  EP_LAUNCH(notify_kernel, dim3(1, num_virtual), 256, static_cast<cudaStream_t>(stream))(c, to_set(ranks, num_virtual));
 }
 
 void launch_intranode_dispatch(const IntranodeCommon& c, const DispatchRank* ranks, int num_virtual,
                                int64_t hidden_bytes, int num_scales, int threads_per_block,
                                void* stream) {
-  const int threads = threads_per_block >= 32 * c.num_ranks ? threads_per_block : 32 * c.num_ranks;
-  dispatch_kernel<<<dim3(2 * c.num_channels, num_virtual), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+  int threads = threads_per_block >= 32 * c.num_ranks ? threads_per_block : 32 * c.num_ranks;
+  threads = threads < kIntranodeMaxThreads ? threads : kIntranodeMaxThreads;
+  const dim3 grid(2 * c.num_channels, num_virtual);
+  if (!fits_at_once(dispatch_kernel, "intranode dispatch", 2 * c.num_channels * num_virtual, threads)) return;
+  EP_LAUNCH(dispatch_kernel, grid, threads, static_cast<cudaStream_t>(stream))(
       c, to_set(ranks, num_virtual), hidden_bytes, num_scales);
 }
 
@@ -379,10 +464,14 @@ void launch_intranode_combine(const IntranodeCommon& c, const CombineRank* ranks
                               int64_t hidden, int dtype, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   const auto set = to_set(ranks, num_virtual);
-  combine_barrier_kernel<<<dim3(1, num_virtual), 64, 0, s>>>(c, set);
   const dim3 grid(2 * c.num_channels, num_virtual);
-  if (dtype == 0) combine_kernel<__nv_bfloat16><<<grid, kCombineWarps * 32, 0, s>>>(c, set, hidden);
-  else combine_kernel<float><<<grid, kCombineWarps * 32, 0, s>>>(c, set, hidden);
+  const int blocks = 2 * c.num_channels * num_virtual;
+  if (dtype == 0 ? !fits_at_once(combine_kernel_bf16, "intranode combine", blocks, kCombineWarps * 32)
+                 : !fits_at_once(combine_kernel_f32, "intranode combine", blocks, kCombineWarps * 32))
+    return;
+  EP_LAUNCH(combine_barrier_kernel, dim3(1, num_virtual), 64, s)(c, set);
+  if (dtype == 0) EP_LAUNCH(combine_kernel_bf16, grid, kCombineWarps * 32, s)(c, set, hidden);
+  else EP_LAUNCH(combine_kernel_f32, grid, kCombineWarps * 32, s)(c, set, hidden);
 }
 
 }  // namespace ep_comm::cuda

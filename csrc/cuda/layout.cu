@@ -3,6 +3,8 @@
 // memory and added to the (zeroed) outputs with one atomic per block and counter.
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "../common/routing.h"
 #include "../cuda_bindings/launchers.h"
 #include "launch.h"
@@ -53,7 +55,19 @@ __global__ void __launch_bounds__(kThreads) dispatch_layout_kernel(LayoutArgs a)
 
 }  // namespace
 
+namespace {
+thread_local std::string refusal;  // the reason of this thread's last refused launch
+thread_local std::string reported;
+}  // namespace
+
+void refuse_launch(const std::string& reason) { refusal = reason; }
+
 const char* take_launch_error() {
+  if (!refusal.empty()) {
+    reported.swap(refusal);
+    refusal.clear();
+    return reported.c_str();
+  }
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }

@@ -20,6 +20,7 @@
 #include "../common/device_sync.h"
 #include "../codec/fp8_core.h"
 #include "../cuda_bindings/launchers.h"
+#include "launch.h"
 
 namespace ep_comm::cuda {
 
@@ -44,42 +45,55 @@ __device__ __forceinline__ LowLatencyLayout layout_of(const LowLatencyCommon& c)
                                  c.num_topk, c.hidden);
 }
 
+// The peer table, staged in shared memory by each block (a kernel parameter array indexed by a
+// runtime rank is copied to local memory): peers[r] is rank r's buffer, or null where NVSHMEM
+// puts reach it; peers[kMaxRanks] is this rank's own buffer. A macro: a helper that took the
+// parameter by reference would make the same copy.
+#define EP_STAGE_PEERS(c, me, peers)                                                                  \
+  do {                                                                                                \
+    for (int r_ = threadIdx.x; r_ < kMaxRanks; r_ += blockDim.x) peers[r_] = nullptr;               \
+    __syncthreads();                                                                                  \
+    if (threadIdx.x == 0) {                                                                           \
+      _Pragma("unroll") for (int r_ = 0; r_ < kMaxRanks; ++r_) if (r_ < (c).num_ranks) peers[r_] = (c).peers[r_]; \
+    }                                                                                                 \
+    __syncthreads();                                                                                  \
+    if (threadIdx.x == 0) peers[kMaxRanks] = peers[me] ? peers[me] : (c).symmetric_base;            \
+    __syncthreads();                                                                                  \
+  } while (0)
+
 // Where a row for `peer` at buffer offset `offset` is assembled: straight into the peer's buffer
 // when it is load/store reachable, else into this warp's scratch row (then put_row).
-__device__ __forceinline__ uint8_t* row_target(const LowLatencyCommon& c, const LowLatencyLayout& l,
-                                               int me, int peer, int64_t offset, int scratch) {
-  if (c.peers[peer]) return c.peers[peer] + offset;
-  return c.peers[me] ? c.peers[me] + l.send_scratch + scratch * l.stage_row_bytes
-                     : c.symmetric_base + l.send_scratch + scratch * l.stage_row_bytes;
+__device__ __forceinline__ uint8_t* row_target(uint8_t* const* peers, const LowLatencyLayout& l, int peer,
+                                               int64_t offset, int scratch) {
+  if (peers[peer]) return peers[peer] + offset;
+  return peers[kMaxRanks] + l.send_scratch + scratch * l.stage_row_bytes;
 }
-__device__ __forceinline__ void put_row(const LowLatencyCommon& c, int peer, int64_t offset,
+__device__ __forceinline__ void put_row(const LowLatencyCommon& c, uint8_t* const* peers, int peer, int64_t offset,
                                         const uint8_t* assembled, int64_t bytes) {
 #if defined(EP_COMM_WITH_NVSHMEM)
-  if (!c.peers[peer]) {
+  if (!peers[peer]) {
     __syncwarp();
     nvshmem_put_warp(c.symmetric_base + offset, assembled, bytes, peer);
   }
 #endif
 }
-__device__ __forceinline__ void signal(const LowLatencyCommon& c, int peer, int64_t offset, int v) {
-  if (c.peers[peer]) {
-    __threadfence_system();
-    st_release_sys(reinterpret_cast<int*>(c.peers[peer] + offset), v);
+// Publishes flag `v` on `peer`: one release (cumulative over what this thread's warp or block
+// ordered before it with __syncwarp / __syncthreads), or NVSHMEM's fenced put.
+__device__ __forceinline__ void signal(const LowLatencyCommon& c, uint8_t* const* peers, int peer, int64_t offset,
+                                       int v) {
+  if (peers[peer]) {
+    st_release_sys(reinterpret_cast<int*>(peers[peer] + offset), v);
     return;
   }
 #if defined(EP_COMM_WITH_NVSHMEM)
   nvshmem_fenced_int_put(reinterpret_cast<int*>(c.symmetric_base + offset), v, peer);
 #endif
 }
-__device__ __forceinline__ uint8_t* own(const LowLatencyCommon& c, int me) {
-  return c.peers[me] ? c.peers[me] : c.symmetric_base;
-}
 
 // Writes token `token`'s row (header, bf16 payload or e4m3 + scales) at `out`.
-__device__ void write_row(const LowLatencyCommon& c, const LowLatencyRank& p, LowLatencyFlags f,
-                          const LLRow& row, uint8_t* out, int token, int k, int lane) {
-  const int64_t H = c.hidden;
-  const uint16_t* x = p.x + token * H;
+__device__ __forceinline__ void write_row(int64_t H, const uint16_t* x_rows, LowLatencyFlags f, const LLRow& row,
+                                          uint8_t* out, int token, int k, int lane) {
+  const uint16_t* x = x_rows + token * H;
   if (lane == 0) {
     auto* header = reinterpret_cast<LLHeader*>(out);
     header->src_token = token;
@@ -112,8 +126,11 @@ __global__ void __launch_bounds__(kWarps * 32) dispatch_send_kernel(LowLatencyCo
   const LowLatencyRank& p = set.r[blockIdx.y];
   const int me = p.rank, K = c.num_topk, T = c.max_tokens;
   const int lane = threadIdx.x & 31;
+  __shared__ uint8_t* peers[kMaxRanks + 1];
+  EP_STAGE_PEERS(c, me, peers);
   const int expert = blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (expert >= c.num_experts) return;
+  const uint16_t* const x_rows = p.x;
   const int dst = c.expert_to_rank[expert], local = c.expert_to_local[expert];
   const LowLatencyLayout l = layout_of(c);
   const LLRow row = make_ll_row(c.hidden, f.use_fp8);
@@ -143,27 +160,29 @@ __global__ void __launch_bounds__(kWarps * 32) dispatch_send_kernel(LowLatencyCo
           return;
         }
         const int64_t offset = ll_stage_row_offset(l, c.num_ranks, T, local, me, slot);
-        uint8_t* out = row_target(c, l, me, dst, offset, expert);
-        write_row(c, p, f, row, out, token, k, lane);
-        put_row(c, dst, offset, out, row.row_bytes);
+        uint8_t* out = row_target(peers, l, dst, offset, expert);
+        write_row(c.hidden, x_rows, f, row, out, token, k, lane);
+        put_row(c, peers, dst, offset, out, row.row_bytes);
         ++slot;
       }
     }
     count += __shfl_sync(kFull, prefix, 31);
   }
   __syncwarp();
-  if (lane == 0) signal(c, dst, l.dispatch_flag + 4LL * (local * c.num_ranks + me), count + 1);
+  if (lane == 0) signal(c, peers, dst, l.dispatch_flag + 4LL * (local * c.num_ranks + me), count + 1);
 }
 
 __global__ void __launch_bounds__(kWarps * 32) dispatch_recv_kernel(LowLatencyCommon c, Ranks set,
                                                                       LowLatencyFlags f) {
   const LowLatencyRank& p = set.r[blockIdx.y];
   const int me = p.rank, R = c.num_ranks, T = c.max_tokens, local = blockIdx.x;
+  __shared__ uint8_t* peers[kMaxRanks + 1];
+  EP_STAGE_PEERS(c, me, peers);
   if (local >= p.num_local_experts) return;
   const LowLatencyLayout l = layout_of(c);
   const LLRow row = make_ll_row(c.hidden, f.use_fp8);
   const WaitCtx w{p.record, c.timeout_ns, me};
-  uint8_t* base = own(c, me);
+  uint8_t* base = peers[kMaxRanks];
   __shared__ int counts[kMaxRanks * 32], first[kMaxRanks * 32 + 1], ok;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
@@ -213,6 +232,8 @@ __global__ void __launch_bounds__(kWarps * 32) dispatch_recv_kernel(LowLatencyCo
 __global__ void __launch_bounds__(kWarps * 32) combine_send_kernel(LowLatencyCommon c, Ranks set) {
   const LowLatencyRank& p = set.r[blockIdx.y];
   const int me = p.rank, R = c.num_ranks, T = c.max_tokens, local = blockIdx.x;
+  __shared__ uint8_t* peers[kMaxRanks + 1];
+  EP_STAGE_PEERS(c, me, peers);
   if (local >= p.num_local_experts) return;
   const LowLatencyLayout l = layout_of(c);
   const int64_t H = c.hidden, capacity = int64_t(R) * T;
@@ -225,9 +246,9 @@ __global__ void __launch_bounds__(kWarps * 32) combine_send_kernel(LowLatencyCom
     const int token = p.recv_src_info[local * capacity + q];
     const int k = p.recv_topk_slot[local * capacity + q];
     const int64_t offset = ll_combine_row_offset(l, c.num_topk, H, token, k);
-    uint8_t* out = row_target(c, l, me, s, offset, scratch);
+    uint8_t* out = row_target(peers, l, s, offset, scratch);
     warp_copy16_ro(out, p.x + (local * capacity + q) * H, 2 * H, lane);
-    put_row(c, s, offset, out, 2 * H);
+    put_row(c, peers, s, offset, out, 2 * H);
   }
   __syncthreads();
   __shared__ int global_expert;
@@ -237,16 +258,97 @@ __global__ void __launch_bounds__(kWarps * 32) combine_send_kernel(LowLatencyCom
     if (c.expert_to_rank[e] == me && c.expert_to_local[e] == local) global_expert = e;
   __syncthreads();
   for (int s = threadIdx.x; s < R; s += blockDim.x)
-    signal(c, s, l.combine_flag + 4LL * global_expert, 1);
+    signal(c, peers, s, l.combine_flag + 4LL * global_expert, 1);
+}
+
+constexpr int kRegisterTopk = 8;  // top-k entries a combine_recv warp keeps in registers
+
+// combine_recv for tokens with at most kRegisterTopk entries: the token's row addresses and weights
+// are read once (lane k holds entry k, shuffled into registers), then every 16-byte vector issues
+// the loads of all the token's rows before it sums them, k ascending.
+__device__ __forceinline__ void combine_token_registers(const uint8_t* base, const LowLatencyLayout& l, int K,
+                                                        int64_t H, int token, int64_t my_topk, float my_weight,
+                                                        uint16_t* combined, int lane) {
+  const int4* rows[kRegisterTopk];
+  float weight[kRegisterTopk];
+  unsigned active = 0;  // bit k: entry k is summed; inactive entries load a valid row, never used
+  const int4* first = reinterpret_cast<const int4*>(base + ll_combine_row_offset(l, K, H, token, 0));
+#pragma unroll
+  for (int k = 0; k < kRegisterTopk; ++k) {
+    const bool on = k < K && __shfl_sync(kFull, my_topk, k) >= 0;
+    active |= unsigned(on) << k;
+    weight[k] = __shfl_sync(kFull, my_weight, k);
+    rows[k] = on ? first + k * (H / 8) : first;
+  }
+  for (int v = lane; v < H / 8; v += 32) {
+    int4 raw[kRegisterTopk];
+#pragma unroll
+    for (int k = 0; k < kRegisterTopk; ++k) raw[k] = ld_volatile_int4(rows[k] + v);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int k = 0; k < kRegisterTopk; ++k) {
+      if (!(active >> k & 1u)) continue;
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw[k]);
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = __bfloat1622float2(h[i]);
+        acc[2 * i] += weight[k] * x.x;
+        acc[2 * i + 1] += weight[k] * x.y;
+      }
+    }
+    int4 packed;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    st_int4(reinterpret_cast<int4*>(combined) + v, packed);
+  }
+}
+
+// The same for more entries (up to 32): the token's weights and active entries staged in shared
+// memory once, read from there per vector.
+__device__ __forceinline__ void combine_token_shared(const uint8_t* base, const LowLatencyLayout& l, int K,
+                                                     int64_t H, int token, int64_t my_topk, float my_weight,
+                                                     float* weights, int* active, uint16_t* combined, int lane) {
+  if (lane < K) {
+    weights[lane] = my_weight;
+    active[lane] = my_topk >= 0;
+  }
+  __syncwarp();
+  const auto* rows = reinterpret_cast<const int4*>(base + ll_combine_row_offset(l, K, H, token, 0));
+  for (int v = lane; v < H / 8; v += 32) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k0 = 0; k0 < K; k0 += kRegisterTopk) {  // kRegisterTopk rows' loads in flight at a time
+      int4 raw[kRegisterTopk];
+#pragma unroll
+      for (int u = 0; u < kRegisterTopk; ++u)
+        raw[u] = ld_volatile_int4(rows + (k0 + u < K ? k0 + u : K - 1) * (H / 8) + v);
+#pragma unroll
+      for (int u = 0; u < kRegisterTopk; ++u) {
+        if (k0 + u >= K || !active[k0 + u]) continue;
+        const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+        for (int i = 0; i < 4; ++i) {
+          const float2 x = __bfloat1622float2(h[i]);
+          acc[2 * i] += weights[k0 + u] * x.x;
+          acc[2 * i + 1] += weights[k0 + u] * x.y;
+        }
+      }
+    }
+    int4 packed;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    st_int4(reinterpret_cast<int4*>(combined) + v, packed);
+  }
 }
 
 __global__ void __launch_bounds__(kWarps * 32) combine_recv_kernel(LowLatencyCommon c, Ranks set) {
   const LowLatencyRank& p = set.r[blockIdx.y];
   const int me = p.rank, K = c.num_topk;
+  __shared__ uint8_t* peers[kMaxRanks + 1];
+  EP_STAGE_PEERS(c, me, peers);
   const LowLatencyLayout l = layout_of(c);
   const WaitCtx w{p.record, c.timeout_ns, me};
-  const uint8_t* base = own(c, me);
+  const uint8_t* base = peers[kMaxRanks];
   __shared__ int ok;
+  __shared__ float weights[kWarps][32];
+  __shared__ int active[kWarps][32];
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
@@ -255,35 +357,23 @@ __global__ void __launch_bounds__(kWarps * 32) combine_recv_kernel(LowLatencyCom
   }
   __syncthreads();
   if (!ok) return;
-  const int token = blockIdx.x * kWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, token = blockIdx.x * kWarps + warp, lane = threadIdx.x & 31;
   if (token >= p.num_tokens) return;
   const int64_t H = c.hidden;
-  for (int64_t v = lane; v < H / 8; v += 32) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < K; ++k) {
-      if (p.topk_idx[int64_t(token) * K + k] < 0) continue;
-      const float weight = p.topk_weights[int64_t(token) * K + k];
-      const auto* in = reinterpret_cast<const int4*>(base + ll_combine_row_offset(l, K, H, token, k));
-      const int4 raw = ld_volatile_int4(in + v);
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = __bfloat1622float2(h[i]);
-        acc[2 * i] += weight * x.x;
-        acc[2 * i + 1] += weight * x.y;
-      }
-    }
-    int4 packed;
-    auto* h = reinterpret_cast<__nv_bfloat162*>(&packed);
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    reinterpret_cast<int4*>(p.combined_x + token * H)[v] = packed;
-  }
+  const int64_t my_topk = lane < K ? p.topk_idx[int64_t(token) * K + lane] : -1;
+  const float my_weight = lane < K ? p.topk_weights[int64_t(token) * K + lane] : 0.0f;
+  uint16_t* combined = p.combined_x + token * H;
+  if (K <= kRegisterTopk) combine_token_registers(base, l, K, H, token, my_topk, my_weight, combined, lane);
+  else combine_token_shared(base, l, K, H, token, my_topk, my_weight, weights[warp], active[warp], combined, lane);
 }
 
 // Runs after every combine_recv block has seen the flags: re-arms them for the next call.
 __global__ void combine_reset_kernel(LowLatencyCommon c, Ranks set) {
   const LowLatencyRank& p = set.r[blockIdx.y];
+  __shared__ uint8_t* peers[kMaxRanks + 1];
+  EP_STAGE_PEERS(c, p.rank, peers);
   const LowLatencyLayout l = layout_of(c);
-  auto* flags = reinterpret_cast<int*>(own(c, p.rank) + l.combine_flag);
+  auto* flags = reinterpret_cast<int*>(peers[kMaxRanks] + l.combine_flag);
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) flags[e] = 0;
 }
 
@@ -298,17 +388,15 @@ Ranks to_set(const LowLatencyRank* ranks, int n) {
 void launch_low_latency_dispatch_send(const LowLatencyCommon& c, const LowLatencyRank* ranks,
                                       int num_virtual, LowLatencyFlags f, void* stream) {
   const dim3 grid((c.num_experts + kWarps - 1) / kWarps, num_virtual);
-  dispatch_send_kernel<<<grid, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(c, to_set(ranks, num_virtual), f);
+  EP_LAUNCH(dispatch_send_kernel, grid, kWarps * 32, static_cast<cudaStream_t>(stream))(c, to_set(ranks, num_virtual), f);
 }
 void launch_low_latency_dispatch_recv(const LowLatencyCommon& c, const LowLatencyRank* ranks,
                                       int num_virtual, LowLatencyFlags f, void* stream) {
-  dispatch_recv_kernel<<<dim3(c.max_local_experts, num_virtual), kWarps * 32, 0,
-                         static_cast<cudaStream_t>(stream)>>>(c, to_set(ranks, num_virtual), f);
+  EP_LAUNCH(dispatch_recv_kernel, dim3(c.max_local_experts, num_virtual), kWarps * 32, static_cast<cudaStream_t>(stream))(c, to_set(ranks, num_virtual), f);
 }
 void launch_low_latency_combine_send(const LowLatencyCommon& c, const LowLatencyRank* ranks,
                                      int num_virtual, void* stream) {
-  combine_send_kernel<<<dim3(c.max_local_experts, num_virtual), kWarps * 32, 0,
-                        static_cast<cudaStream_t>(stream)>>>(c, to_set(ranks, num_virtual));
+  EP_LAUNCH(combine_send_kernel, dim3(c.max_local_experts, num_virtual), kWarps * 32, static_cast<cudaStream_t>(stream))(c, to_set(ranks, num_virtual));
 }
 void launch_low_latency_combine_recv(const LowLatencyCommon& c, const LowLatencyRank* ranks,
                                      int num_virtual, void* stream) {
@@ -316,8 +404,8 @@ void launch_low_latency_combine_recv(const LowLatencyCommon& c, const LowLatency
   const auto set = to_set(ranks, num_virtual);
   int max_tokens = 1;
   for (int i = 0; i < num_virtual; ++i) max_tokens = ranks[i].num_tokens > max_tokens ? ranks[i].num_tokens : max_tokens;
-  combine_recv_kernel<<<dim3((max_tokens + kWarps - 1) / kWarps, num_virtual), kWarps * 32, 0, s>>>(c, set);
-  combine_reset_kernel<<<dim3(1, num_virtual), 256, 0, s>>>(c, set);
+  EP_LAUNCH(combine_recv_kernel, dim3((max_tokens + kWarps - 1) / kWarps, num_virtual), kWarps * 32, s)(c, set);
+  EP_LAUNCH(combine_reset_kernel, dim3(1, num_virtual), 256, s)(c, set);
 }
 
 }  // namespace ep_comm::cuda

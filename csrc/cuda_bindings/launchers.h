@@ -2,13 +2,17 @@
 // binding (g++). Plain pointers, sizes and an opaque stream: no torch, no CUDA headers here.
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace ep_comm::cuda {
 
 constexpr int kMaxRanks = 8;  // NVLink peers / virtual ranks of one launch
 
-// The CUDA runtime's last error as text (clearing it), or nullptr: checked after every launch.
+// The CUDA runtime's last error as text (clearing it), or nullptr: checked after every launch. A
+// launcher that refused to launch (refuse_launch) reports its reason here first.
 const char* take_launch_error();
+// Records why this thread's launcher did not launch (e.g. a grid that cannot be co-resident).
+void refuse_launch(const std::string& reason);
 
 // ---- layout.cu ----------------------------------------------------------------------------
 struct LayoutArgs {

@@ -55,6 +55,10 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
   unsigned x, y;
 };
+struct alignas(16) int4 {
+  int x, y, z, w;
+};
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 using cudaStream_t = struct CUstream_emulated*;
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorLaunchFailure = 719 };
 enum cudaFuncAttribute { cudaFuncAttributePreferredSharedMemoryCarveout = 9 };
@@ -82,6 +86,14 @@ EP_EMU_NO_TSAN inline void poison_shared_memory(uint64_t block_number) {
 }
 
 inline FiberBlock& block() { return *tls_block; }
+
+// %globaltimer of the emulation: a virtual clock of this OS thread that advances 1 microsecond per
+// read, so a bounded wait (csrc/common/device_sync.h) that nothing releases runs out after a number
+// of spins set by its timeout instead of hanging; timeouts in emulated tests are virtual time.
+inline thread_local unsigned long long tls_virtual_ns = 0;
+inline unsigned long long global_timer_ns() { return tls_virtual_ns += 1000; }
+// One iteration of a spin-wait: the other threads of the block run before the spinner resumes.
+inline void spin_yield() { tls_block->spin_yield(); }
 
 // Runs kernel(args...) on a grid of `grid` blocks of `threads` threads; a deadlocked block stops
 // the launch with cudaErrorLaunchFailure. Each thread gets its own copy of the arguments.
@@ -241,6 +253,15 @@ template <typename T>
 T max(T a, T b) {
   return a < b ? b : a;
 }
+
+// System-scope atomics and fences (device_sync.h's timeout record): the same on host memory.
+inline int atomicCAS_system(int* p, int expected, int desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
+}
+inline int atomicExch_system(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // Atomics (relaxed, as CUDA's): fibers switch only at synchronisation points, so a plain
 // read-modify-write would do; the atomic builtins also tell ThreadSanitizer builds that these

@@ -198,6 +198,9 @@ class FiberBlock {
     return view;
   }
   EP_EMU_NO_TSAN void sync_warp() { warp_barrier(warps_[current_ / kWarpSize]); }
+  // A spin-wait iteration: the calling thread stays runnable and the others of the block run
+  // first (so a thread that waits for a flag another thread of the block sets lets it be set).
+  EP_EMU_NO_TSAN void spin_yield() { yield(); }
 
  private:
   struct Fiber {

@@ -15,6 +15,7 @@ from .runtime import (
     KernelTimer,
     NvshmemSettings,
     TimeoutRecord,
+    aligned_ptr,
     cuda_module,
     host_module,
     init_nvshmem,
@@ -212,7 +213,7 @@ class IntranodeEngine:
                             x_scales[i].to(torch.float32).contiguous() if x_scales else None)
             outs.append(out)
             keep = out["_keep"]
-            ranks.append({"rank": rank, "num_tokens": x.shape[0], "x": ptr_or_none(keep[0]),
+            ranks.append({"rank": rank, "num_tokens": x.shape[0], "x": aligned_ptr(keep[0], f"x of rank {rank}"),
                           "x_scales": ptr_or_none(keep[3]),
                           "topk_idx": ptr_or_none(keep[1]), "topk_weights": ptr_or_none(keep[2]),
                           "is_token_in_rank": ptr_or_none(layouts[i][3]), "meta": ptr_or_none(metas[i]),
@@ -250,7 +251,8 @@ class IntranodeEngine:
                                                     device=self.device)
             keep.append((x, w))
             outs.append((cx, cw))
-            ranks.append({"rank": rank, "num_tokens": h.num_tokens, "x": ptr_or_none(x), "topk_weights": ptr_or_none(w),
+            ranks.append({"rank": rank, "num_tokens": h.num_tokens, "x": aligned_ptr(x, f"x of rank {rank}"),
+                          "topk_weights": ptr_or_none(w),
                           "is_token_in_rank": ptr_or_none(h.is_token_in_rank), "meta": ptr_or_none(h.meta),
                           "combined_x": ptr_or_none(cx), "combined_topk_weights": ptr_or_none(cw),
                           "record": self.records[i].ptr})

@@ -12,7 +12,15 @@ import torch.distributed as dist
 from ..errors import CommTimeoutError
 from ..placement import ExpertPlacement
 from .intranode import PeerBuffers, _group_size
-from .runtime import NvshmemSettings, TimeoutRecord, cuda_module, host_module, ptr_or_none, stream_handle
+from .runtime import (
+    NvshmemSettings,
+    TimeoutRecord,
+    aligned_ptr,
+    cuda_module,
+    host_module,
+    ptr_or_none,
+    stream_handle,
+)
 
 
 @dataclass(frozen=True)
@@ -188,11 +196,13 @@ class LowLatencyEngine:
     def _rank(self, i: int, rank: int, x: torch.Tensor, topk: torch.Tensor,
               weights: torch.Tensor | None, res: LowLatencyResult, combined: torch.Tensor | None) -> dict:
         return {"rank": rank, "num_tokens": topk.shape[0],
-                "num_local_experts": int(self.placement.num_local_experts[rank]), "x": ptr_or_none(x),
+                "num_local_experts": int(self.placement.num_local_experts[rank]),
+                "x": aligned_ptr(x, f"x of rank {rank}"),
                 "topk_idx": ptr_or_none(topk), "topk_weights": ptr_or_none(weights), "recv_x": ptr_or_none(res.recv_x),
                 "recv_scales": ptr_or_none(res.recv_scales), "recv_count": ptr_or_none(res.recv_count),
                 "recv_src_info": ptr_or_none(res.recv_src_info), "recv_topk_slot": ptr_or_none(res.recv_topk_slot),
-                "layout_range": ptr_or_none(res.layout_range), "combined_x": ptr_or_none(combined),
+                "layout_range": ptr_or_none(res.layout_range),
+                "combined_x": None if combined is None else aligned_ptr(combined, f"out of rank {rank}"),
                 "record": self.records[i].ptr}
 
     def start_combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],

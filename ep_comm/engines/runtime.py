@@ -69,6 +69,18 @@ def ptr_or_none(t: torch.Tensor | None) -> int | None:
     return None if t is None else int(t.data_ptr())
 
 
+def aligned_ptr(t: torch.Tensor, name: str, alignment: int = 16) -> int:
+    """``t.data_ptr()`` of a tensor the kernels read or write in 16-byte vectors; a ``ValueError``
+    naming ``name`` when it is not ``alignment``-aligned (e.g. a view at an odd element offset),
+    which on the GPU would be a misaligned-address fault that poisons the CUDA context."""
+    address = int(t.data_ptr())
+    if address % alignment:
+        raise ValueError(f"{name} must start at a {alignment}-byte aligned address (the kernels copy it in "
+                         f"{alignment}-byte vectors); got a tensor at offset {address % alignment} mod {alignment}: "
+                         "pass a copy (tensor.clone()) instead of this view")
+    return address
+
+
 class TimeoutRecord:
     """The kernels' timeout record (``csrc/common/timeout.h``) in pinned, device-mapped memory."""
 
