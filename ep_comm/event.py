@@ -1,6 +1,7 @@
 """EventOverlap / EventHandle with DeepEP's meaning: a marker that an asynchronous step finished."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,26 +31,53 @@ class EventHandle:
 class EventOverlap:
     """DeepEP's ``EventOverlap``: an optional event plus tensors kept alive until it completes.
 
-    Usable as a context manager (``with event: ...``) that waits on exit.
+    Usable as a context manager (``with event: ...``) that makes the current stream wait on exit;
+    ``with event(release_handle=True): ...`` also drops the event afterwards. A hook registered
+    with :meth:`register_hook_after_wait` runs once, right after the next wait (DeepEP 2.x uses it
+    to order work that must follow the wait on the current stream).
     """
 
     def __init__(self, event: EventHandle | None = None,
                  extra_tensors: tuple[torch.Tensor, ...] | None = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait: Callable[[], Any] | None = None
+        self._release_handle_on_exit = False
 
-    def current_stream_wait(self) -> None:
-        """Waits for the event on the current stream (the event must exist)."""
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Waits for the event on the current stream (the event must exist).
+
+        Args:
+            release_handle: drop the event afterwards (``self.event`` becomes None), releasing
+                what it keeps alive.
+        """
         if self.event is None:
-            raise ValueError("this EventOverlap holds no event (async_finish was False)")
+            raise ValueError("this EventOverlap holds no event (async_finish was False, or it was released)")
         self.event.current_stream_wait()
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        if hook is not None:
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """Runs ``hook_after_wait()`` once, right after the next :meth:`current_stream_wait`."""
+        if self.hook_after_wait is not None:
+            raise ValueError("a hook is already registered on this EventOverlap")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """``with event(release_handle=True):`` -- the same object, releasing its event on exit."""
+        self._release_handle_on_exit = release_handle
+        return self
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        release, self._release_handle_on_exit = self._release_handle_on_exit, False
         if self.event is not None:
-            self.event.current_stream_wait()
+            self.current_stream_wait(release_handle=release)
 
 
 def wait_previous(previous_event: EventOverlap | None) -> None:

@@ -1,6 +1,9 @@
-"""DeepEP-style client code (written as Megatron's fused_a2a and DeepEP's tests do) on ep_comm."""
+"""DeepEP-style client code (written as Megatron's fused_a2a and DeepEP's tests do) on ep_comm, and the
+``deep_ep`` package the shim provides: real module specs, DeepEP 2.x's top-level names, the helper
+modules ``deep_ep.utils.{envs, math, testing, event}``."""
 from __future__ import annotations
 
+import pytest
 import torch
 from support.rank_cases import make_routing, make_x
 
@@ -86,3 +89,81 @@ def test_install_is_idempotent_and_reversible():
     assert deep_ep.Buffer.__module__ == "ep_comm.buffer"
     shim.uninstall()
     assert "deep_ep" not in sys.modules
+
+
+def test_installed_modules_have_specs_that_find_spec_returns():
+    import importlib.util
+
+    from ep_comm.integrations import deep_ep as shim
+
+    shim.install()
+    try:
+        spec = importlib.util.find_spec("deep_ep")
+        assert spec is not None and spec.submodule_search_locations
+        assert spec.origin.startswith(shim.PATH_ENTRY)
+        for name in ("deep_ep.utils", "deep_ep.utils.envs", "deep_ep.utils.math", "deep_ep.utils.testing",
+                     "deep_ep.utils.event", "deep_ep_cpp"):
+            sub = importlib.util.find_spec(name)
+            assert sub is not None and sub.origin.startswith(shim.PATH_ENTRY), name
+    finally:
+        shim.uninstall()
+
+
+def test_deep_ep_2x_top_level_names_and_helper_modules():
+    import inspect
+
+    version = pytest.importorskip("packaging.version")
+    import ep_comm
+    from ep_comm.integrations import deep_ep as shim
+    from ep_comm.integrations.deep_ep_utils import envs, testing
+    from ep_comm.integrations.deep_ep_utils import math as ep_math
+
+    shim.install()
+    try:
+        import deep_ep
+        from deep_ep.utils.envs import init_dist
+        from deep_ep.utils.event import EventHandle, EventOverlap
+        from deep_ep.utils.math import (
+            calc_diff,
+            create_grouped_scores,
+            hash_tensor,
+            inplace_unique,
+            per_token_cast_back,
+            per_token_cast_to_fp8,
+        )
+        from deep_ep.utils.testing import bench, bench_kineto
+
+        assert deep_ep.EventHandle is ep_comm.EventHandle is EventHandle
+        assert deep_ep.EventOverlap is EventOverlap is ep_comm.EventOverlap
+        assert deep_ep.get_physical_domain_size is envs.get_physical_domain_size
+        assert deep_ep.get_logical_domain_size is envs.get_logical_domain_size
+        assert init_dist is envs.init_dist and bench is testing.bench and bench_kineto is testing.bench_kineto
+        assert (calc_diff, create_grouped_scores, hash_tensor, inplace_unique, per_token_cast_back,
+                per_token_cast_to_fp8) == (ep_math.calc_diff, ep_math.create_grouped_scores, ep_math.hash_tensor,
+                                           ep_math.inplace_unique, ep_math.per_token_cast_back,
+                                           ep_math.per_token_cast_to_fp8)
+        assert deep_ep.utils.math.calc_diff is calc_diff  # submodules are attributes after import deep_ep
+        assert "release_handle" in inspect.signature(EventOverlap.current_stream_wait).parameters
+        parsed = version.Version(deep_ep.__version__)
+        assert parsed.release == (1, 2, 1) and parsed < version.Version("2")
+        assert parsed.local == f"epcomm.{ep_comm.__version__}"
+    finally:
+        shim.uninstall()
+
+
+def test_install_refuses_to_mix_with_another_deep_ep():
+    import sys
+    import types
+
+    from ep_comm.integrations import deep_ep as shim
+
+    other = types.ModuleType("deep_ep")
+    sys.modules["deep_ep"] = other
+    try:
+        with pytest.raises(ValueError, match="replace_existing"):
+            shim.install()
+        module = shim.install(replace_existing=True)
+        assert module is not other and shim.is_provided(module)
+    finally:
+        shim.uninstall()
+        sys.modules.pop("deep_ep", None)

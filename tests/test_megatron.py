@@ -40,7 +40,7 @@ def _pg_collection(ep: dist.ProcessGroup, own: dist.ProcessGroup):
     return pg
 
 
-def _config(dispatcher_type: str, dtype: torch.dtype = torch.float32):
+def _config(dispatcher_type: str, dtype: torch.dtype = torch.float32, **extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -48,7 +48,7 @@ def _config(dispatcher_type: str, dtype: torch.dtype = torch.float32):
         moe_router_topk=TOP_K, moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN, add_bias_linear=False,
         use_cpu_initialization=True, gradient_accumulation_fusion=False,
         moe_token_dispatcher_type=dispatcher_type, moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+        moe_aux_loss_coeff=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16, **extra)
 
 
 def _submodules():
@@ -183,3 +183,119 @@ def test_routing_map_to_topk():
     assert probs.grad.tolist() == routing_map.float().tolist()
     with pytest.raises(ValueError, match="more than moe_router_topk"):
         routing_map_to_topk(routing_map, probs, 1)
+
+
+def _graph_config(impl: str, scope: list[str]):
+    return _config("alltoall", cuda_graph_impl=impl, cuda_graph_scope=scope)
+
+
+def _partial_graph_replays(rank: int, world_size: int, group: dist.ProcessGroup):
+    """Megatron's TE partial graph (scope moe_router + moe_preprocess), simulated on the CPU: a
+    capture run that stops after ``dispatch_preprocess`` and returns the graph outputs, then two
+    replays that skip router and preprocess, set the ``cudagraph_attrs`` outputs back on the
+    dispatcher and resume the forward, as ``TransformerLayer._te_cuda_graph_replay`` does."""
+    from unittest import mock
+
+    from megatron.core.transformer.moe import moe_utils
+
+    from ep_comm.integrations.megatron import EpCommMoELayer
+
+    own = _own_group(rank, world_size)
+    torch.manual_seed(7)
+    layer = EpCommMoELayer(_graph_config("transformer_engine", ["moe_router", "moe_preprocess"]),
+                           _submodules(), pg_collection=_pg_collection(group, own))
+    dispatcher = layer.token_dispatcher
+    x = _inputs(rank)[0]
+    with torch.no_grad():
+        eager, _ = layer(x)
+        with mock.patch.object(moe_utils, "is_graph_capturing", return_value=True):
+            graph_outputs = layer(x)
+        attr_names = list(dispatcher.valid_cudagraph_attrs)
+        replays = []
+        for _ in range(2):
+            hidden, probs, *attrs = [t.clone() for t in graph_outputs]
+            for name, value in zip(attr_names, attrs):
+                *parents, last = name.split(".")
+                owner = dispatcher
+                for part in parents:
+                    owner = getattr(owner, part)
+                setattr(owner, last, value)
+            layer.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs, routing_map=None,
+                                             shared_expert_output=None)
+            try:
+                out, _ = layer(x)
+            finally:
+                layer.cudagraph_tensor_store.clear()
+            replays.append(out)
+    return attr_names, len(graph_outputs), [torch.equal(out, eager) for out in replays], eager.shape == x.shape
+
+
+def test_partial_cuda_graph_replays_twice(ranks):
+    for attr_names, num_outputs, same, shape_ok in ranks(2, _partial_graph_replays):
+        assert attr_names == ["topk_idx"] and num_outputs == 3
+        assert same == [True, True] and shape_ok
+
+
+def _graphed_dispatch_configs(rank: int, world_size: int, group: dist.ProcessGroup):
+    from ep_comm.integrations.megatron import EpCommMoELayer
+
+    own = _own_group(rank, world_size)
+    errors = {}
+    for impl, scope in (("local", []), ("transformer_engine", []), ("local", ["full_iteration"]),
+                        ("local", ["attn"])):
+        try:
+            EpCommMoELayer(_graph_config(impl, scope), _submodules(), pg_collection=_pg_collection(group, own))
+            errors[(impl, tuple(scope))] = None
+        except ValueError as error:
+            errors[(impl, tuple(scope))] = str(error)
+    for scope in (["moe_router"], ["attn", "moe_router", "moe_preprocess"]):
+        EpCommMoELayer(_graph_config("local", scope), _submodules(), pg_collection=_pg_collection(group, own))
+    return errors
+
+
+def test_cuda_graph_scopes_that_capture_the_dispatch_fail_at_construction(ranks):
+    for errors in ranks(2, _graphed_dispatch_configs):
+        assert errors.pop(("local", ("attn",))) is None  # the MoE layer runs eagerly
+        assert set(errors) == {("local", ()), ("transformer_engine", ()), ("local", ("full_iteration",))}
+        for key, text in errors.items():
+            assert text is not None, key
+            assert "CUDA graph" in text and "moe_pad_experts_for_cuda_graph_inference" in text
+
+
+def _decode_padding(rank: int, world_size: int, group: dist.ProcessGroup):
+    """Megatron inference's ``set_decode_expert_padding`` (moe_pad_experts_for_cuda_graph_inference)
+    around partial graphs: the router then pads every expert to capacity ``N`` (all tokens)."""
+    from megatron.core.inference import utils as inference_utils
+
+    from ep_comm.integrations.megatron import EpCommMoELayer
+
+    own = _own_group(rank, world_size)
+    torch.manual_seed(5)
+    layer = EpCommMoELayer(_graph_config("local", ["moe_router"]), _submodules(),
+                           pg_collection=_pg_collection(group, own))
+    x = _inputs(rank)[0]
+    inference_utils.moe_layer_cache = None
+    try:
+        with torch.no_grad():
+            plain, _ = layer(x)
+            plain_pairs = sum(layer.token_dispatcher.tokens_per_expert)
+            inference_utils.set_decode_expert_padding(layer, True, capacity_factor=EXPERTS / TOP_K)
+            padded_on = layer.token_dispatcher.drop_and_pad
+            padded, _ = layer(x)
+            padded_pairs = sum(layer.token_dispatcher.tokens_per_expert)
+            inference_utils.set_decode_expert_padding(layer, False)
+            again, _ = layer(x)
+    finally:
+        inference_utils.moe_layer_cache = None
+    scale = float(plain.abs().max())
+    return padded_on, float((padded - plain).abs().max()) / scale, torch.equal(again, plain), (
+        plain_pairs, padded_pairs)
+
+
+def test_decode_expert_padding_dispatches_the_padded_map(ranks):
+    world_size = 2
+    for padded_on, rel_err, again_same, (plain_pairs, padded_pairs) in ranks(world_size, _decode_padding):
+        assert padded_on and again_same
+        assert rel_err <= 1e-5
+        # padded to capacity N = all tokens: every local expert gets every rank's every token
+        assert padded_pairs == EXPERTS // world_size * world_size * SEQ * BATCH > plain_pairs

@@ -22,6 +22,18 @@ tensor parallel size 1, any attention TP/SP, the default contiguous expert place
 shared-expert overlap (shared experts computed by the layer itself are fine). Others raise
 ``ValueError`` at construction.
 
+CUDA graphs: ep_comm's dispatch learns the received-token counts on the host, so the dispatch
+itself cannot be inside a CUDA graph. Partial graphs that stop before it work (``cuda_graph_scope``
+with ``moe_router`` and ``moe_preprocess``, either ``cuda_graph_impl``): ``dispatch_preprocess``
+runs no host synchronisation, and what the rest of the forward needs from it is kept across graph
+replays (see ``EpCommTokenDispatcher``). A configuration that puts the dispatch inside a graph (an
+empty scope, i.e. the whole layer; ``moe``; ``full_iteration``) raises ``ValueError`` at
+construction -- in particular Megatron inference's whole-layer decode graphs, the setting that
+``moe_pad_experts_for_cuda_graph_inference`` is made for. When Megatron inference switches decode
+padding on around partial graphs (``set_decode_expert_padding``), the dispatcher follows Megatron's
+AlltoAll dispatcher: every (token, expert) pair of the padded routing map is dispatched, the
+padding pairs with weight 0.
+
 This module imports megatron-core; ``import ep_comm`` never imports it.
 """
 from __future__ import annotations
@@ -65,9 +77,13 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
         ``(topk_idx [N, K]`` int64, the routed experts of each row in ascending order then ``-1``,
         ``topk_weights [N, K]`` float32 (float64 if ``probs`` is), ``probs`` at those experts and
         0 at ``-1``; differentiable with respect to ``probs``).
+
+    Runs no host synchronisation while a CUDA graph is being captured (the check that no row has
+    more than ``topk`` experts is skipped then), so it may sit inside a ``moe_preprocess`` graph.
     """
     num_experts = routing_map.shape[1]
-    most = int(routing_map.sum(dim=1).max()) if routing_map.numel() else 0
+    capturing = routing_map.is_cuda and torch.cuda.is_current_stream_capturing()
+    most = int(routing_map.sum(dim=1).max()) if routing_map.numel() and not capturing else 0
     if most > topk:
         raise ValueError(f"routing_map routes a token to {most} experts, more than moe_router_topk={topk}")
     rank_key = routing_map.to(torch.int32) * torch.arange(num_experts, 0, -1, dtype=torch.int32,
@@ -96,6 +112,16 @@ class EpCommTokenDispatcher(MoETokenDispatcher):
     Between the calls of one forward, the dispatcher keeps the routing and the dispatch handle:
     ``topk_idx [N, K]`` int64, ``handle``, ``recv_topk_idx [M, K]`` int64 and the row permutation
     ``permuted_rows [P]`` int64 (``P`` = received (token, local expert) pairs).
+
+    ``dispatch_preprocess`` produces ``topk_idx``, ``hidden_shape`` (the input's shape) and
+    ``probs_dtype``. A partial CUDA graph replay skips it, so these must outlive the forward:
+    ``topk_idx`` is in ``cudagraph_attrs`` (a graph output, which Megatron sets back on the
+    dispatcher at every replay), and ``hidden_shape`` / ``probs_dtype``, which are not tensors, are
+    kept from the last ``dispatch_preprocess`` (a graph always replays the shapes it captured).
+
+    ``drop_and_pad``: False unless Megatron inference switches decode padding on
+    (``set_decode_expert_padding``); then routing maps may select up to ``E`` experts per token
+    (the padding pairs with probability 0), and all of them are dispatched.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
@@ -105,6 +131,7 @@ class EpCommTokenDispatcher(MoETokenDispatcher):
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
         _check_supported(config, self.tp_size)
+        self.drop_and_pad = False
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
@@ -146,8 +173,9 @@ class EpCommTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = tokens.shape
         hidden = tokens.reshape(-1, tokens.shape[-1])
         num_tokens = hidden.shape[0]
+        topk = self.num_experts if self.drop_and_pad else self.router_topk
         self.topk_idx, topk_weights = routing_map_to_topk(
-            routing_map.reshape(num_tokens, -1), probs.reshape(num_tokens, -1), self.router_topk)
+            routing_map.reshape(num_tokens, -1), probs.reshape(num_tokens, -1), topk)
         self.probs_dtype = probs.dtype
         return hidden, topk_weights
 
@@ -214,13 +242,31 @@ class EpCommTokenDispatcher(MoETokenDispatcher):
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` -> the input's shape (``[S, B, H]``)."""
+        """``[N, H]`` -> the input's shape (``[S, B, H]``).
+
+        ``hidden_shape`` stays set: a partial CUDA graph replay of the next forward skips
+        ``dispatch_preprocess`` and reuses it.
+        """
         out = hidden_states.view(self.hidden_shape)
-        self.hidden_shape, self.topk_idx = None, None
+        self.topk_idx = None
         return out
 
 
+_GRAPHED_DISPATCH_SCOPES = ("moe", "full_iteration")
+"""CUDA graph scopes that put the token dispatch inside a graph (an empty scope does too)."""
+
+
 def _check_supported(config: TransformerConfig, expert_tp_size: int) -> None:
+    if config.cuda_graph_impl not in (None, "none"):
+        scopes = [getattr(scope, "name", str(scope)) for scope in (config.cuda_graph_scope or [])]
+        if not scopes or any(scope in _GRAPHED_DISPATCH_SCOPES for scope in scopes):
+            raise ValueError(
+                f"EpCommTokenDispatcher cannot run inside a CUDA graph (cuda_graph_impl="
+                f"{config.cuda_graph_impl!r}, cuda_graph_scope={scopes or 'the whole layer'}): ep_comm's "
+                "dispatch learns the received-token counts on the host. Capture only up to the dispatch "
+                "(cuda_graph_scope with 'moe_router' and 'moe_preprocess', plus 'attn' if wanted); this "
+                "also rules out Megatron inference's whole-layer decode graphs "
+                "(moe_pad_experts_for_cuda_graph_inference)")
     if expert_tp_size != 1:
         raise ValueError(f"EpCommTokenDispatcher needs expert_tensor_parallel_size=1, got {expert_tp_size}")
     if config.moe_pad_expert_input_to_capacity:
