@@ -112,7 +112,9 @@ class Buffer:
         timeout_s: the longest any call waits for a peer before ``CommTimeoutError``.
         expert_placement: optional ``[E]`` int64 map from global expert to owning rank (default:
             contiguous ``E / R`` blocks).
-        ranks_per_node: ``None`` (default): the flat single-level exchange. ``P`` (a divisor of
+        ranks_per_node: ``None`` (default): DeepEP's rule, nodes of 8 NVLink peers when the group
+            has more than 8 ranks (a multiple of 8: DeepEP's internode mode, node-aware here too),
+            else the flat single-level exchange. ``P`` (a divisor of
             ``R``): ranks form nodes of ``P`` consecutive ranks and normal-mode dispatch/combine
             run node-aware in two hops (each token crosses to a node once, to the rank with the
             sender's local index, which forwards it inside the node; see
@@ -135,6 +137,7 @@ class Buffer:
     _disagreed = False
     _broken: str | None = None
     _call_mode = ""
+    _header_collectives = 0
 
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -152,6 +155,9 @@ class Buffer:
                              "Buffer.mask_ranks / unmask_ranks take failed ranks out of every call instead")
         if comm is not None:
             raise ValueError("comm: ep_comm runs over the torch.distributed group only; pass comm=None")
+        size = dist.get_world_size(group)
+        if ranks_per_node is None and size > NUM_MAX_NVL_PEERS and size % NUM_MAX_NVL_PEERS == 0:
+            ranks_per_node = NUM_MAX_NVL_PEERS
         self.ranks_per_node = ranks_per_node
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
@@ -343,6 +349,7 @@ class Buffer:
         self._opened = True
         if self.transport.name == "torch":
             live = [r for r in range(self.group_size) if r not in self.masked_ranks]
+            self._header_collectives = 1
             try:
                 agree(self.transport, replace(header, seq=seq), live)
             except ValueError:
@@ -355,6 +362,8 @@ class Buffer:
 
     def _record(self, stats: CommStats, dropped: int = 0) -> None:
         stats.dropped_topk_entries = dropped
+        stats.num_collectives += self._header_collectives  # the call's opening exchange
+        self._header_collectives = 0
         if stats.codec == "lossless":
             self.auto_codec.observe(stats.total_sent_raw, stats.total_sent_wire)
         self.last_stats = stats

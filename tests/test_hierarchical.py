@@ -244,7 +244,7 @@ def test_cached_dispatch_alignment_worst_and_codecs(ranks):
         m = r["rx"].shape[0]
         assert r["counts8"] == [(c + 7) // 8 * 8 for c in r["counts1"]]
         assert torch.equal(r["cached"], r["fresh"]) and r["nones"] == [None, None, None, None]
-        assert r["cached_collectives"] == 2  # one payload all-to-all per hop, no counts
+        assert r["cached_collectives"] == 3  # the opening header, one payload all-to-all per hop, no counts
         assert torch.equal(r["lossless"], r["rx"]) and torch.equal(r["lossless_cached"], r["rx"])
         assert torch.equal(r["comb_lossless"], r["comb"])
         assert torch.equal(r["fp8"][0].view(torch.uint8), r["flat_fp8"][0].view(torch.uint8))
