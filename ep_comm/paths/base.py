@@ -189,6 +189,8 @@ class PathPlan:
     """
 
     paths: list[Path]
+    transport: str = ""
+    """The transport every rank agreed on, and why (``"torch: ..."``)."""
     last: dict[str, PathChoice] = field(default_factory=dict)
 
     def choose(self, mode: str, call: object) -> Path:
@@ -225,7 +227,7 @@ class PathPlan:
         return out
 
     def __str__(self) -> str:
-        lines = []
+        lines = [f"transport: {self.transport}"] if self.transport else []
         for mode, rows in self.describe().items():
             parts = [name if why is None else f"{name} (no: {why})" for name, why in rows]
             lines.append(f"{mode}: " + " > ".join(parts))

@@ -74,7 +74,9 @@ class TorchDistTransport(Transport):
                        phase: str, out: torch.Tensor | None = None) -> PendingExchange:
         if send.dtype != torch.uint8 or send.dim() != 1:
             raise ValueError("transport payloads are 1-D uint8 tensors")
-        comm_device = torch.device("cpu") if self.host_staged else send.device
+        # gloo stages through host memory; NCCL/RCCL take tensors on the group's device only, so
+        # every message (count tables built on the CPU included) moves there first
+        comm_device = torch.device("cpu") if self.host_staged else self.device
         result_device = send.device
         send_c = send.to(comm_device).contiguous()
         total = sum(recv_splits)
@@ -88,7 +90,7 @@ class TorchDistTransport(Transport):
         try:
             work = self._all_to_all(recv, send_c, list(recv_splits), list(send_splits))
         except RuntimeError as error:
-            self._raise_timeout(phase, error, started)
+            self._raise_launch_error(phase, error, started)
 
         def finish() -> torch.Tensor:
             self._wait(work, phase, started)
@@ -107,7 +109,7 @@ class TorchDistTransport(Transport):
         try:
             work = self._all_to_all(recv, send, None, None)
         except RuntimeError as error:
-            self._raise_timeout(phase, error, started)
+            self._raise_launch_error(phase, error, started)
         self._wait(work, phase, started)
         return recv.cpu()
 
@@ -123,6 +125,15 @@ class TorchDistTransport(Transport):
             self._raise_timeout(phase, error, started)
         if finished is False:
             self._raise_timeout(phase, None, started)
+
+    def _raise_launch_error(self, phase: str, error: RuntimeError, started: float) -> None:
+        """A collective that failed to start: the backend refusing the tensors (a device it does
+        not serve) is reported as what it is; anything else is a peer that is gone."""
+        text = str(error)
+        if "No backend type associated with device type" in text or "Tensors must be" in text:
+            raise RuntimeError(f"ep_comm {phase}: the {self.backend_name} backend refused the exchange "
+                               f"(tensors on {self.device}): {text.splitlines()[0][:200]}") from error
+        self._raise_timeout(phase, error, started)
 
     def _raise_timeout(self, phase: str, cause: BaseException | None, started: float) -> None:
         missing = self._find_missing_peers()
