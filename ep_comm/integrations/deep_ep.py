@@ -26,12 +26,13 @@ What ``deep_ep`` then offers: ``Buffer``, ``Config``, ``EventOverlap``, ``EventH
 ``topk_idx_t`` (``torch.int64``), ``get_physical_domain_size``, ``get_logical_domain_size``,
 ``__version__``, and ``deep_ep.utils`` with the submodules ``envs``, ``math``, ``testing`` and
 ``event`` (:mod:`ep_comm.integrations.deep_ep_utils`); ``deep_ep_cpp`` offers ``Config``,
-``EventHandle`` and ``topk_idx_t``. DeepEP 2.x's ``ElasticBuffer`` is not offered.
+``EventHandle`` and ``topk_idx_t``. DeepEP 2.x's ``ElasticBuffer`` and ``EPHandle`` (their
+expert-parallel calls, :mod:`ep_comm.integrations.deep_ep_elastic`) and its module paths
+``deep_ep.buffers.legacy`` (``Buffer``) and ``deep_ep.buffers.elastic`` are offered too.
 
-``deep_ep.__version__`` is :data:`DEEP_EP_VERSION`, ``"1.2.1+epcomm.<ep_comm version>"``: the
-DeepEP API level offered is 1.2.1, DeepEP's last V1 release (its ``Buffer`` calls), and the local
-part names ep_comm and its version. It is a PEP 440 version, so a client's
-``Version(deep_ep.__version__) < Version("2")`` test picks its V1 code path.
+``deep_ep.__version__`` is :data:`DEEP_EP_VERSION`, ``"2.1.0+epcomm.<ep_comm version>"``: the
+DeepEP API level offered is 2.1.0 (V1's ``Buffer`` as 2.x keeps it, and 2.x's ``ElasticBuffer``),
+and the local part names ep_comm and its version (a PEP 440 version).
 """
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ from .. import __version__ as _ep_comm_version
 from ..buffer import Buffer
 from ..config import Config
 from ..event import EventHandle, EventOverlap
+from .deep_ep_elastic import ElasticBuffer, EPHandle
 from .deep_ep_startup import ENV_VAR, PATH_ENTRY, PTH_LINE, mode
 from .deep_ep_utils.envs import get_logical_domain_size, get_physical_domain_size
 
 __all__ = ["DEEP_EP_VERSION", "ENV_VAR", "EXTENSION_NAME", "MODULE_NAME", "PATH_ENTRY", "PTH_NAME",
-           "TOPK_IDX_DTYPE", "Buffer", "Config", "EventHandle", "EventOverlap", "ShadowedDeepEPWarning",
+           "TOPK_IDX_DTYPE", "Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap",
+           "ShadowedDeepEPWarning",
            "disable", "enable", "get_logical_domain_size", "get_physical_domain_size", "install",
            "installed_deep_ep", "is_provided", "uninstall", "warn_if_shadowing"]
 
@@ -62,7 +65,7 @@ MODULE_NAME = "deep_ep"
 EXTENSION_NAME = "deep_ep_cpp"
 TOPK_IDX_DTYPE = torch.int64
 """DeepEP's ``topk_idx_t``: the dtype of ``topk_idx`` tensors."""
-DEEP_EP_API_LEVEL = "1.2.1"
+DEEP_EP_API_LEVEL = "2.1.0"
 DEEP_EP_VERSION = f"{DEEP_EP_API_LEVEL}+epcomm.{_ep_comm_version}"
 """``deep_ep.__version__``: the DeepEP API level offered, then ep_comm's version (PEP 440 local part)."""
 PTH_NAME = "ep_comm_deep_ep.pth"

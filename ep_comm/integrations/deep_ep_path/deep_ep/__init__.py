@@ -1,4 +1,4 @@
-"""``deep_ep`` served by ep_comm: DeepEP's V1 ``Buffer`` API and DeepEP 2.x's top-level helpers.
+"""``deep_ep`` served by ep_comm: DeepEP 2.x's top-level names (V1's ``Buffer``, ``ElasticBuffer``, ...).
 
 This package exists only on the ``sys.path`` entry that ep_comm adds when asked (see
 :mod:`ep_comm.integrations.deep_ep`); every name comes from ep_comm. ``__version__`` gives the
@@ -9,6 +9,8 @@ from ep_comm.integrations.deep_ep import (
     TOPK_IDX_DTYPE,
     Buffer,
     Config,
+    ElasticBuffer,
+    EPHandle,
     EventHandle,
     EventOverlap,
     get_logical_domain_size,
@@ -16,10 +18,10 @@ from ep_comm.integrations.deep_ep import (
     warn_if_shadowing,
 )
 
-from . import utils
+from . import buffers, utils
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "get_logical_domain_size",
-           "get_physical_domain_size", "topk_idx_t", "utils"]
+__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "buffers",
+           "get_logical_domain_size", "get_physical_domain_size", "topk_idx_t", "utils"]
 __version__ = DEEP_EP_VERSION
 __ep_comm__ = True
 topk_idx_t = TOPK_IDX_DTYPE
