@@ -13,7 +13,7 @@ from . import handle_entries, low_latency, normal
 from .agreement import CallHeader, agree
 from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
-from .errors import BufferStateError
+from .errors import BufferStateError, CommTimeoutError
 from .event import EventHandle, EventOverlap, finish_event, wait_previous
 from .handle import (
     DispatchHandle,
@@ -68,6 +68,8 @@ def _collective(mode: str):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
+            if mode == "low_latency_dispatch" and self._mask_request is not None:
+                self._apply_mask_request()
             if self._broken is not None:
                 raise BufferStateError(f"ep_comm: this Buffer's group is out of step since {self._broken}; "
                                        f"call reset() (or mask_ranks(...) with the failed ranks) on every live rank")
@@ -83,6 +85,10 @@ def _collective(mode: str):
             except Exception as error:
                 if self._opened:
                     self._broken = f"a failed {self._call_mode} ({type(error).__name__})"
+                if isinstance(error, CommTimeoutError) and self.enable_shrink and mode.startswith("low_latency"):
+                    # DeepEP's shrink mode masks a peer that timed out; here the call still fails
+                    # (its exchange was cut short) and the next low-latency dispatch applies it
+                    self._mask_request = self._requested_mask() | (frozenset(error.peers) - {self.rank})
                 raise
         return call
     return wrap
@@ -102,8 +108,11 @@ class Buffer:
         allow_nvlink_for_low_latency_mode / allow_mnnvl / use_fabric / explicitly_destroy: DeepEP's
             flags, accepted and kept as attributes (the low-latency kernels here use NVLink peers
             whenever NVSHMEM reaches them; ``destroy()`` may be called either way).
-        enable_shrink: must be False (DeepEP's mask-buffer calls are not provided: ``mask_ranks``
-            / ``unmask_ranks`` take failed ranks out instead); comm: must be None.
+        enable_shrink: enables DeepEP's low-latency mask-buffer calls
+            (``low_latency_update_mask_buffer`` / ``_query_`` / ``_clean_``), which record a mask
+            locally and apply it with ``mask_ranks`` / ``unmask_ranks`` at the next
+            ``low_latency_dispatch``; a low-latency call that times out adds the peers it names.
+            comm: must be None.
         backend: ``"auto"`` (NVSHMEM when built and on NVIDIA GPUs, else torch), ``"torch"`` or
             ``"nvshmem"``. With NVSHMEM and 1..8 ranks on one host, normal and low-latency calls
             run the fused CUDA kernels (``ep_comm.paths.fused``; ``path_plan`` says which and why);
@@ -138,6 +147,8 @@ class Buffer:
     _broken: str | None = None
     _call_mode = ""
     _header_collectives = 0
+    _mask_request: frozenset[int] | None = None
+    enable_shrink = False
 
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -150,9 +161,6 @@ class Buffer:
                                ranks_per_node, allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                                allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, explicitly_destroy=explicitly_destroy,
                                enable_shrink=enable_shrink)
-        if enable_shrink:
-            raise ValueError("enable_shrink=True: DeepEP's low-latency mask-buffer calls are not provided; "
-                             "Buffer.mask_ranks / unmask_ranks take failed ranks out of every call instead")
         if comm is not None:
             raise ValueError("comm: ep_comm runs over the torch.distributed group only; pass comm=None")
         size = dist.get_world_size(group)
@@ -168,6 +176,9 @@ class Buffer:
         self.allow_mnnvl = bool(allow_mnnvl)
         self.use_fabric = bool(use_fabric)
         self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
+        self._mask_request: frozenset[int] | None = None  # shrink mode: the mask the next LL dispatch applies
+        self._local_buffers: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes (nvl / rdma)
         self.timeout_s = float(timeout_s)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -179,8 +190,10 @@ class Buffer:
         self._placement: ExpertPlacement | None = None
         if expert_placement is not None:
             self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
-        self.transport: Transport = make_transport(group, backend, self.device, self.timeout_s, num_nvl_bytes,
-                                                   num_rdma_bytes, num_qps_per_rank)
+        self.transport: Transport
+        self.transport, self.transport_reason = make_transport(group, backend, self.device, self.timeout_s,
+                                                               num_nvl_bytes, num_rdma_bytes, num_qps_per_rank)
+        """Why every rank chose this transport (the same on every rank)."""
         self.backend = self.transport.name
         self._scratch = ScratchPool()  # low-latency message bytes, reused across calls
         self.path_plan = self._make_paths(ranks_per_node)
@@ -212,7 +225,8 @@ class Buffer:
             two_hop = TwoHopKernelPath.build(group, device, self.transport, groups, ranks_per_node, timeout, bid)
             node_aware = NodeAwarePath(groups, bid)
         fused = FusedKernelPath.build(group, device, self.transport.name, timeout, bid)
-        return PathPlan([two_hop, node_aware, fused, FlatPath(self.transport, bid, self._scratch)])
+        return PathPlan([two_hop, node_aware, fused, FlatPath(self.transport, bid, self._scratch)],
+                        f"{self.transport.name} ({self.transport_reason})")
 
     @property
     def kernel_plan(self) -> PathPlan:
@@ -271,13 +285,14 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """A tuned dispatch ``Config`` for ``num_ranks`` ranks."""
-        return default_dispatch_config(num_ranks)
+        """A tuned dispatch ``Config`` for ``num_ranks`` ranks, using ``Buffer.num_sms`` SMs (as
+        :meth:`set_num_sms` left it, like DeepEP's)."""
+        return replace(default_dispatch_config(num_ranks), num_sms=Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """A tuned combine ``Config`` for ``num_ranks`` ranks."""
-        return default_combine_config(num_ranks)
+        """A tuned combine ``Config`` for ``num_ranks`` ranks, using ``Buffer.num_sms`` SMs."""
+        return replace(default_combine_config(num_ranks), num_sms=Buffer.num_sms)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -290,8 +305,96 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise ValueError("the portable backend has no registered communication buffer; "
-                         "pass tensors to dispatch/combine instead")
+        """A view of this Buffer's local scratch bytes as ``dtype`` (DeepEP's raw-buffer access).
+
+        DeepEP returns a view of its registered NVLink (``use_rdma_buffer=False``) or RDMA buffer;
+        here each is a Buffer-owned byte tensor of ``num_nvl_bytes`` / ``num_rdma_bytes`` on the
+        Buffer's device, allocated (zeroed) on first use and the same memory on every later call.
+        It is *not* registered communication memory: peers cannot read it, and ep_comm's calls
+        neither read nor write it. ``offset`` is in bytes (as DeepEP's runtime takes it) and must be
+        a multiple of ``dtype``'s size; without ``size`` the view runs to the end of the buffer,
+        with ``size`` it holds ``size.numel()`` elements shaped as ``size``.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        check_nonneg_int("offset", offset)
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        name = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        if num_bytes == 0:
+            raise ValueError(f"use_rdma_buffer={bool(use_rdma_buffer)}: this Buffer was built with {name}=0")
+        item = torch.empty((), dtype=dtype).element_size()
+        if offset % item or offset > num_bytes:
+            raise ValueError(f"offset ({offset}) must be a multiple of {item} bytes ({dtype}) within {name} "
+                             f"({num_bytes})")
+        raw = self._local_buffers.get(bool(use_rdma_buffer))
+        if raw is None:
+            raw = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
+            self._local_buffers[bool(use_rdma_buffer)] = raw
+        view = raw[offset:offset + (num_bytes - offset) // item * item].view(dtype)
+        if size is None:
+            return view
+        numel = torch.Size(size).numel()
+        if numel > view.numel():
+            raise ValueError(f"size {tuple(size)} needs {numel} elements; {name} holds {view.numel()} "
+                             f"from offset {offset}")
+        return view[:numel].view(size)
+
+    # -- DeepEP's shrink mode (low-latency mask buffer) ----------------------------------------
+    def _requested_mask(self) -> frozenset[int]:
+        return self.masked_ranks if self._mask_request is None else self._mask_request
+
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise ValueError("the low-latency mask buffer needs Buffer(..., enable_shrink=True) "
+                             "(or call mask_ranks / unmask_ranks)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or unmasks a rank for the low-latency calls (DeepEP's shrink mode).
+
+        DeepEP writes its local mask buffer, which its kernels read. ep_comm's masking is
+        collective (``mask_ranks``), so this only records the change locally (as
+        :meth:`low_latency_query_mask_buffer` shows at once); the next ``low_latency_dispatch``
+        applies the recorded mask with ``mask_ranks`` / ``unmask_ranks`` semantics before it
+        exchanges anything. Every live rank must therefore record the same changes before that
+        dispatch (as elastic-EP callers do: they mask the same failed rank on every survivor), and a
+        rank that comes back joins with ``unmask_ranks([])`` while the others apply its unmask.
+        A combine runs under its dispatch's mask: a change recorded between them waits for the next
+        dispatch. Once applied the mask holds for every mode of this Buffer, as ``mask_ranks``'.
+        """
+        self._check_shrink()
+        check_nonneg_int("rank_to_mask", rank_to_mask)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"rank_to_mask must be in [0, {self.group_size}), got {rank_to_mask}")
+        if not isinstance(mask, (bool, int)) or mask not in (0, 1):
+            raise ValueError(f"mask must be a bool, got {mask!r}")
+        if mask and rank_to_mask == self.rank:
+            raise ValueError(f"rank_to_mask is this rank ({rank_to_mask}): a rank cannot mask itself")
+        current = self._requested_mask()
+        wanted = current | {rank_to_mask} if mask else current - {rank_to_mask}
+        self._mask_request = None if wanted == self.masked_ranks else frozenset(wanted)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Writes each rank's mask into ``mask_status`` (``[R]`` int32, any device): 1 masked, 0
+        not: the mask the next low-latency dispatch runs with (applied, or recorded by
+        :meth:`low_latency_update_mask_buffer` / a low-latency timeout and not yet applied)."""
+        self._check_shrink()
+        require_tensor("mask_status", mask_status, dtypes=(torch.int32,), dim=1)
+        require_shape("mask_status", mask_status, (self.group_size,))
+        status = torch.zeros(self.group_size, dtype=torch.int32)
+        status[sorted(self._requested_mask())] = 1
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank (recorded locally, applied at the next low-latency dispatch, as
+        :meth:`low_latency_update_mask_buffer` does)."""
+        self._check_shrink()
+        self._mask_request = frozenset() if self.masked_ranks else None
+
+    def _apply_mask_request(self) -> None:
+        """Applies the recorded mask (collective over the ranks live under it)."""
+        request = self._mask_request
+        assert request is not None
+        self._set_masked(request)  # on failure the request stays recorded
 
     # -- failed-rank masking -------------------------------------------------------------------
     def mask_ranks(self, ranks: list[int]) -> None:
@@ -334,6 +437,8 @@ class Buffer:
         transport.inner.num_collectives = self.transport.num_collectives
         self.transport = transport
         self.masked_ranks = masked
+        if self._mask_request == masked:
+            self._mask_request = None
         self.mask_epoch += 1
         self._broken, self._seq = None, 0
         for path in self.path_plan.paths:
@@ -628,7 +733,8 @@ class Buffer:
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             async_finish: bool = False, return_recv_hook: bool = False, *,
+                             use_nvfp4: bool = False, x_global_scale: torch.Tensor | None = None):
         """Decode-time dispatch into fixed per-expert slots.
 
         Args:
@@ -641,14 +747,23 @@ class Buffer:
             dispatch_wait_recv_cost_stats: optional ``[R]`` int64 (DeepEP's slow-peer statistics):
                 each entry of a live source rank grows by the nanoseconds this rank waited in the
                 receive (the transports here receive from every source at once, so all grow alike).
+            use_nvfp4 / x_global_scale: the serving engines' NVFP4 dispatch (DeepEP forks):
+                keyword-only; ``use_nvfp4=True`` is a ValueError (no NVFP4 cast here yet), and
+                ``x_global_scale`` needs it.
         Returns:
             ``(recv_x, recv_count [L]`` int32, ``handle``, ``event``, ``hook`` or None): ``recv_x``
             is ``[L, R * T, H]`` bf16 or ``(e4m3 [L, R*T, H], scales [L, R*T, H // 128]`` float32
-            / ``[L, R*T, H // 512]`` int32 with UE8M0); local expert ``j``'s tokens are rows
+            / ``[L, R*T, H // 512]`` int32 with UE8M0, column-major in their last two dimensions
+            as DeepEP's, strides ``(G * R*T, 1, R*T)``); local expert ``j``'s tokens are rows
             ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by source rank. As in DeepEP, the
             receive tensors are double-buffered inside the Buffer: they stay valid until the call
             after next, so clone them to keep them longer.
         """
+        if use_nvfp4:
+            raise ValueError("use_nvfp4=True: ep_comm has no NVFP4 (e2m1 + per-16 scales) cast yet; "
+                             "dispatch bf16 (use_fp8=False) or FP8 and quantize to NVFP4 after the dispatch")
+        if x_global_scale is not None:
+            raise ValueError("x_global_scale is the NVFP4 global scale; it needs use_nvfp4=True")
         num_experts = check_num_experts(num_experts, self.group_size, self._placement is not None)
         require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
         topk_idx = check_topk_idx(topk_idx, num_experts, x.device, x.shape[0])
@@ -732,7 +847,11 @@ class Buffer:
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None, *,
+                            overlap: bool = False, packed_recv_count: torch.Tensor | None = None,
+                            comp_signal: torch.Tensor | None = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 3, src_signals: torch.Tensor | None = None,
+                            src_signal_expect_value: int = 0):
         """Returns expert outputs and reduces them with the top-k weights.
 
         Args:
@@ -749,6 +868,18 @@ class Buffer:
                 either way (no LogFMT compression).
             combine_wait_recv_cost_stats: optional ``[R]`` int64, as ``dispatch_wait_recv_cost_stats``
                 of :meth:`low_latency_dispatch`.
+            overlap / packed_recv_count / comp_signal / block_m / threshold / num_sms /
+                src_signals / src_signal_expect_value: SGLang's single-batch overlap (keyword-only;
+                Hopper and Blackwell spellings). With ``overlap=True`` the combine may be issued
+                while the down GEMM still writes ``x``: DeepEP's kernel sends each block of
+                ``block_m`` slots once the GEMM has signalled it. Here the combine waits, before it
+                reads ``x``, until every needed signal is set: ``comp_signal`` (int32, ``L *
+                ceil(R*T / block_m)`` entries, expert-major) ``>= threshold`` for each block holding
+                rows below ``packed_recv_count[j]`` (default: the dispatch's counts), and
+                ``src_signals`` (one entry per local expert) ``>= src_signal_expect_value`` for
+                each expert that received rows. The wait polls the signals from the host (up to
+                ``timeout_s``), so results are right and only the overlap is lost. ``num_sms`` is
+                accepted and unused; with ``overlap=False`` every one of them is ignored.
         Returns:
             ``(combined_x [N, H]`` bf16, ``event``, ``hook`` or None), where
             ``combined_x[i] = sum_k topk_weights[i, k] * x[expert of k][slot of i]``.
@@ -773,6 +904,11 @@ class Buffer:
             if not isinstance(flag, (bool, int)) or flag not in (0, 1):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        if not isinstance(overlap, (bool, int)) or overlap not in (0, 1):
+            raise ValueError(f"overlap must be a bool, got {overlap!r}")
+        if overlap:
+            low_latency.wait_for_expert_signals(handle.recv_count, slots, packed_recv_count, comp_signal, block_m,
+                                                threshold, src_signals, src_signal_expect_value, self.timeout_s)
         self._open(CallHeader("low_latency_combine", 0, dtype=x.dtype, hidden=handle.hidden,
                               topk=int(topk_idx.shape[1]), num_experts=handle.num_experts,
                               capacity=handle.num_max_dispatch_tokens_per_rank))

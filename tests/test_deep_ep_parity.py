@@ -24,7 +24,7 @@ def _constructor_flags(rank, world, group):
               layout[0].tolist() == [3, 0])
     buf.destroy()
     errors = {}
-    for name, kwargs in (("enable_shrink", dict(enable_shrink=True)), ("comm", dict(comm=object())),
+    for name, kwargs in (("enable_shrink", dict(enable_shrink="yes")), ("comm", dict(comm=object())),
                          ("allow_mnnvl", dict(allow_mnnvl="yes"))):
         try:
             ep_comm.Buffer(group, allow_nvlink_for_low_latency_mode=False, **kwargs)

@@ -346,7 +346,11 @@ class FusedKernelPath(Path):
         engine = self._low_latency_engine(placement, max_tokens, hidden, int(topk.shape[1]))
         if receive_area[0].device != self.device:
             receive_area = tuple(torch.empty_like(t, device=self.device) for t in receive_area)
-        area = (receive_area[0], receive_area[1] if use_fp8 else None)
+        # the kernels write row-major scales; the caller gets DeepEP's column-major ones (the
+        # receive area's strides), copied over when the receive completes
+        kernel_scales = torch.empty(receive_area[1].shape, dtype=receive_area[1].dtype,
+                                    device=self.device) if use_fp8 else None
+        area = (receive_area[0], kernel_scales)
         results, launch = engine.start_dispatch([x], [topk], use_fp8, round_scale, use_ue8m0, outputs=[area])
         res = results[0]
         kernel = FusedLowLatencyHandle(self.low_latency_generation, res)
@@ -363,6 +367,8 @@ class FusedKernelPath(Path):
             if state.done:
                 return
             engine.finish_dispatch(launch)
+            if kernel_scales is not None:
+                receive_area[1].copy_(kernel_scales)
             valid = topk >= 0
             kernel.pairs_to = torch.bincount(e2r[topk[valid]], minlength=r).tolist()
             kernel.pairs_from = res.layout_range[:, :, 1].sum(0).tolist()
