@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import row_kernels
 from .codecs import fp8
 from .handle import LowLatencyReceiveState
 from .layout import token_rank_mask
@@ -81,12 +82,26 @@ def _row_format(hidden: int, topk: int, use_fp8: bool, use_ue8m0: bool) -> RowFo
 
 def receive_area_spec(num_local: int, slots_per_expert: int, hidden: int, use_fp8: bool,
                       use_ue8m0: bool) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-    """Shapes and dtypes of the receive tensors: ``recv_x`` (and its scales with FP8)."""
+    """Shapes and dtypes of the receive tensors: ``recv_x`` (and its scales with FP8; see
+    :func:`empty_receive_area` for their strides)."""
     if not use_fp8:
         return (((num_local, slots_per_expert, hidden), torch.bfloat16),)
     groups = hidden // 512 if use_ue8m0 else hidden // 128
     return (((num_local, slots_per_expert, hidden), torch.float8_e4m3fn),
             ((num_local, slots_per_expert, groups), torch.int32 if use_ue8m0 else torch.float32))
+
+
+def empty_receive_area(spec: tuple[tuple[tuple[int, ...], torch.dtype], ...],
+                       device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Fresh receive tensors of :func:`receive_area_spec`. ``recv_x`` is contiguous; the FP8
+    scales ``[L, R*T, G]`` are column-major in their last two dimensions (strides
+    ``(G * R*T, 1, R*T)``: storage ``[L, G, R*T]`` transposed), as DeepEP returns them so that
+    DeepGEMM's TMA loads read one scale group of consecutive tokens at once."""
+    out = [torch.empty(spec[0][0], dtype=spec[0][1], device=device)]
+    for shape, dtype in spec[1:]:
+        num_local, slots, groups = shape
+        out.append(torch.empty(num_local, groups, slots, dtype=dtype, device=device).transpose(1, 2))
+    return tuple(out)
 
 
 def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
@@ -113,7 +128,10 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     mask = token_rank_mask(topk_idx, placement)  # [N, R]
     position = torch.cumsum(mask.to(torch.int64), 0) - 1
     token, dest = torch.nonzero(mask, as_tuple=True)
-    if use_fp8:
+    fused_fp8 = use_fp8 and row_kernels.usable(x, token)  # GPU: quantized straight into the send slots
+    if fused_fp8:
+        payload = {}
+    elif use_fp8:
         q, scales = fp8.quantize(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
         payload = {"x": q.view(torch.uint8), "scales": scales}
     else:
@@ -132,6 +150,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     send_row = dest * slots_per_block + position[token, dest]
     for name, value in payload.items():
         copy_rows(send_fields[name], send_row, value, token)
+    if fused_fp8:
+        row_kernels.quantize_rows(x, token, send_fields["x"], send_fields["scales"], send_row, round_scale, use_ue8m0)
     send_fields["topk"].index_copy_(0, send_row, torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
     send_fields["src"].index_copy_(0, send_row, token.to(torch.int32).unsqueeze(1))
     counts = mask.sum(0, dtype=torch.int64)
@@ -143,11 +163,11 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     # DeepEP's layout: rows past recv_count[j] of recv_x[j] hold no data and are left unwritten
     slots_per_expert = num_ranks * max_tokens
     if receive_area is None:
-        receive_area = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype in
-                             receive_area_spec(num_local, slots_per_expert, hidden, use_fp8, use_ue8m0))
+        receive_area = empty_receive_area(
+            receive_area_spec(num_local, slots_per_expert, hidden, use_fp8, use_ue8m0), x.device)
     if use_fp8:
         recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (receive_area[0], receive_area[1])
-        targets = {"x": recv_x[0].view(torch.uint8), "scales": recv_x[1]}
+        targets = {"x": recv_x[0].view(torch.uint8)}
     else:
         recv_x = receive_area[0]
         targets = {"x": recv_x}
@@ -175,6 +195,8 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
         target_row = slot_plan.local_expert * slots_per_expert + slot_plan.slot
         for name, target in targets.items():
             copy_rows(target.view(num_local * slots_per_expert, target.shape[-1]), target_row, fields[name], pair_row)
+        if use_fp8:  # column-major scales: a strided scatter, not a row copy
+            receive_area[1][slot_plan.local_expert, slot_plan.slot] = fields["scales"].index_select(0, pair_row)
         pair_rank = src_rank[slot_plan.row]
         recv_src_info.view(-1)[target_row] = fields["src"].index_select(0, pair_row).reshape(-1)
         layout_range.copy_(pack_layout_range(slot_plan.layout_range))
@@ -272,8 +294,7 @@ class ReceiveAreas:
         areas = self._areas.get(key)
         if areas is None:
             self._areas.clear()
-            areas = [tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in spec)
-                     for _ in range(2)]
+            areas = [empty_receive_area(spec, device) for _ in range(2)]
             self._areas[key] = areas
         self._turn ^= 1
         return areas[self._turn]
@@ -296,3 +317,39 @@ def pack_layout_range(pairs: torch.Tensor) -> torch.Tensor:
     """DeepEP's ``[L, R]`` int64 ``begin << 32 | count`` from ``[L, R, 2]`` (first slot, count)."""
     pairs = pairs.to(torch.int64)
     return (pairs[..., 0] << 32) | pairs[..., 1]
+
+
+def wait_for_expert_signals(recv_count: torch.Tensor, slots: int, packed_recv_count: torch.Tensor | None,
+                            comp_signal: torch.Tensor | None, block_m: int, threshold: int,
+                            src_signals: torch.Tensor | None, expect: int, timeout_s: float) -> None:
+    """SGLang's single-batch overlap on a combine that waits for the whole expert GEMM: returns
+    once every block of ``block_m`` slots holding received rows has its ``comp_signal`` entry at
+    ``threshold`` or above, and every local expert that received rows has its ``src_signals``
+    entry at ``expect`` or above (see ``Buffer.low_latency_combine``). Polls from the host; a
+    ValueError after ``timeout_s`` (the GEMM never signalled)."""
+    num_local = int(recv_count.shape[0])
+    counts = recv_count if packed_recv_count is None else packed_recv_count
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (num_local,):
+        raise ValueError(f"packed_recv_count must be a [{num_local}] tensor (recv_count of the dispatch)")
+    counts = counts.to("cpu", torch.int64)
+    checks: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    if comp_signal is not None:
+        if not isinstance(block_m, int) or isinstance(block_m, bool) or block_m <= 0:
+            raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+        blocks = -(-slots // block_m)
+        if not isinstance(comp_signal, torch.Tensor) or comp_signal.numel() != num_local * blocks:
+            raise ValueError(f"comp_signal must be a tensor of {num_local} x {blocks} entries "
+                             f"(local experts x blocks of block_m={block_m} slots)")
+        needed = torch.arange(blocks).unsqueeze(0) * block_m < counts.unsqueeze(1)  # [L, blocks]
+        checks.append((comp_signal.reshape(-1), needed.reshape(-1), int(threshold)))
+    if src_signals is not None:
+        if not isinstance(src_signals, torch.Tensor) or src_signals.numel() != num_local:
+            raise ValueError(f"src_signals must be a tensor of {num_local} entries (one per local expert)")
+        checks.append((src_signals.reshape(-1), counts > 0, int(expect)))
+    deadline = time.monotonic() + timeout_s
+    for signals, needed, value in checks:
+        while bool((signals.to("cpu", torch.int64)[needed] < value).any()):
+            if time.monotonic() > deadline:
+                raise ValueError(f"the expert GEMM's signals did not reach {value} within {timeout_s} s "
+                                 "(overlap=True: the combine waits for them before reading x)")
+            time.sleep(1e-4)

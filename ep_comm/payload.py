@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import row_kernels
 from .rows import wide_pair, widest_view
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -165,6 +166,10 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
     # every byte is written: blocks and blobs, and zeros in the padding after them (it goes on
     # the wire too: no stale memory sent); not zero-filled first (a second pass over the message)
     data = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(values))
+    # on a GPU, each field's blocks (all chunks) are one kernel launch and the padding one more
+    kernels = row_kernels.usable(data, *(t for v in values.values() for t in (v.tensor, v.index) if t is not None))
+    field_blocks: dict[str, list[tuple[int, int, int]]] = {f.name: [] for f in order}
+    pads: list[tuple[int, int]] = []
     offset = start = 0
     for n, blob, size in zip(row_splits, blobs, sizes):
         position = offset
@@ -175,6 +180,9 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
                 data[position + BLOB_LENGTH_BYTES:position + BLOB_LENGTH_BYTES + blob.numel()] = \
                     blob.to(data.device)
                 used = BLOB_LENGTH_BYTES + blob.numel()
+            elif kernels:
+                field_blocks[f.name].append((position, start, n))
+                used = n * f.nbytes
             else:
                 block = data[position:position + n * f.nbytes].view(f.dtype).view(n, f.width)
                 source = values[f.name]
@@ -187,10 +195,19 @@ def pack(fmt: RowFormat, values: dict[str, RowSource], row_splits: list[int], co
                 used = n * f.nbytes
             padded = _round(used, align)
             if padded > used:
-                data[position + used:position + padded] = 0
+                pads.append((position + used, position + padded))
+                if not kernels:
+                    data[position + used:position + padded] = 0
             position += padded
         offset += size
         start += n
+    if kernels:
+        for f in order:
+            if field_blocks[f.name]:
+                source = values[f.name]
+                row_kernels.pack_blocks(data, field_blocks[f.name], source.tensor.detach().reshape(-1, f.width),
+                                        source.index)
+        row_kernels.zero_ranges(data, pads)
     return Outbox(data, sizes, raw)
 
 
@@ -324,6 +341,10 @@ def _blob_lengths(received: torch.Tensor, coded: list[_CodedChunk]) -> list[int]
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` of row blocks, done on their widest common integer view (same bytes)."""
+    if row_kernels.usable(*parts):  # one launch for all blocks (views of the received message)
+        out = row_kernels.concat_rows(parts)
+        if out is not None:
+            return out
     wide = [widest_view(p) for p in parts]
     narrow = min((w.dtype for w in wide), key=lambda d: d.itemsize)
     return torch.cat([p.view(narrow) for p in parts]).view(parts[0].dtype)

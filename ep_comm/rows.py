@@ -7,20 +7,23 @@ on the CPU they run several times faster on 8-byte elements than on 2-byte ones.
 Row gather-scatter (:func:`copy_rows`), ``dst[dst_index[i]] = src[src_index[i]]`` along dim 0: for
 CPU tensors whose rows are contiguous (a row's elements adjacent; rows may be strided, as the
 fields of a packed message are), ``ep_comm._host.copy_rows`` copies each row once with ``memcpy``;
-elsewhere (GPU tensors, other layouts) it is ``index_copy_`` of an ``index_select``, which copies
-every row twice through a temporary.
+GPU tensors of that layout take the Triton kernel of ``ep_comm.row_kernels`` (one launch, each row
+copied once); elsewhere it is ``index_copy_`` of an ``index_select``, which copies every row twice
+through a temporary.
 
 Sums: combines' reductions, the rows returned to a rank summed per source token in a fixed order,
 with one result on every device. Normal mode (:func:`reduce_by_source`): token ``t``'s sum is
 ``((0 + r_a) + r_b) + ...`` in float32 (float64 for float64 rows) over its returned rows
 ``a < b < ...`` in row order (destination rank ascending), then each bias added, then cast to the
 rows' dtype. Low-latency mode (:func:`weighted_sum_by_token`): the same over each token's rows in
-top-k order, each row times its top-k weight first (the product rounded to float32). On the GPU
-(and for float16 / float64 rows) these are ``index_add_`` calls; for bf16 / float32 rows on the
-CPU ``ep_comm._host.sum_rows_by_token`` makes the same float operations in the same order straight
-from the received buffer (no gathered or float32 copies of the rows), so the results are the same
-bits, but for NaNs: where a NaN is added to a NaN, which one's sign and payload survive depends
-on the order of the add's operands, which neither torch nor the compiler fixes.
+top-k order, each row times its top-k weight first (the product rounded to float32). For bf16 /
+float32 rows on the CPU ``ep_comm._host.sum_rows_by_token`` makes these float operations in this
+order straight from the received buffer (no gathered or float32 copies of the rows); for bf16 /
+float16 / float32 rows on a GPU the Triton kernels of ``ep_comm.row_kernels`` do; both give the
+torch path's bits, but for NaNs: where a NaN is added to a NaN, which one's sign and payload
+survive depends on the order of the add's operands, which neither torch nor the compiler fixes.
+Elsewhere the sums are ``index_add_`` calls: the reference on the CPU, but on a GPU (Triton absent,
+``EP_COMM_TRITON=0``, float64 rows) they add with atomics in no fixed order.
 
 Scratch (:class:`ScratchPool`): reusable byte buffers for messages that never leave the library.
 Low-latency calls move the same large messages on every call (a rank's send and receive bytes:
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import row_kernels
 from .plan import SendPlan
 
 try:  # the C++ host module; without it the torch forms do the same copies and sums
@@ -95,6 +99,8 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src
                         src.data_ptr(), src.shape[0], src.stride(0) * src.element_size(), src_index.data_ptr(),
                         dst_index.numel(), row_bytes, max(1, torch.get_num_threads()))
         return
+    if row_kernels.usable(dst, src, dst_index, src_index) and row_kernels.copy_rows(dst, dst_index, src, src_index):
+        return
     target, source = wide_pair(dst, src)
     target.index_copy_(0, dst_index, source.index_select(0, src_index))
 
@@ -135,6 +141,10 @@ def reduce_by_source(rows: torch.Tensor | Sequence[torch.Tensor], plan: SendPlan
         raise ValueError("rows must be a tensor or a non-empty list of row blocks")
     dtype, device, width = blocks[0].dtype, blocks[0].device, blocks[0].shape[1]
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if row_kernels.usable(*blocks, plan.token_index, *bias):
+        summed = row_kernels.reduce_by_source(blocks, plan.token_index, num_tokens, bias)
+        if summed is not None:
+            return summed
     if _host_can_sum(blocks, plan):
         acc = torch.empty(num_tokens, width, dtype=torch.float32)
         index = plan.token_index
@@ -199,6 +209,10 @@ def weighted_sum_by_token(rows: torch.Tensor, order: torch.Tensor, tokens: torch
                                 tokens.data_ptr(), tokens.numel(), _HOST_DTYPE_CODES[rows.dtype],
                                 max(1, torch.get_num_threads()), order.data_ptr(), weights.data_ptr())
         return acc
+    if row_kernels.usable(rows, order, tokens, weights):
+        acc = row_kernels.weighted_sum_by_token(rows, order, tokens, weights, num_tokens)
+        if acc is not None:
+            return acc
     acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=rows.device)
     wide_rows = widest_view(rows)
     column = weights.to(torch.float32).unsqueeze(1)

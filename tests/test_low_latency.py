@@ -38,7 +38,8 @@ def _ll_case(rank, world, group, experts, topk, hidden, tokens, use_fp8, round_s
     if hook:
         combine_hook()
     return dict(x=x, idx=idx, w=w, recv_x=recv_x, recv_count=recv_count, y=y, combined=combined,
-                stats_acc=stats_acc, handle=tuple(handle), wire=buf.last_stats)
+                stats_acc=stats_acc, handle=tuple(handle), wire=buf.last_stats,
+                scales_stride=recv_x[1].stride() if use_fp8 else None)
 
 
 @pytest.mark.parametrize("world,experts,topk,hidden,tokens,hook", [
@@ -95,10 +96,19 @@ def test_low_latency_fp8(ranks, round_scale, use_ue8m0):
             assert scales.dtype == torch.int32 and scales.shape == (*want.x.shape[:2], hidden // 512)
         else:
             assert scales.dtype == torch.float32 and scales.shape == (*want.x.shape[:2], hidden // 128)
+        # DeepEP's layout: scales column-major in their last two dimensions (TMA loads)
+        slots, groups = scales.shape[1], scales.shape[2]
+        assert got["scales_stride"] == (groups * slots, 1, slots)
         decoded = fp8.dequantize(q, scales)
         for j, count in enumerate(want.count):
             diff = fp8.calc_diff(decoded[j, :count], want.x[j, :count])
             assert diff < 9e-4, f"calc_diff {diff}"
+            # the values are the sender's own cast of each token, whatever the strides
+            for slot, (src, token) in enumerate(want.slots[j]):
+                want_q, want_s = fp8.quantize(results[src]["x"][token:token + 1], round_scale=round_scale,
+                                              use_ue8m0=use_ue8m0)
+                assert torch.equal(scales[j, slot], want_s[0]) and torch.equal(q[j, slot].view(torch.uint8),
+                                                                               want_q[0].view(torch.uint8))
             if round_scale:
                 s = fp8.unpack_ue8m0(scales[j, :count]) if use_ue8m0 else scales[j, :count]
                 mantissa, _ = torch.frexp(s)
@@ -185,3 +195,56 @@ def test_message_buffers_reused_but_never_shared_in_flight(ranks):
                 for j, c in enumerate(count.tolist()):
                     assert torch.equal(recv_x[j, :c], want_x[j, :c])
                 assert torch.equal(run[1][b], want_combined)
+
+
+class _RowMajorKernel:
+    """Stands in for the fused low-latency engine (no GPU here): like the CUDA kernels it writes
+    row-major scales through a pointer, so it refuses any other layout."""
+
+    def __init__(self, placement, max_tokens, world):
+        self.placement, self.max_tokens, self.world = placement, max_tokens, world
+        self.e2r = placement.expert_to_rank.to(torch.int32)
+
+    def start_dispatch(self, xs, topks, use_fp8, round_scale, use_ue8m0, outputs):
+        from ep_comm.engines.low_latency import LowLatencyResult
+
+        recv_x, scales = outputs[0]
+        assert scales.is_contiguous(), "the kernels write row-major scales"
+        local, slots = recv_x.shape[0], recv_x.shape[1]
+        q, s = fp8.quantize(xs[0], round_scale=round_scale, use_ue8m0=use_ue8m0)
+        recv_x.view(torch.uint8)[0, :q.shape[0]] = q.view(torch.uint8)  # every token to local expert 0
+        scales[0, :s.shape[0]] = s
+        layout = torch.zeros(local, self.world, 2, dtype=torch.int64)
+        layout[0, 0, 1] = q.shape[0]
+        count = torch.tensor([q.shape[0]] + [0] * (local - 1), dtype=torch.int32)
+        return [LowLatencyResult(recv_x, scales, count, torch.zeros(local, slots, dtype=torch.int32),
+                                 torch.zeros(local, slots, dtype=torch.int32), layout)], None
+
+    def finish_dispatch(self, launch):
+        pass
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, True)])
+def test_fused_path_returns_column_major_scales(monkeypatch, round_scale, use_ue8m0):
+    from ep_comm.low_latency import ReceiveAreas
+    from ep_comm.paths import FusedKernelPath
+
+    world, experts, hidden, tokens = 2, 4, 1024, 5
+    placement = ExpertPlacement.contiguous(experts, world)
+    path = FusedKernelPath(None, torch.device("cpu"), 1.0, 1)
+    path.num_ranks, path.rank = world, 0
+    fake = _RowMajorKernel(placement, MAX_TOKENS, world)
+    monkeypatch.setattr(path, "_low_latency_engine", lambda *args: fake)
+    x = make_x(0, 5, tokens, hidden, torch.bfloat16)
+    topk = torch.zeros(tokens, 1, dtype=torch.int64)
+    area = ReceiveAreas().next(experts // world, world * MAX_TOKENS, hidden, True, use_ue8m0, x.device)
+    call = ep_comm.paths.LowLatencyDispatchCall(x, topk, MAX_TOKENS, placement, True, round_scale, use_ue8m0,
+                                                area, False)
+    out = path.low_latency_dispatch(call)
+    out.receive()
+    q, scales = out.recv_x
+    slots, groups = scales.shape[1], scales.shape[2]
+    assert scales.stride() == (groups * slots, 1, slots) and scales is area[1]
+    want_q, want_s = fp8.quantize(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    assert torch.equal(scales[0, :tokens], want_s)
+    assert torch.equal(q[0, :tokens].view(torch.uint8), want_q.view(torch.uint8))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import row_kernels
 from . import device_kernels
 
 try:
@@ -46,6 +47,10 @@ def quantize(x: torch.Tensor, round_scale: bool = False,
         return _quantize_host(x, round_scale, use_ue8m0)
     if x.dtype == torch.bfloat16 and device_kernels.codec_kernels(x.device) is not None:
         return _quantize_device(x, round_scale, use_ue8m0)
+    if row_kernels.usable(x):  # the Triton kernel (AMD, or NVIDIA without the CUDA build): the same bits
+        quantized = row_kernels.quantize(x, round_scale, use_ue8m0)
+        if quantized is not None:
+            return quantized
     return quantize_reference(x, round_scale, use_ue8m0)
 
 
@@ -133,7 +138,9 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """``[..., G // 4]`` int32 -> ``[..., G]`` float32 power-of-two scales."""
-    exponent = packed.contiguous().view(torch.uint8).to(torch.int32)  # [..., G]
+    # a fresh row-major copy: .contiguous() keeps a column-major view whose last dimension has
+    # one element (DeepEP's scale layout), which .view(uint8) cannot widen
+    exponent = packed.clone(memory_format=torch.contiguous_format).view(torch.uint8).to(torch.int32)  # [..., G]
     return (exponent << 23).view(torch.float32)
 
 
