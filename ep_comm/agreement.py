@@ -11,10 +11,12 @@ than time out.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
 
+from .errors import BufferStateError, CommTimeoutError
 from .transports.base import Transport
 
 VERSION = 1
@@ -92,3 +94,37 @@ def agree(transport: Transport, header: CallHeader, live: list[int]) -> None:
             hint = " (a rank is in another call)" if column in ("mode", "seq") else ""
             raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
                              f"no rank sent any payload")
+
+
+def collective(mode: str):
+    """Wraps a communicating call: refuses it while the group is out of step; when the call fails
+    before its opening exchange (its arguments were rejected), still opens with a failed status so
+    the peers fail with it instead of timing out; when it fails after (a timeout, an exchange cut
+    short), marks the group out of step until ``reset()`` or ``mask_ranks()``."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if mode == "low_latency_dispatch" and self._mask_request is not None:
+                self._apply_mask_request()
+            if self._broken is not None:
+                raise BufferStateError(f"ep_comm: this Buffer's group is out of step since {self._broken}; "
+                                       f"call reset() (or mask_ranks(...) with the failed ranks) on every live rank")
+            self._call_mode, self._opened, self._disagreed = mode, False, False
+            try:
+                return method(self, *args, **kwargs)
+            except ValueError:
+                if not self._opened:
+                    self._open(CallHeader(self._call_mode, 0, ok=False))
+                elif not self._disagreed:
+                    self._broken = f"a failed {self._call_mode}"
+                raise
+            except Exception as error:
+                if self._opened:
+                    self._broken = f"a failed {self._call_mode} ({type(error).__name__})"
+                if isinstance(error, CommTimeoutError) and self.enable_shrink and mode.startswith("low_latency"):
+                    # DeepEP's shrink mode masks a peer that timed out; here the call still fails
+                    # (its exchange was cut short) and the next low-latency dispatch applies it
+                    self._mask_request = self._requested_mask() | (frozenset(error.peers) - {self.rank})
+                raise
+        return call
+    return wrap
