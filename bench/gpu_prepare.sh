@@ -14,20 +14,19 @@ CARRY=.gpu_carry
 mkdir -p $CARRY/ep_comm_cuda
 [ -f $CARRY/tensors.pt ] || $PY bench/codec_bench.py --save-tensors $CARRY/tensors.pt --max-mb 10
 # tuning variants of the same kernels (gpu_check.sh tests and times each beside the default):
-# "name:MACRO=value[,MACRO=value...]" separated by spaces. By default the decoder options not yet
-# measured on a GPU: L1 prefetch 256 B / 1 KiB ahead (with L1 left beside shared memory), register
-# windows capped at 48 registers (10 blocks per SM; ptxas spills about 20 bytes there) and at 64
-# (8 blocks per SM: 62 registers, no spills), early loads (a step's word and raw-field loads in
-# flight together) at 32 registers (spills 32 bytes) and at 48 (no spills); each library's
-# ptxas report is kept beside it
-# (<lib>.ptxas.txt, logged by gpu_check.sh). EP_CODEC_VARIANTS="" for none.
+# "name:MACRO=value[,MACRO=value...]" separated by spaces; each library's ptxas report is kept
+# beside it (<lib>.ptxas.txt, logged by gpu_check.sh). EP_CODEC_VARIANTS="" for none.
+# The default build decodes 16-byte aligned data on the staged decoder (decode_rans_warp_staged, not
+# yet measured on a GPU); the default variants build the per-step decoder (EP_LOSSLESS_DEC_STAGED=0),
+# the default before it (dec_step: 40 warps per SM, 48 registers, no spills), and its options not
+# yet measured either: L1 prefetch 256 B ahead (L1 left beside shared memory), register windows at
+# 8 blocks per SM (62 registers), early loads at 10 blocks (48 registers).
 rm -f $CARRY/libep_codec*.so $CARRY/libep_codec*.ptxas.txt
-default_variants="dec_pf256:EP_LOSSLESS_DEC_PREFETCH=256,EP_LOSSLESS_DEC_CARVEOUT=60"
-default_variants+=" dec_pf1k:EP_LOSSLESS_DEC_PREFETCH=1024,EP_LOSSLESS_DEC_CARVEOUT=60"
-default_variants+=" dec_win48:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
-default_variants+=" dec_win64:EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=8"
-default_variants+=" dec_early:EP_LOSSLESS_DEC_EARLY_LOADS=1"
-default_variants+=" dec_early48:EP_LOSSLESS_DEC_EARLY_LOADS=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
+S=EP_LOSSLESS_DEC_STAGED=0
+default_variants="dec_step:$S"
+default_variants+=" dec_pf256:$S,EP_LOSSLESS_DEC_PREFETCH=256,EP_LOSSLESS_DEC_CARVEOUT=60"
+default_variants+=" dec_win64:$S,EP_LOSSLESS_DEC_WINDOW=1,EP_LOSSLESS_DEC_MIN_BLOCKS=8"
+default_variants+=" dec_early48:$S,EP_LOSSLESS_DEC_EARLY_LOADS=1,EP_LOSSLESS_DEC_MIN_BLOCKS=10"
 $PY bench/codec_gpu.py --build-lib $CARRY/libep_codec.so --arch 90
 for variant in ${EP_CODEC_VARIANTS-$default_variants}; do
   defines=()

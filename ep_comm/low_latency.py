@@ -96,11 +96,16 @@ def empty_receive_area(spec: tuple[tuple[tuple[int, ...], torch.dtype], ...],
     """Fresh receive tensors of :func:`receive_area_spec`. ``recv_x`` is contiguous; the FP8
     scales ``[L, R*T, G]`` are column-major in their last two dimensions (strides
     ``(G * R*T, 1, R*T)``: storage ``[L, G, R*T]`` transposed), as DeepEP returns them so that
-    DeepGEMM's TMA loads read one scale group of consecutive tokens at once."""
+    DeepGEMM's TMA loads read one scale group of consecutive tokens at once. With one group the
+    two layouts are the same memory, and the plain strides are kept (a last dimension of one
+    element with a stride other than 1 defeats ``.contiguous()`` before a dtype view)."""
     out = [torch.empty(spec[0][0], dtype=spec[0][1], device=device)]
     for shape, dtype in spec[1:]:
         num_local, slots, groups = shape
-        out.append(torch.empty(num_local, groups, slots, dtype=dtype, device=device).transpose(1, 2))
+        if groups == 1:
+            out.append(torch.empty(shape, dtype=dtype, device=device))
+        else:
+            out.append(torch.empty(num_local, groups, slots, dtype=dtype, device=device).transpose(1, 2))
     return tuple(out)
 
 

@@ -39,13 +39,16 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from codec_gpu import gpu_library  # noqa: E402  (the kernels' ctypes signatures)
 
-# the decoder's build options whose logic differs (bench/gpu_prepare.sh builds them for the GPU)
+# the decoder's build options whose logic differs (bench/gpu_prepare.sh builds them for the GPU):
+# the default decodes 16-byte aligned blobs into 16-byte aligned outputs on the staged decoder (the
+# cases here are), the others on the per-step decoder with its options
 VARIANTS = {
     "default": (),
-    "window": ("EP_LOSSLESS_DEC_WINDOW=1",),
-    "prefetch": ("EP_LOSSLESS_DEC_PREFETCH=256",),
-    "early_loads": ("EP_LOSSLESS_DEC_EARLY_LOADS=1",),
-    "warps8": ("EP_LOSSLESS_DEC_WARPS=8",),
+    "per_step": ("EP_LOSSLESS_DEC_STAGED=0",),
+    "window": ("EP_LOSSLESS_DEC_STAGED=0", "EP_LOSSLESS_DEC_WINDOW=1"),
+    "prefetch": ("EP_LOSSLESS_DEC_STAGED=0", "EP_LOSSLESS_DEC_PREFETCH=256"),
+    "early_loads": ("EP_LOSSLESS_DEC_STAGED=0", "EP_LOSSLESS_DEC_EARLY_LOADS=1"),
+    "warps8": ("EP_LOSSLESS_DEC_STAGED=0", "EP_LOSSLESS_DEC_WARPS=8"),
 }
 
 
@@ -77,16 +80,56 @@ def test_blob_is_byte_identical_and_decodes(libs, schedule, case: str, chunk_val
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "default"])
-@pytest.mark.parametrize("case", ["normal", "sparse", "wide_exponents", "mixed", "zeros", "n33"])
+@pytest.mark.parametrize("case", ["normal", "sparse", "wide_exponents", "mixed", "zeros", "n33", "heavy_tails"])
 @pytest.mark.parametrize("chunk_values", [32, 4096, 65536])
 def test_decoder_variants_decode_exactly(libs, schedule, variant: str, case: str, chunk_values: int) -> None:
     check_blob_is_byte_identical_and_decodes(libs[variant], "cpu", case, chunk_values)
 
 
-@pytest.mark.parametrize("variant", ["default", "window", "early_loads"])
+@pytest.mark.parametrize("variant", ["default", "per_step", "window", "early_loads"])
 @pytest.mark.parametrize("case,chunk_values", CORRUPTION_CASES)
 def test_rejects_corrupted_blobs_like_the_host(libs, variant: str, case: str, chunk_values: int) -> None:
     check_rejects_corrupted_blobs_like_the_host(libs[variant], "cpu", case, chunk_values, trials=60)
+
+
+@pytest.mark.parametrize("blob_offset,out_offset", [(0, 2), (2, 0), (1, 0), (16, 16)])
+def test_default_build_decodes_at_any_alignment(libs, blob_offset, out_offset):
+    """The default build takes the staged decoder only for a 16-byte aligned blob and output, the
+    per-step decoder (2-byte or byte loads) otherwise: every placement decodes exactly, and a
+    corrupted blob gets the host's status on either decoder."""
+    import ctypes
+
+    lib = libs["default"]
+    x = CASES["heavy_tails"]()
+    n, cv = x.numel(), 4096
+    blob = lossless.encode(x, chunk_values=cv)
+    bad = blob.clone()
+    bad[blob.numel() // 2] ^= 0x10
+    for b, want in ((blob, 0), (bad, host_status(bad))):
+        space = torch.zeros(b.numel() + 64, dtype=torch.uint8)
+        start = (-space.data_ptr()) % 16 + blob_offset
+        space[start:start + b.numel()] = b
+        out = torch.full((n + 32,), 0x5A5A, dtype=torch.int16)
+        first = ((-out.data_ptr()) % 16 + out_offset) // 2
+        ws = torch.zeros(lib.ep_lossless_decode_workspace_bytes(n, cv), dtype=torch.uint8)
+        status = torch.full((1,), -1, dtype=torch.int32)
+        rc = lib.ep_lossless_decode_cuda(space.data_ptr() + start, b.numel(), out.data_ptr() + 2 * first, n, cv,
+                                         status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
+        assert rc == 0 and int(status) == want, (int(status), want)
+        if want == 0:
+            assert torch.equal(out[first:first + n], bits(x))
+
+
+@pytest.mark.parametrize("case,chunk_values", CORRUPTION_CASES)
+def test_decodes_format_version_2_like_the_host(libs, case: str, chunk_values: int) -> None:
+    """Blobs of the previous format (version 2: 4-byte table entries, 11-bit probabilities) still
+    decode on the kernels, and their corruptions get the host's status."""
+    x = CASES[case]()
+    old = lossless.encode(x, chunk_values=chunk_values, version=2)
+    assert int(old[4]) == 2
+    status, y = device_decode(libs["default"], old, x.numel(), chunk_values, "cpu")
+    assert status == 0 and torch.equal(y, bits(x))
+    check_rejects_corrupted_blobs_like_the_host(libs["default"], "cpu", case, chunk_values, trials=30, version=2)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

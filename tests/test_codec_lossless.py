@@ -271,7 +271,7 @@ def test_simd_and_portable_decoders_report_the_same_error():
     x = torch.randn(8 * 1024, generator=g).bfloat16()
     x[100:140] = 0  # zeros in the first chunk only: the table has the +0.0 symbol
     blob = lossless.encode(x, chunk_values=1024)
-    header = 32 + 8 + 4 * (int(blob[6]) | int(blob[7]) << 8)
+    header = _table_end(blob)
     seen = set()
     for trial in range(300):
         bad = blob.clone()
@@ -298,8 +298,7 @@ def test_crafted_chunk_hiding_its_zeros_is_rejected():
     x = torch.randn(1024, generator=g).bfloat16()
     x[::7] = 0
     blob = bytearray(lossless.encode(x, chunk_values=1024).numpy().tobytes())
-    entries = struct.unpack_from("<H", blob, 6)[0]
-    directory = (32 + 8 * blob[5] + 4 * entries + 3) & ~3
+    directory = (_table_end(torch.frombuffer(bytearray(blob), dtype=torch.uint8)) + 3) & ~3
     mode, num_words, num_raw, checksum = struct.unpack_from("<4I", blob, directory)
     values = bits(x).numpy().astype("uint16")
     assert mode == 0 and num_raw == int((values != 0).sum()) < 1024
@@ -368,7 +367,7 @@ def test_paths_agree_on_mixed_chunks(threads):
     blob = assert_round_trip(x, chunk_values=cv, threads=threads)
     for path in lossless.simd_paths():
         assert torch.equal(bits(lossless.decode(blob, threads=threads, simd=path)), bits(x)), path
-    header = 32 + 8 + 4 * (int(blob[6]) | int(blob[7]) << 8)
+    header = _table_end(blob)
     g = torch.Generator().manual_seed(9)
     for trial in range(60):
         bad = blob.clone()
@@ -612,10 +611,46 @@ def test_blob_type_checked():
         lossless.decode(torch.zeros(2, 10, dtype=torch.uint8))
 
 
-def _forge(shape, chunk_values, num_values=None, entries=None, version=2):
+def _table_end(blob: torch.Tensor) -> int:
+    """The offset just past a blob's frequency table (format version 2 or 3; before its padding)."""
+    import struct
+
+    b = blob.numpy().tobytes()
+    table = struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * struct.unpack_from("<H", b, 6)[0]
+    return 32 + 8 * b[5] + table
+
+
+def _read_table_v3(blob: torch.Tensor) -> tuple[int, dict[int, int], int]:
+    """(prob_bits, symbol -> frequency, table bytes) of a format version 3 blob, read by the format's
+    definition (csrc/codec/lossless_core.h), independently of the C++ reader."""
+    import struct
+
+    b = blob.numpy().tobytes()
+    assert b[4] == 3
+    entries, prob_bits, size = struct.unpack_from("<H", b, 6)[0], b[28], struct.unpack_from("<H", b, 30)[0]
+    p, k, symbol, freqs = 32 + 8 * b[5], 0, -1, {}
+    for _ in range(entries):
+        gap = b[p + k]
+        k += 1
+        if gap & 0x80:
+            gap = (gap & 0x7F) << 8 | b[p + k]
+            k += 1
+        f = b[p + k]
+        k += 1
+        if f & 0x80:
+            f = (f & 0x7F) << 8 | b[p + k]
+            k += 1
+        symbol += gap + 1
+        freqs[symbol] = f + 1
+    assert k == size
+    return prob_bits, freqs, size
+
+
+def _forge(shape, chunk_values, num_values=None, entries=None, version=2, table=None, prob_bits=11):
     """A blob with a valid header, table (default: +0.0 only) and meta checksum whose chunk
     directory is all zeros (every chunk 'rANS' with no words): it declares ``shape`` but carries
-    no payload."""
+    no payload. Version 3: ``table`` gives the table's bytes as they are (default: ``entries``
+    coded in the shortest form), ``prob_bits`` the header's."""
     import struct
 
     count = num_values
@@ -626,13 +661,24 @@ def _forge(shape, chunk_values, num_values=None, entries=None, version=2):
     count &= (1 << 64) - 1
     chunks = (count + chunk_values - 1) // chunk_values
     if entries is None:
-        entries = [(1024, 2048)] if count else []
+        entries = [(1024, 1 << prob_bits)] if count else []
+    if version == 3 and table is None:
+        table, previous = b"", -1
+        for symbol, freq in entries:
+            gap = symbol - previous - 1
+            table += bytes([gap]) if gap < 128 else bytes([0x80 | gap >> 8, gap & 0xFF])
+            table += bytes([freq - 1]) if freq <= 128 else bytes([0x80 | (freq - 1) >> 8, (freq - 1) & 0xFF])
+            previous = symbol
+    last = 0 if version != 3 else prob_bits | len(table) << 16
     header = bytearray(struct.pack("<IBBHIIQII", 0x424C5045, version, len(shape), len(entries), chunk_values,
-                                   chunks, count, 0, 0))
+                                   chunks, count, 0, last))
     for d in shape:
         header += struct.pack("<Q", d)
-    for symbol, freq in entries:
-        header += struct.pack("<HH", symbol, freq)
+    if version == 3:
+        header += table
+    else:
+        for symbol, freq in entries:
+            header += struct.pack("<HH", symbol, freq)
     while len(header) % 4:
         header += b"\0"
     checksum = 0
@@ -677,15 +723,119 @@ def test_expected_shape_is_checked_before_allocating():
 
 
 def test_small_chunks_match_large_chunk_statistics():
-    """Chunk size changes the blob layout, never the frequency table: the same values coded with
-    1,024-value and 65,536-value chunks carry identical tables (histograms are exact for any size)."""
+    """Chunk size changes the blob layout, never the symbol statistics: the same values coded with
+    1,024-value and 65,536-value chunks carry identical format version 2 tables (histograms are
+    exact for any size), and version 3 tables of the same symbols (their probability bits may
+    differ: more chunks ask a larger gain of 12-bit frequencies)."""
     x = (torch.randn(50_000, generator=torch.Generator().manual_seed(5)) * 0.1).bfloat16()
-    small, large = lossless.encode(x, chunk_values=1024), lossless.encode(x, chunk_values=65536)
+    small, large = (lossless.encode(x, chunk_values=cv, version=2) for cv in (1024, 65536))
     entries = int(large[6]) | int(large[7]) << 8
     assert (int(small[6]) | int(small[7]) << 8) == entries
     table = slice(40, 40 + 4 * entries)  # header 32 bytes + one u64 dimension
     assert torch.equal(small[table], large[table])
+    small, large = (lossless.encode(x, chunk_values=cv) for cv in (1024, 65536))
+    (bits_small, f_small, _), (bits_large, f_large, _) = _read_table_v3(small), _read_table_v3(large)
+    assert set(f_small) == set(f_large) and len(f_small) == entries
+    if bits_small == bits_large:
+        assert f_small == f_large
     assert torch.equal(bits(lossless.decode(small)), bits(x))
+
+
+# ---- format version 3: the compact table, 11 or 12 probability bits, never larger than version 2
+
+def _v3_inputs() -> list[tuple[str, torch.Tensor, int | None]]:
+    g = torch.Generator().manual_seed(31)
+    sparse = torch.relu(torch.randn(64, 7168, generator=g)).bfloat16()
+    sparse[:, ::3] = 0
+    return [
+        ("normal", torch.randn(64, 7168, generator=g).bfloat16(), None),
+        ("normal_small_chunks", torch.randn(64, 7168, generator=g).bfloat16(), 1024),
+        ("weights_like", (torch.randn(384, 1536, generator=g) * 0.02).bfloat16(), None),
+        ("sparse", sparse, None),
+        ("bias", (torch.randn(384, generator=g) * 0.01).bfloat16(), None),
+        ("ones", torch.ones(384, dtype=torch.bfloat16), None),
+        ("zeros", torch.zeros(100_000, dtype=torch.bfloat16), None),
+        ("two_symbols", torch.tensor([0.0, 1e30] * 5000).bfloat16(), None),  # a gap above 127
+        ("random_bits", torch.randint(-32768, 32768, (100_000,), generator=g, dtype=torch.int32).to(torch.int16)
+         .view(torch.bfloat16), None),
+        ("scalar", torch.tensor(2.5).bfloat16(), None),
+    ]
+
+
+@pytest.mark.parametrize("name,x,chunk_values", _v3_inputs(), ids=[c[0] for c in _v3_inputs()])
+def test_format_3_is_never_larger_than_format_2(name, x, chunk_values):
+    """The same tensor coded in both formats, on every host path: version 3 is at most version 2's
+    size, both decode to the input everywhere, and version 3's table reads back (by the format's
+    definition, in Python) as frequencies summing to 2^prob_bits, each at most 2048, in at most
+    version 2's 4 bytes per entry."""
+    new = {p: lossless.encode(x, chunk_values=chunk_values, simd=p) for p in lossless.simd_paths()}
+    old = {p: lossless.encode(x, chunk_values=chunk_values, simd=p, version=2) for p in lossless.simd_paths()}
+    assert len({bytes(b.numpy()) for b in new.values()}) == 1 and len({bytes(b.numpy()) for b in old.values()}) == 1
+    new, old = new["portable"], old["portable"]
+    assert int(new[4]) == 3 and int(old[4]) == 2
+    assert new.numel() <= old.numel(), (new.numel(), old.numel())
+    for blob in (new, old):
+        for path in lossless.simd_paths():
+            assert torch.equal(bits(lossless.decode(blob, simd=path)), bits(x)), path
+    prob_bits, freqs, size = _read_table_v3(new)
+    entries = int(new[6]) | int(new[7]) << 8
+    assert prob_bits in (11, 12) and len(freqs) == entries and size <= 4 * entries
+    if freqs:
+        assert sum(freqs.values()) == 1 << prob_bits and max(freqs.values()) <= 2048 and max(freqs) <= 1024
+
+
+def test_format_3_uses_12_bit_frequencies_where_they_pay():
+    """Large chunks of many symbols take 12-bit frequencies (finer for rare symbols), and end up
+    smaller than version 2; a symbol above half the values forces 11 bits (an entry holds at most
+    2048); one small chunk keeps 11 (the gain is below the 64-byte margin per chunk)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 7168, generator=g).bfloat16()
+    blob = lossless.encode(x)
+    assert _read_table_v3(blob)[0] == 12 and blob.numel() < lossless.encode(x, version=2).numel()
+    skewed = torch.where(torch.rand(64, 7168, generator=g) < 0.6, torch.ones(()), torch.randn(64, 7168, generator=g))
+    assert _read_table_v3(lossless.encode(skewed.bfloat16()))[0] == 11
+    assert _read_table_v3(lossless.encode(torch.randn(512, generator=g).bfloat16()))[0] == 11
+
+
+@pytest.mark.parametrize("table,entries,prob_bits,message", [
+    # valid (gap 127, freq 2048): the table passes, the forged directory's missing payload fails later
+    (bytes([0x7F, 0x80 | 7, 0xFF]), [(127, 2048)], 11, "add up"),
+    (bytes([0x80, 0x05, 0x0F]), [(5, 16)], 11, "frequency table"),  # gap 5 in the long form
+    (bytes([0x00, 0x80, 0x05]), [(0, 6)], 11, "frequency table"),  # freq 6 in the long form
+    (bytes([0x85, 0x00, 0x00]), [(1280, 1)], 11, "frequency table"),  # symbol past 1024
+    (bytes([0x00, 0x88, 0x00]), [(0, 2049)], 12, "frequency table"),  # freq above 2048
+    (bytes([0x00, 0x87, 0xFF]), [(0, 2048)], 12, "frequency table"),  # sums to 2048, not 4096
+    (bytes([0x00, 0x87, 0xFF, 0x00]), [(0, 2048)], 11, "frequency table"),  # a byte left over
+    (bytes([0x00, 0x87]), [(0, 2048)], 11, "frequency table"),  # cut inside an entry
+])
+def test_format_3_table_is_validated(table, entries, prob_bits, message):
+    """Version 3 tables with a valid metadata checksum but a non-canonical, out-of-range or
+    inconsistent entry are rejected (the same checks run on the GPU decoder); a valid one parses."""
+    blob = _forge([64], 32, entries=entries, version=3, table=table, prob_bits=prob_bits)
+    with pytest.raises(ValueError, match=message):
+        lossless.shape_of(blob)
+
+
+@pytest.mark.parametrize("last", [10, 13, 11 | 1 << 8])
+def test_format_3_header_word_is_validated(last):
+    """prob_bits other than 11 or 12, or a non-zero byte after it: a corrupted header."""
+    import struct
+
+    blob = bytearray(_forge([64], 32, version=3, prob_bits=11).numpy().tobytes())
+    word = struct.unpack_from("<I", blob, 28)[0]
+    struct.pack_into("<I", blob, 28, (word & 0xFFFF0000) | last)
+    checksum = sum(blob[i] * (2 * i + 1) for i in range(len(blob) - 16 * 2) if not 24 <= i < 28) & 0xFFFFFFFF
+    struct.pack_into("<I", blob, 24, checksum)
+    with pytest.raises(ValueError, match="corrupted header"):
+        lossless.shape_of(torch.frombuffer(blob, dtype=torch.uint8))
+
+
+def test_encode_version_argument():
+    with pytest.raises(ValueError, match="version"):
+        lossless.encode(torch.zeros(4, dtype=torch.bfloat16), version=1)
+    from ep_comm import _host
+
+    assert lossless.FORMAT_VERSION == 3 and _host.LOSSLESS_FORMAT_VERSION == 3
 
 
 # ---- what the device path reads on the host: the fixed header, and the error texts

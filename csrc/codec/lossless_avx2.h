@@ -151,17 +151,18 @@ __attribute__((target("avx2"))) inline __m256i spread_fields16(const uint8_t* p,
 // returns false. The zero runs of gradients take this path: no table loads and no stream reads.
 __attribute__((target("avx2"))) inline bool zero_step_in_place(__m256i x[4], __m256i last_nonzero_slot,
                                                                const DecodeTable& table) {
-  const __m256i zero = _mm256_setzero_si256(), low11 = _mm256_set1_epi32(int(kProbScale - 1));
+  const __m256i zero = _mm256_setzero_si256(), slot_mask = _mm256_set1_epi32(int(table.slot_mask));
+  const __m256i prob_bits = _mm256_set1_epi32(int(table.prob_bits));  // per-lane shift counts: vpsrlvd is one uop
   const __m256i start = _mm256_set1_epi32(int(table.zero_start)), freq = _mm256_set1_epi32(int(table.zero_freq));
   __m256i slot[4], all = _mm256_set1_epi32(-1);
   for (int j = 0; j < 4; ++j) {
-    slot[j] = _mm256_and_si256(x[j], low11);
+    slot[j] = _mm256_and_si256(x[j], slot_mask);
     all = _mm256_and_si256(all, _mm256_cmpgt_epi32(slot[j], last_nonzero_slot));
   }
   if (_mm256_movemask_ps(_mm256_castsi256_ps(all)) != 0xFF) return false;
   __m256i y[4], low = zero;
   for (int j = 0; j < 4; ++j) {
-    y[j] = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)),
+    y[j] = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(x[j], prob_bits)),
                             _mm256_sub_epi32(slot[j], start));
     low = _mm256_or_si256(low, _mm256_cmpeq_epi32(_mm256_srli_epi32(y[j], 16), zero));
   }
@@ -199,6 +200,8 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   const ExpandTable& ex = expand_table();
   const FieldSpreadTable& spread = field_spread_table();
   const __m256i low11 = _mm256_set1_epi32(int(kProbScale - 1));
+  const __m256i slot_mask = _mm256_set1_epi32(int(table.slot_mask));
+  const __m256i prob_bits = _mm256_set1_epi32(int(table.prob_bits));  // per-lane shift counts: vpsrlvd is one uop
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i hi_mask = _mm256_set1_epi16(int16_t(0xFFC0));
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -237,11 +240,11 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
     const uint64_t raw_skip = raw_in_place ? 0 : raw_tail.first;
     __m256i hi[4];
     for (int j = 0; j < 4; ++j) {
-      const __m256i slot = _mm256_and_si256(x[j], low11);
+      const __m256i slot = _mm256_and_si256(x[j], slot_mask);
       const __m256i ent = lookup_entries(table, slot);
       const __m256i freq = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(ent, kProbBits), low11), one);
       const __m256i bias = _mm256_and_si256(ent, low11);
-      const __m256i y = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[j], kProbBits)), bias);
+      const __m256i y = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(x[j], prob_bits)), bias);
       const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(y, 16), zero);
       const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
       __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(word_src + (2ull * wpos - word_skip))));
@@ -336,6 +339,7 @@ inline const CompressTable& compress_table() {
 struct SimdEncTables {
   // low 32 bits: start << 12 | freq; high 32 bits: float 1 / freq rounded toward zero (0 if absent)
   uint64_t entry[kNumSymbols];
+  uint32_t prob_bits;  // the table's (start < 2^prob_bits <= 4096, freq <= 2048)
 };
 
 // bits[f] = the float 1 / f rounded toward zero (divide_by_freq_avx2 / _avx512), for every
@@ -363,6 +367,7 @@ inline void make_simd_enc_tables(const EncSym* syms, SimdEncTables& t) {
   const ReciprocalTable& rcp = reciprocal_table();
   for (int s = 0; s < kNumSymbols; ++s)
     t.entry[s] = uint64_t((syms[s].start << 12) | syms[s].freq) | (uint64_t(rcp.bits[syms[s].freq]) << 32);
+  t.prob_bits = syms[0].prob_bits;
 }
 
 // byte_compact[mask]: pshufb control moving the bytes of the lanes in mask (8 lanes) to the
@@ -538,14 +543,15 @@ __attribute__((target("avx2"))) inline void divide_by_freq_avx2(__m256i y, __m25
 // (8 words written, the cursor moved down by the words kept), the new states returned. Needs MXCSR
 // rounding toward zero (divide_by_freq_avx2).
 __attribute__((target("avx2,popcnt"))) inline __m256i rans_put8(__m256i x, __m256i a, __m256i b,
-                                                               const CompressTable& ct, uint16_t*& cursor) {
+                                                               const CompressTable& ct, uint16_t*& cursor,
+                                                               __m256i prob_bits, __m256i renorm_shift) {
   const __m256 af = _mm256_castsi256_ps(a), bf = _mm256_castsi256_ps(b);
   const __m256i fs = _mm256_castps_si256(_mm256_shuffle_ps(af, bf, 0x88));  // low halves, lane order
   const __m256 rcp = _mm256_shuffle_ps(af, bf, 0xDD);                       // high halves
   const __m256i freq = _mm256_and_si256(fs, _mm256_set1_epi32(0xFFF));
   const __m256i start = _mm256_srli_epi32(fs, 12);
-  // a word is written unless x < freq << 21, i.e. (x >> 21) < freq
-  const __m256i keep = _mm256_cmpgt_epi32(freq, _mm256_srli_epi32(x, 21));
+  // a word is written unless x < freq << (32 - prob_bits), i.e. (x >> (32 - prob_bits)) < freq
+  const __m256i keep = _mm256_cmpgt_epi32(freq, _mm256_srlv_epi32(x, renorm_shift));
   const int mask = ~_mm256_movemask_ps(_mm256_castsi256_ps(keep)) & 0xFF;
   const __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
                                                 _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.idx[mask])));
@@ -555,7 +561,7 @@ __attribute__((target("avx2,popcnt"))) inline __m256i rans_put8(__m256i x, __m25
   const __m256i y = _mm256_blendv_epi8(_mm256_srli_epi32(x, 16), x, keep);
   __m256i q, r;
   divide_by_freq_avx2(y, freq, _mm256_add_ps(rcp, rcp), q, r);
-  return _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, kProbBits), r), start);
+  return _mm256_add_epi32(_mm256_add_epi32(_mm256_sllv_epi32(q, prob_bits), r), start);
 }
 
 // Steps the rANS pass stages the table entries of at a time, for a chunk without +0.0 (16 KiB).
@@ -604,6 +610,7 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
   const uint32_t full_steps = rans_encode_partial_step(v, n, syms, st, cursor);
   const CompressTable& ct = compress_table();
   const RoundTowardZero round_toward_zero;  // for divide_by_freq_avx2, until the pass returns
+  const __m256i prob_bits = _mm256_set1_epi32(int(tab.prob_bits)), renorm_shift = _mm256_set1_epi32(32 - int(tab.prob_bits));
   __m256i x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(st + 8 * j));
   if (!has_zero) {
@@ -614,7 +621,8 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
       for (uint32_t t = last; t-- > first;) {
         const __m256i* e = reinterpret_cast<const __m256i*>(entries + uint64_t(t - first) * kLanes);
         for (int j = 3; j >= 0; --j)
-          x[j] = rans_put8(x[j], _mm256_load_si256(e + 2 * j), _mm256_load_si256(e + 2 * j + 1), ct, cursor);
+          x[j] = rans_put8(x[j], _mm256_load_si256(e + 2 * j), _mm256_load_si256(e + 2 * j + 1), ct, cursor, prob_bits,
+                           renorm_shift);
       }
       last = first;
     }
@@ -649,7 +657,7 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t rans_encode_chunk_avx2(co
               _mm256_castsi128_si256(_mm_set_epi64x(int64_t(e[k23 >> 32]), int64_t(e[uint32_t(k23)]))),
               _mm_set_epi64x(int64_t(e[k67 >> 32]), int64_t(e[uint32_t(k67)])), 1);
         }
-        x[j] = rans_put8(x[j], a, b, ct, cursor);
+        x[j] = rans_put8(x[j], a, b, ct, cursor, prob_bits, renorm_shift);
       }
     }
   }

@@ -95,8 +95,10 @@ EP_COMM_AVX512 inline __m512i fields_as_words(const uint8_t* p, uint32_t shift) 
 }
 
 // One chunk's decoding position: 32 states in two vectors, the stream positions, the steps done.
-// step() decodes the next 32 values; the caller checks can_step() first.
-template <bool kHasZero>
+// step() decodes the next 32 values; the caller checks can_step() first. kProbBitsT: the table's
+// prob_bits (11 or 12), a constant so that the slot mask and the shift are immediates, as they
+// were when every table had 11 bits.
+template <bool kHasZero, int kProbBitsT>
 struct ChunkCursor512 {
   const uint8_t* payload;
   const ChunkEntry* entry;
@@ -131,13 +133,13 @@ struct ChunkCursor512 {
   // The step at the states, if it decodes 32 +0.0 (every slot above last_nonzero_slot) without
   // renormalising a state: then advances the states and returns true (no table or stream reads).
   EP_COMM_AVX512 __attribute__((always_inline)) bool zero_step(const DecodeTable& table, __m512i last_nonzero_slot) {
-    const __m512i low11 = _mm512_set1_epi32(int(kProbScale - 1));
-    const __m512i s0 = _mm512_and_si512(x[0], low11), s1 = _mm512_and_si512(x[1], low11);
+    const __m512i slot_mask = _mm512_set1_epi32(int((1u << kProbBitsT) - 1));
+    const __m512i s0 = _mm512_and_si512(x[0], slot_mask), s1 = _mm512_and_si512(x[1], slot_mask);
     if ((_mm512_cmpgt_epi32_mask(s0, last_nonzero_slot) & _mm512_cmpgt_epi32_mask(s1, last_nonzero_slot)) != 0xFFFF)
       return false;
     const __m512i start = _mm512_set1_epi32(int(table.zero_start)), freq = _mm512_set1_epi32(int(table.zero_freq));
-    const __m512i y0 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[0], kProbBits)), _mm512_sub_epi32(s0, start));
-    const __m512i y1 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[1], kProbBits)), _mm512_sub_epi32(s1, start));
+    const __m512i y0 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[0], kProbBitsT)), _mm512_sub_epi32(s0, start));
+    const __m512i y1 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[1], kProbBitsT)), _mm512_sub_epi32(s1, start));
     const __m512i low = _mm512_set1_epi32(int(kStateLow));
     if ((_mm512_cmplt_epu32_mask(y0, low) | _mm512_cmplt_epu32_mask(y1, low)) != 0) return false;
     x[0] = y0;
@@ -155,6 +157,7 @@ struct ChunkCursor512 {
       }
     }
     const __m512i low11 = _mm512_set1_epi32(int(kProbScale - 1));
+    const __m512i slot_mask = _mm512_set1_epi32(int((1u << kProbBitsT) - 1));
     const __m512i low = _mm512_set1_epi32(int(kStateLow));
     const bool words_in_place = 2ull * wpos + 64 <= nword_bytes;
     const bool raw_in_place = uint64_t(rpos) * kRawBits / 8 + 32 <= nraw_bytes;
@@ -166,11 +169,11 @@ struct ChunkCursor512 {
     __m512i ent[2];
     uint32_t zero_lanes = 0;  // kHasZero: bit l set when lane l decodes +0.0
     for (int j = 0; j < 2; ++j) {
-      const __m512i slot = _mm512_and_si512(x[j], low11);
+      const __m512i slot = _mm512_and_si512(x[j], slot_mask);
       ent[j] = _mm512_i32gather_epi32(slot, table.entry, 4);
       const __m512i freq = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(ent[j], kProbBits), low11),
                                             _mm512_set1_epi32(1));
-      const __m512i y = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[j], kProbBits)),
+      const __m512i y = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[j], kProbBitsT)),
                                          _mm512_and_si512(ent[j], low11));
       const __mmask16 need = _mm512_cmplt_epu32_mask(y, low);
       const __m256i next_words =
@@ -218,11 +221,11 @@ struct ChunkCursor512 {
 
 // Decodes `count` (1 or 2) rANS chunks in lockstep: chunk k's payload[k] (payload_bytes(*e[k],
 // n[k]) bytes, bounds-checked by the caller) into out[k]; status[k] = its Status.
-template <bool kHasZero>
+template <bool kHasZero, int kProbBitsT>
 EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* const* payload,
                                                      const ChunkEntry* const* e, const uint32_t* n,
                                                      const DecodeTable& table, uint16_t* const* out, int* status) {
-  using Cursor = ChunkCursor512<kHasZero>;
+  using Cursor = ChunkCursor512<kHasZero, kProbBitsT>;
   const __m512i last_nonzero_slot = _mm512_set1_epi32(int(table.zero_start) - 1);
   alignas(Cursor) unsigned char storage[2][sizeof(Cursor)];
   Cursor* c[2];
@@ -245,10 +248,14 @@ inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const
                                  const uint32_t* n, const DecodeTable& table, uint16_t* const* out, int* status) {
   // +0.0 lanes are told apart by slot (one compare per 16 lanes) whenever the table has a +0.0
   // range, so a crafted chunk whose directory denies +0.0 still decodes as the portable core does
-  if (table.zero_freq == 0)
-    decode_chunks_avx512_impl<false>(count, payload, e, n, table, out, status);
-  else
-    decode_chunks_avx512_impl<true>(count, payload, e, n, table, out, status);
+  const bool wide = table.prob_bits == uint32_t(kMaxProbBits);
+  if (table.zero_freq == 0) {
+    if (wide) decode_chunks_avx512_impl<false, kMaxProbBits>(count, payload, e, n, table, out, status);
+    else decode_chunks_avx512_impl<false, kProbBits>(count, payload, e, n, table, out, status);
+  } else {
+    if (wide) decode_chunks_avx512_impl<true, kMaxProbBits>(count, payload, e, n, table, out, status);
+    else decode_chunks_avx512_impl<true, kProbBits>(count, payload, e, n, table, out, status);
+  }
 }
 
 // q = floor(y / freq) and r = y - q freq, 16 lanes, for y < freq 2^21 (a state after
@@ -281,7 +288,8 @@ class RansEncoder512 {
  public:
   // Codes the partial top step of v[0, n) (coding runs backwards) with the portable core.
   EP_COMM_AVX512 RansEncoder512(const uint16_t* v, uint32_t n, const EncSym* syms, uint16_t* words_end)
-      : v_(v), words_end_(words_end), cursor_(words_end) {
+      : v_(v), words_end_(words_end), cursor_(words_end), prob_bits_(_mm512_set1_epi32(int(syms[0].prob_bits))),
+        renorm_shift_(_mm512_set1_epi32(32 - int(syms[0].prob_bits))) {
     alignas(64) uint32_t st[kLanes];
     steps_left_ = rans_encode_partial_step(v, n, syms, st, cursor_);
     x_[0] = _mm512_load_si512(st);
@@ -317,8 +325,8 @@ class RansEncoder512 {
     __mmask16 need[2];
     for (int j = 0; j < 2; ++j) {
       fs[j] = _mm512_permutex2var_epi32(lo[j], even, hi[j]);
-      // renormalise where x >= freq << 21, i.e. (x >> 21) >= freq
-      need[j] = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(x_[j], 21), _mm512_and_si512(fs[j], low12));
+      // renormalise where x >= freq << (32 - prob_bits), i.e. (x >> (32 - prob_bits)) >= freq
+      need[j] = _mm512_cmpge_epu32_mask(_mm512_srlv_epi32(x_[j], renorm_shift_), _mm512_and_si512(fs[j], low12));
     }
     const __mmask32 need32 = _mm512_kunpackw(need[1], need[0]);
     const __m512i words = _mm512_maskz_compress_epi16(need32, _mm512_permutex2var_epi16(x_[0], low_words, x_[1]));
@@ -331,7 +339,7 @@ class RansEncoder512 {
       const __m512i y = _mm512_mask_srli_epi32(x_[j], need[j], x_[j], 16);
       __m512i q, r;
       divide_by_freq_avx512(y, freq, rcp, q, r);
-      x_[j] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q, kProbBits), r), _mm512_srli_epi32(fs[j], 12));
+      x_[j] = _mm512_add_epi32(_mm512_add_epi32(_mm512_sllv_epi32(q, prob_bits_), r), _mm512_srli_epi32(fs[j], 12));
     }
   }
 
@@ -346,6 +354,7 @@ class RansEncoder512 {
   const uint16_t* v_;
   uint16_t* words_end_;
   uint16_t* cursor_;
+  __m512i prob_bits_, renorm_shift_;  // shift counts: 2^prob_bits slots, renormalisation at freq << (32 - prob_bits)
   uint32_t steps_left_;
   __m512i x_[2];
 };

@@ -7,18 +7,25 @@
 //            exponent, so coding them with it saves about 6% over coding the exponent alone);
 //   raw    = the low 6 mantissa bits v & 0x3F, stored as packed 6-bit fields, only for symbols
 //            != 1024.
-// Symbols are coded with rANS (32-bit state, 16-bit renormalisation, 11-bit probabilities) from
-// one frequency table per blob. Values are cut into chunks of `chunk_values`; inside a chunk
-// value i belongs to lane i % 32 (32 interleaved rANS states, one per warp lane on the GPU).
+// Symbols are coded with rANS (32-bit state, 16-bit renormalisation, 2^prob_bits-slot
+// probabilities, prob_bits 11 or 12 per blob) from one frequency table per blob, shared by all its
+// chunks. Values are cut into chunks of `chunk_values`; inside a chunk value i belongs to lane
+// i % 32 (32 interleaved rANS states, one per warp lane on the GPU).
 //
-// Blob layout (little-endian, every field naturally aligned):
-//   Header (32 bytes): u32 magic 'EPLB', u8 version (2), u8 ndim, u16 num_table_entries,
+// Blob layout, format version 3 (little-endian, every field naturally aligned):
+//   Header (32 bytes): u32 magic 'EPLB', u8 version (3), u8 ndim, u16 num_table_entries,
 //                      u32 chunk_values, u32 num_chunks, u64 num_values,
 //                      u32 meta_checksum (of every byte before the directory but these 4),
-//                      u32 reserved (0)
+//                      u8 prob_bits (11 or 12), u8 0, u16 table_bytes
 //   u64 shape[ndim]
-//   table: num_table_entries x {u16 symbol, u16 freq} (symbols ascending, freqs sum to 2048;
-//          no entries when every chunk is stored raw)
+//   table (table_bytes bytes; none when every chunk is stored raw): num_table_entries entries in
+//          ascending symbol order, each a gap then a frequency:
+//            gap  = symbol - previous symbol - 1 (previous = -1 before the first) in [0, 1024]:
+//                   one byte when below 128, else two bytes 0x80 | gap >> 8, gap & 0xFF;
+//            freq in [1, 2048]: one byte freq - 1 when freq <= 128, else two bytes
+//                   0x80 | (freq - 1) >> 8, (freq - 1) & 0xFF;
+//          always the shortest form (so at most version 2's 4 bytes per entry); the frequencies
+//          sum to 2^prob_bits
 //   zero padding to a multiple of 4 bytes
 //   directory: num_chunks x ChunkEntry {u32 mode, u32 num_words, u32 num_raw, u32 checksum}
 //   chunk payloads in order, each zero-padded to a multiple of 4 bytes:
@@ -26,6 +33,15 @@
 //                    field k in bits [6k, 6k + 6) of the byte stream (bit j of byte b is stream
 //                    bit 8b + j), ceil(6 num_raw / 8) bytes, unused high bits zero
 //     mode 1 (raw):  u16 values[n] (a chunk that rANS would not shrink)
+// Format version 2 (still decoded) differs only in the header's last word (reserved, 0: prob_bits
+// is 11) and the table: num_table_entries x {u16 symbol, u16 freq}, 4 bytes each.
+// The encoder picks prob_bits per blob: 12 when every symbol's 12-bit frequency fits in 2048 slots
+// and the estimated size (the table and the symbols' cross-entropy under its frequencies) is
+// smaller than with 11 bits by more than 64 bytes per chunk, else 11 (then the table's
+// frequencies are version 2's). So a version 3 blob is never larger than version 2's: with 11
+// bits its table is no larger and everything else is the same; a rANS lane's bytes are its
+// symbols' information plus between 2 and 4 bytes (the final state less the renormalisation
+// floor), so two tables' chunks differ from their estimates' difference by under 2 bytes a lane.
 // The checksum of a chunk is sum_i v_i * (2 i + 1) mod 2^32 over its values (i within the chunk),
 // so any single corrupted value changes it.
 #pragma once
@@ -38,14 +54,18 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;     // what the encoder writes
+constexpr uint32_t kOldVersion = 2;  // still decoded
 constexpr int kMaxDims = 8;
 constexpr int kLanes = 32;
-constexpr int kProbBits = 11;
-constexpr uint32_t kProbScale = 1u << kProbBits;
+constexpr int kProbBits = 11;                       // version 2's probabilities; the entry fields' width
+constexpr uint32_t kProbScale = 1u << kProbBits;    // also the largest frequency of one symbol
+constexpr int kMaxProbBits = 12;                    // version 3 also takes 12
+constexpr uint32_t kMaxProbScale = 1u << kMaxProbBits;
 constexpr uint32_t kStateLow = 1u << 16;  // rANS states live in [kStateLow, 2^32)
 constexpr int kNumSymbols = 1025;
 constexpr int kZeroSymbol = 1024;
+constexpr uint32_t kMaxTableBytes = 4 * kNumSymbols;  // a table's largest size (either version)
 constexpr int kRawBits = 6;
 constexpr uint32_t kRawMask = (1u << kRawBits) - 1;
 constexpr uint32_t kModeRans = 0;
@@ -165,10 +185,11 @@ EP_HD uint32_t read_raw_field(const uint8_t* raw, uint64_t bytes, uint64_t k) {
 }
 
 // ---- frequency table ----
-// One symbol's frequency before the corrections: its count scaled to kProbScale, at least 1 when seen.
-EP_HD uint32_t scaled_frequency(uint64_t count, uint64_t total) {
+// One symbol's frequency before the corrections: its count scaled to 2^prob_bits, at least 1 when
+// seen. (count < 2^48 and prob_bits <= 12: the product fits in 64 bits.)
+EP_HD uint32_t scaled_frequency(uint64_t count, uint64_t total, int prob_bits = kProbBits) {
   if (count == 0) return 0;
-  const uint64_t scaled = (count * kProbScale + total / 2) / total;
+  const uint64_t scaled = ((count << prob_bits) + total / 2) / total;
   return scaled == 0 ? 1u : static_cast<uint32_t>(scaled);
 }
 
@@ -187,15 +208,16 @@ EP_HD void correct_frequency(uint32_t& f, int64_t& diff) {
   }
 }
 
-// Scales `counts[1025]` (total > 0) to `freq[1025]` summing to kProbScale, every seen symbol >= 1.
+// Scales `counts[1025]` (total > 0) to `freq[1025]` summing to 2^prob_bits, every seen symbol >= 1.
 // Deterministic, so host and device builds produce the same table.
-EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* freq) {
+EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* freq, int prob_bits = kProbBits) {
   int64_t sum = 0;
   for (int s = 0; s < kNumSymbols; ++s) {
-    freq[s] = scaled_frequency(counts[s], total);
+    freq[s] = scaled_frequency(counts[s], total, prob_bits);
     sum += freq[s];
   }
-  int64_t diff = int64_t(kProbScale) - sum;
+  int64_t diff = int64_t(1) << prob_bits;
+  diff -= sum;
   while (diff != 0) {  // the most frequent symbol, the lowest index on ties
     int best = 0;
     for (int s = 1; s < kNumSymbols; ++s)
@@ -204,14 +226,100 @@ EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* fr
   }
 }
 
-// Cumulative starts from freq[257]; returns false when the freqs do not sum to kProbScale.
-EP_HD bool cumulative(const uint32_t* freq, uint32_t* start) {
+// Cumulative starts from freq[1025]; returns false when the freqs do not sum to 2^prob_bits.
+EP_HD bool cumulative(const uint32_t* freq, uint32_t* start, int prob_bits = kProbBits) {
   uint32_t acc = 0;
   for (int s = 0; s < kNumSymbols; ++s) {
     start[s] = acc;
     acc += freq[s];
   }
-  return acc == kProbScale;
+  return acc == (1u << prob_bits);
+}
+
+// ---- version 3 tables: size, choice of prob_bits, writing and reading ----
+EP_HD uint32_t table_gap_bytes(uint32_t gap) { return gap < 128 ? 1u : 2u; }
+EP_HD uint32_t table_freq_bytes(uint32_t freq) { return freq <= 128 ? 1u : 2u; }
+
+// floor(1024 log2(f)) for f in [1, 2^20], by integer squaring (the same on host and device: the
+// choice of prob_bits below must be identical on both).
+EP_HD uint32_t log2_q10(uint32_t f) {
+  uint32_t k = 0;
+  while ((f >> (k + 1)) != 0) ++k;
+  uint64_t y = uint64_t(f) << (31 - k);  // f / 2^k in [1, 2) as Q31
+  uint32_t r = k << 10;
+  for (int bit = 9; bit >= 0; --bit) {
+    y = (y * y) >> 31;
+    if (y >= (1ull << 32)) {
+      y >>= 1;
+      r |= 1u << bit;
+    }
+  }
+  return r;
+}
+
+// The estimated size, in 1/1024 bits, of the symbols of counts[1025] coded with frequencies
+// freq[1025] of `prob_bits` bits, plus the frequencies' bytes in a version 3 table (the gaps cost
+// the same for both choices: every seen symbol has a frequency). counts sum to < 2^48: the sum fits.
+EP_HD uint64_t coded_cost_q10(const uint64_t* counts, const uint32_t* freq, int prob_bits) {
+  uint64_t cost = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    cost += counts[s] * ((uint64_t(prob_bits) << 10) - log2_q10(freq[s]));
+    cost += uint64_t(8 * table_freq_bytes(freq[s])) << 10;
+  }
+  return cost;
+}
+
+// The margin prefer_12_bits asks of 12-bit frequencies: 64 bytes per chunk, in 1/1024 bits.
+EP_HD uint64_t wide_table_margin_q10(uint64_t chunks) { return chunks * (uint64_t(64 * 8) << 10); }
+
+// Whether 12-bit frequencies `freq12` (normalize_counts with 12 bits) can be used (every one at
+// most 2048: the decoder's entries hold freq - 1 in 11 bits) and are estimated to code `chunks`
+// chunks smaller than `freq11` by more than the margin (see the format notes above).
+EP_HD bool prefer_12_bits(const uint64_t* counts, const uint32_t* freq11, const uint32_t* freq12, uint64_t chunks) {
+  for (int s = 0; s < kNumSymbols; ++s)
+    if (freq12[s] > kProbScale) return false;
+  return coded_cost_q10(counts, freq12, 12) + wide_table_margin_q10(chunks) < coded_cost_q10(counts, freq11, 11);
+}
+
+// Bytes of the version 3 table of freq[1025].
+EP_HD uint32_t table_bytes_v3(const uint32_t* freq) {
+  uint32_t bytes = 0;
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    bytes += table_gap_bytes(uint32_t(s - previous - 1)) + table_freq_bytes(freq[s]);
+    previous = s;
+  }
+  return bytes;
+}
+
+// Writes one version 3 table entry at p; returns the bytes written.
+EP_HD uint32_t write_table_entry(uint8_t* p, uint32_t gap, uint32_t freq) {
+  uint32_t k = 0;
+  if (gap < 128) {
+    p[k++] = static_cast<uint8_t>(gap);
+  } else {
+    p[k++] = static_cast<uint8_t>(0x80 | (gap >> 8));
+    p[k++] = static_cast<uint8_t>(gap);
+  }
+  if (freq <= 128) {
+    p[k++] = static_cast<uint8_t>(freq - 1);
+  } else {
+    p[k++] = static_cast<uint8_t>(0x80 | ((freq - 1) >> 8));
+    p[k++] = static_cast<uint8_t>(freq - 1);
+  }
+  return k;
+}
+
+// Writes the version 3 table of freq[1025] at p (table_bytes_v3(freq) bytes).
+EP_HD void write_table_v3(uint8_t* p, const uint32_t* freq) {
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    p += write_table_entry(p, uint32_t(s - previous - 1), freq[s]);
+    previous = s;
+  }
 }
 
 // ---- rANS steps (one state) ----
@@ -233,22 +341,22 @@ struct EncSym {
   uint32_t start;
   uint32_t freq;
   uint32_t bypass;   // all ones for freq 1 (q = x), else 0
-  uint32_t pad;
+  uint32_t prob_bits;
 };
-EP_HD EncSym make_enc_sym(uint32_t start, uint32_t freq) {
+EP_HD EncSym make_enc_sym(uint32_t start, uint32_t freq, int prob_bits = kProbBits) {
   EncSym e;
   e.start = start;
   e.freq = freq;
   e.rcp = freq <= 1 ? 0 : ~0ull / freq + 1;
   e.bypass = freq == 1 ? ~0u : 0u;
-  e.x_max = uint64_t(freq) << (32 - kProbBits);  // (L >> kProbBits << 16) * freq
-  e.pad = 0;
+  e.x_max = uint64_t(freq) << (32 - prob_bits);  // (L >> prob_bits << 16) * freq
+  e.prob_bits = uint32_t(prob_bits);
   return e;
 }
 // Branch-free: the renormalisation decision is data-dependent and unpredictable.
 EP_HD uint32_t enc_put(uint32_t x, const EncSym& s) {
   uint32_t q = static_cast<uint32_t>(mulhi64(x, s.rcp)) + (x & s.bypass);
-  return (q << kProbBits) + (x - q * s.freq) + s.start;
+  return (q << s.prob_bits) + (x - q * s.freq) + s.start;
 }
 
 // Whether encoding a symbol from state x first emits a 16-bit word (enc_step's renormalisation).
@@ -263,13 +371,16 @@ EP_HD uint32_t enc_step(uint32_t x, const EncSym& s, uint16_t*& cursor) {
   x >>= need << 4;
   return enc_put(x, s);
 }
-// Decoder table: one packed entry per slot, hi10 (10 bits) << 22 | (freq - 1) (11 bits) << 11 |
-// slot - start (11 bits), where hi10 is the symbol's top 10 value bits (0 for the +0.0 symbol,
-// whose slots are told apart by their range [zero_start, zero_start + zero_freq) instead).
+// Decoder table: one packed entry per slot (2^prob_bits slots), hi10 (10 bits) << 22 |
+// (freq - 1) (11 bits) << 11 | slot - start (11 bits), where hi10 is the symbol's top 10 value bits
+// (0 for the +0.0 symbol, whose slots are told apart by their range [zero_start, zero_start +
+// zero_freq) instead). Every frequency is at most 2048 (checked when the table is read).
 struct DecodeTable {
-  uint32_t entry[kProbScale];
+  uint32_t entry[kMaxProbScale];
   uint32_t zero_start;
   uint32_t zero_freq;  // 0 when +0.0 does not occur
+  uint32_t prob_bits;
+  uint32_t slot_mask;  // 2^prob_bits - 1
 };
 EP_HD uint32_t dec_entry(uint32_t hi10, uint32_t freq, uint32_t bias) {
   return (hi10 << 22) | ((freq - 1) << kProbBits) | bias;
@@ -280,16 +391,19 @@ EP_HD uint32_t entry_bias(uint32_t e) { return e & (kProbScale - 1); }
 EP_HD bool slot_is_zero(const DecodeTable& t, uint32_t slot) { return slot - t.zero_start < t.zero_freq; }
 // One decode step of state x: returns the symbol, advances x (before renormalisation).
 EP_HD uint32_t dec_step(uint32_t& x, const DecodeTable& t) {
-  const uint32_t slot = x & (kProbScale - 1);
+  const uint32_t slot = x & t.slot_mask;
   const uint32_t e = t.entry[slot];
-  x = entry_freq(e) * (x >> kProbBits) + entry_bias(e);
+  x = entry_freq(e) * (x >> t.prob_bits) + entry_bias(e);
   return slot_is_zero(t, slot) ? uint32_t(kZeroSymbol) : entry_hi10(e);
 }
 
 // ---- header ----
 struct Header {
+  uint32_t version = kVersion;
   uint32_t ndim = 0;
   uint32_t num_table_entries = 0;
+  uint32_t prob_bits = kProbBits;
+  uint32_t table_bytes = 0;  // before padding
   uint32_t chunk_values = 0;
   uint32_t num_chunks = 0;
   uint64_t num_values = 0;
@@ -315,25 +429,29 @@ EP_HD uint64_t num_chunks_for(uint64_t num_values, uint32_t chunk_values) {
 }
 
 EP_HD uint64_t table_offset_for(uint32_t ndim) { return kHeaderBytes + 8ull * ndim; }
-EP_HD uint64_t directory_offset_for(uint32_t ndim, uint32_t entries) {
-  return align4(table_offset_for(ndim) + 4ull * entries);
+// (table_bytes: the table's size before padding; version 2: 4 per entry)
+EP_HD uint64_t directory_offset_for(uint32_t ndim, uint32_t table_bytes) {
+  return align4(table_offset_for(ndim) + table_bytes);
 }
-EP_HD uint64_t data_offset_for(uint32_t ndim, uint32_t entries, uint32_t chunks) {
-  return directory_offset_for(ndim, entries) + sizeof(ChunkEntry) * uint64_t(chunks);
+EP_HD uint64_t data_offset_for(uint32_t ndim, uint32_t table_bytes, uint32_t chunks) {
+  return directory_offset_for(ndim, table_bytes) + sizeof(ChunkEntry) * uint64_t(chunks);
 }
 
 // The fixed header fields: magic, version, ndim, table entries, chunk size, chunk count, value
-// count, and the zero word after the metadata checksum (the checksum itself comes last).
+// count, and the word after the metadata checksum (the checksum itself comes last): version 3's
+// prob_bits and table bytes, version 2's zero.
 EP_HD void store_header(uint8_t* o, uint32_t ndim, uint32_t entries, uint32_t chunk_values, uint32_t chunks,
-                        uint64_t num_values) {
+                        uint64_t num_values, uint32_t prob_bits = kProbBits, uint32_t table_bytes = 0,
+                        uint32_t version = kVersion) {
   store_le<uint32_t>(o, kMagic);
-  o[4] = static_cast<uint8_t>(kVersion);
+  o[4] = static_cast<uint8_t>(version);
   o[5] = static_cast<uint8_t>(ndim);
   store_le<uint16_t>(o + 6, static_cast<uint16_t>(entries));
   store_le<uint32_t>(o + 8, chunk_values);
   store_le<uint32_t>(o + 12, chunks);
   store_le<uint64_t>(o + 16, num_values);
-  store_le<uint32_t>(o + kMetaChecksumOffset + 4, 0u);
+  const uint32_t last = version == kOldVersion ? 0u : prob_bits | (table_bytes << 16);
+  store_le<uint32_t>(o + kMetaChecksumOffset + 4, last);
 }
 
 // Checksum of the header, shape and table (bytes [0, end) but the checksum field itself).
@@ -349,13 +467,27 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end) {
 EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h) {
   if (size < kHeaderBytes) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
-  if (blob[4] != kVersion) return kErrVersion;
+  if (blob[4] != kVersion && blob[4] != kOldVersion) return kErrVersion;
+  h.version = blob[4];
   h.ndim = blob[5];
   h.num_table_entries = load_le<uint16_t>(blob + 6);
   h.chunk_values = load_le<uint32_t>(blob + 8);
   h.num_chunks = load_le<uint32_t>(blob + 12);
   h.num_values = load_le<uint64_t>(blob + 16);
-  if (h.ndim > kMaxDims || load_le<uint32_t>(blob + kMetaChecksumOffset + 4) != 0) return kErrHeader;
+  const uint32_t last = load_le<uint32_t>(blob + kMetaChecksumOffset + 4);
+  if (h.version == kOldVersion) {
+    if (last != 0) return kErrHeader;
+    h.prob_bits = kProbBits;
+    h.table_bytes = 4 * h.num_table_entries;
+  } else {
+    h.prob_bits = last & 0xFF;
+    h.table_bytes = last >> 16;
+    if ((h.prob_bits != uint32_t(kProbBits) && h.prob_bits != uint32_t(kMaxProbBits)) || ((last >> 8) & 0xFF) != 0)
+      return kErrHeader;
+    // every entry takes 2 to 4 bytes
+    if (h.table_bytes < 2 * h.num_table_entries || h.table_bytes > 4 * h.num_table_entries) return kErrTable;
+  }
+  if (h.ndim > kMaxDims) return kErrHeader;
   if (h.chunk_values < kMinChunkValues || h.chunk_values > kMaxChunkValues || h.chunk_values % kLanes != 0)
     return kErrHeader;
   if (h.num_values > kMaxValues) return kErrHeader;
@@ -374,8 +506,8 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h) {
     product = product * h.shape[d];
   }
   if (product != h.num_values) return kErrShape;
-  h.directory_offset = directory_offset_for(h.ndim, h.num_table_entries);
-  h.data_offset = data_offset_for(h.ndim, h.num_table_entries, h.num_chunks);
+  h.directory_offset = directory_offset_for(h.ndim, h.table_bytes);
+  h.data_offset = data_offset_for(h.ndim, h.table_bytes, h.num_chunks);
   if (size < h.data_offset) return kErrTruncated;
   return kOk;
 }
@@ -385,15 +517,51 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h) {
 EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
   const int st = parse_header_fields(blob, size, h);
   if (st != kOk) return st;
-  for (uint64_t p = h.table_offset + 4ull * h.num_table_entries; p < h.directory_offset; ++p)
+  for (uint64_t p = h.table_offset + h.table_bytes; p < h.directory_offset; ++p)
     if (blob[p] != 0) return kErrPadding;
   if (meta_checksum(blob, h.directory_offset) != load_le<uint32_t>(blob + kMetaChecksumOffset)) return kErrHeader;
   return kOk;
 }
 
-// Reads the table into freq[257] / start[257]; validates order and sum.
+// Reads a version 3 table (h.table_bytes bytes at `p`, inside the blob) into freq[1025]: every
+// entry in its shortest form, symbols below 1025, frequencies in [1, 2048], no byte left over
+// (the sum is checked by the caller).
+EP_HD int read_table_v3(const uint8_t* p, const Header& h, uint32_t* freq) {
+  uint32_t k = 0;
+  int previous = -1;
+  for (uint32_t i = 0; i < h.num_table_entries; ++i) {
+    if (k + 2 > h.table_bytes) return kErrTable;
+    uint32_t gap = p[k++];
+    if (gap & 0x80) {
+      if (k + 2 > h.table_bytes || gap > 0x84) return kErrTable;
+      gap = ((gap & 0x7F) << 8) | p[k++];
+      if (gap < 128) return kErrTable;
+    }
+    uint32_t f = p[k++];
+    if (f & 0x80) {
+      if (k + 1 > h.table_bytes || f > 0x87) return kErrTable;
+      f = (((f & 0x7F) << 8) | p[k++]) + 1;
+      if (f <= 128) return kErrTable;
+    } else {
+      f += 1;
+    }
+    const int sym = previous + 1 + int(gap);
+    if (sym >= kNumSymbols) return kErrTable;
+    freq[sym] = f;
+    previous = sym;
+  }
+  return k == h.table_bytes ? int(kOk) : int(kErrTable);
+}
+
+// Reads the table into freq[1025] / start[1025]; validates order and sum.
 EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint32_t* start) {
   for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
+  if (h.version != kOldVersion) {
+    const int st = read_table_v3(blob + h.table_offset, h, freq);
+    if (st != kOk) return st;
+    if (h.num_table_entries == 0) return kOk;
+    return cumulative(freq, start, int(h.prob_bits)) ? int(kOk) : int(kErrTable);
+  }
   int previous = -1;
   for (uint32_t i = 0; i < h.num_table_entries; ++i) {
     const uint8_t* p = blob + h.table_offset + 4ull * i;
@@ -454,10 +622,10 @@ EP_HD int read_directory(const uint8_t* blob, uint64_t size, const Header& h, Ch
 }
 
 // Largest blob `encode` can produce for `num_values` values in `ndim` dims (worst case: every
-// chunk raw, every symbol in the table).
+// chunk raw, every symbol in the table, in either version).
 EP_HD uint64_t max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values) {
   uint64_t chunks = num_chunks_for(num_values, chunk_values);
-  return data_offset_for(ndim, kNumSymbols, static_cast<uint32_t>(chunks)) + 2 * num_values + 4 * chunks;
+  return data_offset_for(ndim, kMaxTableBytes, static_cast<uint32_t>(chunks)) + 2 * num_values + 4 * chunks;
 }
 
 // ---- single-chunk coding, sequential form (host; also a reference for the warp kernels) ----
@@ -519,8 +687,10 @@ EP_HD void encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint3
   e.num_words = rans_encode_chunk(v, n, syms, states, words_end);
 }
 
-// Builds the decoder's table from freq[1025] / start[1025].
-EP_HD void build_decode_table(const uint32_t* freq, const uint32_t* start, DecodeTable& t) {
+// Builds the decoder's table from freq[1025] / start[1025] (summing to 2^prob_bits).
+EP_HD void build_decode_table(const uint32_t* freq, const uint32_t* start, DecodeTable& t, int prob_bits = kProbBits) {
+  t.prob_bits = uint32_t(prob_bits);
+  t.slot_mask = (1u << prob_bits) - 1;
   for (int s = 0; s < kNumSymbols; ++s) {
     const uint32_t hi10 = s == kZeroSymbol ? 0u : uint32_t(s);
     for (uint32_t k = 0; k < freq[s]; ++k) t.entry[start[s] + k] = dec_entry(hi10, freq[s], k);

@@ -137,9 +137,9 @@ inline int decode_chunk_scalar(const uint8_t* payload, const ChunkEntry& e, uint
     uint32_t x[kLanes], hi[kLanes], need[kLanes], keep[kLanes];
     uint32_t needs = 0, fields = 0;
     for (int l = 0; l < kLanes; ++l) {
-      const uint32_t slot = states[l] & (kProbScale - 1);
+      const uint32_t slot = states[l] & table.slot_mask;
       const uint32_t entry = table.entry[slot];
-      x[l] = entry_freq(entry) * (states[l] >> kProbBits) + entry_bias(entry);
+      x[l] = entry_freq(entry) * (states[l] >> table.prob_bits) + entry_bias(entry);
       hi[l] = entry_hi10(entry);
       need[l] = x[l] < kStateLow ? 1u : 0u;
       keep[l] = slot_is_zero(table, slot) ? 0u : 1u;  // 0: the lane decodes +0.0, which takes no field

@@ -5,19 +5,26 @@
 //   split_kernel   one warp per chunk: checksum, raw fields packed 4-per-3-bytes into the chunk's
 //                  scratch (staged in a shared ring), and the block's symbol histogram (shared,
 //                  flushed once per block) -- the values are read once for all three;
-//   table_kernel   one block: the host's normalisation (parallel argmax for the corrections),
+//   table_kernel   one block: the host's normalisation with 11 and 12 bits (parallel argmax for
+//                  the corrections), the host's choice between them (prefer_12_bits, block sums),
 //                  the cumulative starts (block scan) and the encoder's symbol table;
 //   rans_kernel    one warp per chunk, lanes = the core's 32 interleaved states, symbol table in
 //                  shared memory, values read in 512-byte tiles one tile ahead;
-//   layout_kernel  one block: header, table (none when every chunk is raw, as on the host),
+//   layout_kernel  one block: header, format 3 table (none when every chunk is raw, as on the host;
+//                  entries placed by a block max-scan for the gaps and a sum-scan for the sizes),
 //                  metadata checksum (block reduction), chunk offsets (block scan), directory;
 //   pack_kernel    one block per chunk: payload into place, 4-byte stores.
 // Decode (three launches):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
 //                  chunk offsets (block scan) and the decoder's table;
-//   decode_kernel  one warp per chunk, decoder table in shared memory; the checks of decode_chunk,
-//                  a failed bound reported after the chunk's loop;
+//   decode_kernel_staged  (blob and output 16-byte aligned) one warp per chunk, 8 per block
+//                  sharing the decoder table in shared memory; the streams staged in per-warp
+//                  shared rings by 16-byte loads, 8-step groups without bounds checks, values out
+//                  by 16-byte stores (decode_rans_warp_staged); the checks of decode_chunk;
+//   decode_kernel_aligned / _unaligned  (other addresses) the per-step decoder, one warp per chunk,
+//                  decoder table in shared memory; the checks of decode_chunk, a failed bound
+//                  reported after the chunk's loop;
 //   report_kernel  the status of the first failing chunk, as on the host.
 #include <cuda_runtime.h>
 
@@ -42,8 +49,9 @@ constexpr uint32_t kFieldRing = 512;   // raw fields staged per warp before pack
 #ifndef EP_LOSSLESS_DEC_UNROLL
 #define EP_LOSSLESS_DEC_UNROLL 1
 #endif
-// 1: the decoder is built for 64 resident warps per SM (registers capped at 32 by
-// __launch_bounds__, shared memory preferred over L1). One chunk per warp leaves occupancy as the
+// 1: the per-step decoder is built for many resident warps per SM (registers capped by
+// __launch_bounds__, EP_LOSSLESS_DEC_MIN_BLOCKS below; shared memory preferred over L1). It was
+// built for 64 (32 registers) when it was the only decoder. One chunk per warp leaves occupancy as the
 // lever (ncu on an H200, 256 MB: ~24% achieved occupancy, ~12 cycles per issued instruction);
 // measured on an H200 (1 GiB, 64K-value chunks): decode 2.61 ms with it, 2.76 ms without. The
 // encoder's split/rans kernels were slower with the same cap (0.96 / 1.49 ms against 0.83 /
@@ -53,8 +61,10 @@ constexpr uint32_t kFieldRing = 512;   // raw fields staged per warp before pack
 #endif
 constexpr int kDecWarps = EP_LOSSLESS_DEC_WARPS;    // decoder warps per block (one chunk each)
 constexpr int kDecUnroll = EP_LOSSLESS_DEC_UNROLL;  // decoder steps unrolled
+// (40 resident warps, at most 48 registers: 64 warps capped them at 32, and the per-step decoder
+// then spilled 12-22 bytes; tests/test_sass_codec.py allows no local memory in a codec kernel)
 #ifndef EP_LOSSLESS_DEC_MIN_BLOCKS
-#define EP_LOSSLESS_DEC_MIN_BLOCKS (EP_LOSSLESS_FULL_OCCUPANCY ? 64 / EP_LOSSLESS_DEC_WARPS : 1)
+#define EP_LOSSLESS_DEC_MIN_BLOCKS (EP_LOSSLESS_FULL_OCCUPANCY ? 40 / EP_LOSSLESS_DEC_WARPS : 1)
 #endif
 constexpr int kDecMinBlocks = EP_LOSSLESS_DEC_MIN_BLOCKS;  // decode
 // > 0: in every decode step, lanes 0 and 1 prefetch into L1 the byte this many bytes ahead of the
@@ -88,6 +98,14 @@ constexpr uint32_t kDecPrefetch = EP_LOSSLESS_DEC_PREFETCH;
 // (bench/gpu_prepare.sh builds it as a variant); CPU-tested through the CUDA emulation.
 #ifndef EP_LOSSLESS_DEC_EARLY_LOADS
 #define EP_LOSSLESS_DEC_EARLY_LOADS 0
+#endif
+// 1 (default): blobs and outputs at 16-byte aligned addresses decode on the staged decoder
+// (decode_rans_warp_staged: streams staged in shared memory, 8-step groups, 16-byte stores); 0: on
+// the per-step decoder above (with the options above), as before it. The staged decoder issues
+// about a third of the per-step decoder's instructions per step (tests/test_sass_codec.py); its
+// speed on a GPU is not yet measured (bench/gpu_prepare.sh builds the other as a variant).
+#ifndef EP_LOSSLESS_DEC_STAGED
+#define EP_LOSSLESS_DEC_STAGED 1
 #endif
 
 // A hint: loads the line holding *p into L1 (generic address of global memory).
@@ -194,6 +212,28 @@ __device__ T block_exclusive_scan(T v, T* scratch32, T* total) {
   return before + inclusive - v;
 }
 
+// Exclusive max-scan over the threads in index order (-1 for thread 0); *total gets the max of all.
+__device__ int block_exclusive_max_scan(int v, int* scratch32, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive = up > inclusive ? up : inclusive;
+  }
+  int exclusive = __shfl_up_sync(kFull, inclusive, 1);
+  if (lane == 0) exclusive = -1;
+  __syncthreads();
+  if (lane == 31) scratch32[warp] = inclusive;
+  __syncthreads();
+  int before = -1, all = -1;
+  for (int w = 0; w < kMetaThreads / 32; ++w) {
+    if (w < warp) before = scratch32[w] > before ? scratch32[w] : before;
+    all = scratch32[w] > all ? scratch32[w] : all;
+  }
+  *total = all;
+  return exclusive > before ? exclusive : before;
+}
+
 // ---- value tiles: 256 values of a chunk, lane l holding values [8 l, 8 l + 8) of the tile ----
 struct Tile8 {
   uint4 bits;
@@ -294,20 +334,18 @@ __global__ void __launch_bounds__(kBlockThreads) split_kernel(const uint16_t* va
     if (hist[s]) atomicAdd(&ws.counts[s], static_cast<unsigned long long>(hist[s]));
 }
 
-// One block: the encoder's symbol table, normalised exactly as normalize_counts does (all zero
-// for n == 0).
-__global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t n) {
-  __shared__ uint32_t freq[kNumSymbols];
-  __shared__ uint32_t scratch32[kMetaThreads / 32];
-  __shared__ int64_t diff;
+// normalize_counts of the block's counts (n > 0) with `prob_bits` into freq[1025] (shared; every
+// thread calls).
+__device__ void normalize_block(const unsigned long long* counts, uint64_t n, int prob_bits, uint32_t* freq,
+                                uint32_t* scratch32, int64_t& diff) {
   const int t = threadIdx.x;
   uint32_t mine = 0;
   for (int s = t; s < kNumSymbols; s += kMetaThreads) {
-    freq[s] = n > 0 ? scaled_frequency(ws.counts[s], n) : 0u;
+    freq[s] = scaled_frequency(counts[s], n, prob_bits);
     mine += freq[s];
   }
   const uint32_t sum = block_sum<uint32_t>(mine, scratch32);
-  if (t == 0) diff = n > 0 ? int64_t(kProbScale) - int64_t(sum) : 0;
+  if (t == 0) diff = (int64_t(1) << prob_bits) - int64_t(sum);
   __syncthreads();
   while (diff != 0) {  // the corrections: the most frequent symbol (lowest index on ties)
     uint32_t key = 0;
@@ -319,11 +357,48 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
     if (t == 0) correct_frequency(freq[2047 - int(key & 2047u)], diff);
     __syncthreads();
   }
+}
+
+// One block: the encoder's symbol table, normalised exactly as the host encoder does (11 and 12
+// bits, then prefer_12_bits; all zero for n == 0).
+__global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t n, uint64_t chunks) {
+  __shared__ uint32_t freq[kNumSymbols], freq12[kNumSymbols];
+  __shared__ uint32_t scratch32[kMetaThreads / 32];
+  __shared__ uint64_t scratch64[kMetaThreads / 32];
+  __shared__ int64_t diff;
+  const int t = threadIdx.x;
+  int prob_bits = kProbBits;
+  if (n > 0) {
+    normalize_block(ws.counts, n, kProbBits, freq, scratch32, diff);
+    normalize_block(ws.counts, n, kMaxProbBits, freq12, scratch32, diff);
+    // prefer_12_bits, its sums in parallel (integer sums: the same total in any order)
+    int too_large = 0;
+    uint64_t cost11 = 0, cost12 = 0;
+    for (int s = t; s < kNumSymbols; s += kMetaThreads) {
+      too_large |= freq12[s] > kProbScale;
+      const uint64_t c = ws.counts[s];
+      if (freq[s] != 0)
+        cost11 += c * ((uint64_t(kProbBits) << 10) - log2_q10(freq[s])) + (uint64_t(8 * table_freq_bytes(freq[s])) << 10);
+      if (freq12[s] != 0)
+        cost12 += c * ((uint64_t(kMaxProbBits) << 10) - log2_q10(freq12[s])) +
+                  (uint64_t(8 * table_freq_bytes(freq12[s])) << 10);
+    }
+    too_large = __syncthreads_or(too_large);
+    cost11 = block_sum<uint64_t>(cost11, scratch64);
+    cost12 = block_sum<uint64_t>(cost12, scratch64);
+    if (!too_large && cost12 + wide_table_margin_q10(chunks) < cost11) {
+      prob_bits = kMaxProbBits;
+      for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = freq12[s];
+    }
+  } else {
+    for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = 0;
+  }
+  __syncthreads();
   // cumulative starts: thread t owns symbol t; thread 0 also owns the last symbol (after the scan)
   uint32_t total = 0;
   const uint32_t start = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &total);
-  ws.syms[t] = make_enc_sym(start, freq[t]);
-  if (t == 0) ws.syms[kNumSymbols - 1] = make_enc_sym(total, freq[kNumSymbols - 1]);
+  ws.syms[t] = make_enc_sym(start, freq[t], prob_bits);
+  if (t == 0) ws.syms[kNumSymbols - 1] = make_enc_sym(total, freq[kNumSymbols - 1], prob_bits);
 }
 
 // The encoder's symbol info in shared memory: 16 bytes instead of EncSym's 32.
@@ -345,6 +420,7 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const unsigned below = (1u << lane) - 1u;
+  const uint32_t prob_bits = ws.syms[0].prob_bits;
   uint16_t* tile = tiles[warp];
   for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < chunks;
        c += uint64_t(gridDim.x) * kWarpsPerBlock) {
@@ -367,7 +443,7 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
         const uint32_t i = t * kLanes + lane;
         const bool valid = i < cn;
         const SharedSym sym = syms[valid ? symbol_of(tile[uint32_t(s) * kLanes + lane]) : 0];
-        const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - kProbBits));  // enc_needs_word
+        const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - prob_bits));  // enc_needs_word
         const unsigned mask = __ballot_sync(kFull, need);
         const uint32_t k = __popc(mask);
         if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
@@ -375,7 +451,7 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
         if (need) x >>= 16;
         if (valid) {  // enc_put
           const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
-          x = (q << kProbBits) + (x - q * sym.freq) + sym.start;
+          x = (q << prob_bits) + (x - q * sym.freq) + sym.start;
         }
       }
     }
@@ -396,28 +472,36 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
                                                              uint64_t* out_size) {
   __shared__ uint64_t scratch64[kMetaThreads / 32];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
+  __shared__ int scratch_int[kMetaThreads / 32];
   const int t = threadIdx.x;
   int all_raw = 1;
   for (uint64_t c = t; c < chunks; c += kMetaThreads) all_raw &= ws.entries[c].mode == kModeRaw;
   const bool table = !__syncthreads_and(all_raw);
-  // table entries in symbol order: thread t owns symbol t, thread 0 also the last one
+  // the version 3 table (write_table_v3), entries in symbol order: thread t owns symbol t, thread 0
+  // also the last one; an entry's gap from the previous present symbol (a block max-scan) and its
+  // place (a block sum-scan of the entries' sizes)
   const uint32_t f_mine = t < kNumSymbols - 1 ? ws.syms[t].freq : 0u;
-  uint32_t seen = 0;
-  const uint32_t pos = block_exclusive_scan<uint32_t>(f_mine != 0 ? 1u : 0u, scratch32, &seen);
   const uint32_t f_last = ws.syms[kNumSymbols - 1].freq;
+  int last_present = -1;
+  const int previous = block_exclusive_max_scan(f_mine != 0 ? t : -1, scratch_int, &last_present);
+  const uint32_t gap = uint32_t(t - previous - 1), gap_last = uint32_t(kNumSymbols - 1 - last_present - 1);
+  uint32_t seen = 0, mine_bytes = 0;
+  block_exclusive_scan<uint32_t>(f_mine != 0 ? 1u : 0u, scratch32, &seen);
+  const uint32_t pos = block_exclusive_scan<uint32_t>(
+      f_mine != 0 ? table_gap_bytes(gap) + table_freq_bytes(f_mine) : 0u, scratch32, &mine_bytes);
   const uint32_t entries = table ? seen + (f_last != 0 ? 1u : 0u) : 0u;
-  const uint64_t table_at = table_offset_for(ndim), dir = directory_offset_for(ndim, entries);
-  if (table && f_mine != 0) {
-    store_le<uint16_t>(out + table_at + 4ull * pos, static_cast<uint16_t>(t));
-    store_le<uint16_t>(out + table_at + 4ull * pos + 2, static_cast<uint16_t>(f_mine));
-  }
-  if (table && t == 0 && f_last != 0) {
-    store_le<uint16_t>(out + table_at + 4ull * seen, static_cast<uint16_t>(kNumSymbols - 1));
-    store_le<uint16_t>(out + table_at + 4ull * seen + 2, static_cast<uint16_t>(f_last));
-  }
-  for (uint64_t p = table_at + 4ull * entries + t; p < dir; p += kMetaThreads) out[p] = 0;
-  if (t == 0) store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n);
-  if (uint32_t(t) < ndim) store_le<uint64_t>(out + kHeaderBytes + 8ull * t, shape.dims[t]);
+  const uint32_t table_bytes =
+      table ? mine_bytes + (f_last != 0 ? table_gap_bytes(gap_last) + table_freq_bytes(f_last) : 0u) : 0u;
+  const uint32_t prob_bits = table ? ws.syms[0].prob_bits : uint32_t(kProbBits);
+  const uint64_t table_at = table_offset_for(ndim), dir = directory_offset_for(ndim, table_bytes);
+  if (table && f_mine != 0) write_table_entry(out + table_at + pos, gap, f_mine);
+  if (table && t == 0 && f_last != 0) write_table_entry(out + table_at + mine_bytes, gap_last, f_last);
+  for (uint64_t p = table_at + table_bytes + t; p < dir; p += kMetaThreads) out[p] = 0;
+  if (t == 0) store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n, prob_bits, table_bytes);
+  // constant indices: a parameter array indexed by the thread would be copied to local memory
+#pragma unroll
+  for (uint32_t d = 0; d < uint32_t(kMaxDims); ++d)
+    if (uint32_t(t) == d && d < ndim) store_le<uint64_t>(out + kHeaderBytes + 8ull * d, shape.dims[d]);
   __syncthreads();  // the metadata bytes are written; the checksum reads them
   uint32_t part = 0;
   for (uint64_t i = t; i < dir; i += kMetaThreads)
@@ -425,7 +509,7 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
   const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
   if (t == 0) store_le<uint32_t>(out + kMetaChecksumOffset, checksum);
   // offsets and directory, 1024 chunks per round (thread t: chunk r * 1024 + t, coalesced)
-  uint64_t base = data_offset_for(ndim, entries, static_cast<uint32_t>(chunks));
+  uint64_t base = data_offset_for(ndim, table_bytes, static_cast<uint32_t>(chunks));
   for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
     const uint64_t c = r + t;
     ChunkEntry e{};
@@ -539,10 +623,18 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
     }
   }
   __syncthreads();
-  // read_table: strictly increasing symbols, frequencies in [1, kProbScale], summing to kProbScale
+  // read_table: strictly increasing symbols, frequencies in [1, kProbScale], summing to 2^prob_bits
   for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = start[s] = 0;
+  const int header_status = st;  // read by every thread before thread 0 may write st below
   __syncthreads();
-  if (st == kOk) {
+  if (header_status == kOk && h.version != kOldVersion) {  // version 3: variable-size entries, read in order
+    if (t == 0) {
+      st = read_table_v3(blob + h.table_offset, h, freq);
+      uint32_t fsum = 0;
+      for (int s = 0; s < kNumSymbols; ++s) fsum += freq[s];
+      if (st == kOk && h.num_table_entries > 0 && fsum != (1u << h.prob_bits)) st = kErrTable;
+    }
+  } else if (header_status == kOk) {
     int bad = 0;
     uint32_t fsum = 0;
     for (uint32_t i = t; i < h.num_table_entries; i += kMetaThreads) {
@@ -558,7 +650,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
     }
     bad = __syncthreads_or(bad);
     fsum = block_sum<uint32_t>(fsum, scratch32);
-    if (t == 0 && (bad || (h.num_table_entries > 0 && fsum != kProbScale))) st = kErrTable;
+    if (t == 0 && (bad || (h.num_table_entries > 0 && fsum != (1u << h.prob_bits)))) st = kErrTable;
   }
   __syncthreads();
   if (st != kOk) {
@@ -600,7 +692,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   }
   // build_decode_table, one slot per thread step: the slot's symbol is the last with start <= slot
   if (h.num_table_entries > 0) {
-    for (uint32_t slot = t; slot < kProbScale; slot += kMetaThreads) {
+    for (uint32_t slot = t; slot < (1u << h.prob_bits); slot += kMetaThreads) {
       int lo_s = 0, hi_s = kNumSymbols - 1;  // start[lo_s] <= slot (start[0] == 0)
       while (lo_s < hi_s) {
         const int mid = (lo_s + hi_s + 1) / 2;
@@ -614,6 +706,8 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   if (t == 0) {
     ws.table->zero_start = start[kZeroSymbol];
     ws.table->zero_freq = freq[kZeroSymbol];
+    ws.table->prob_bits = h.prob_bits;
+    ws.table->slot_mask = (1u << h.prob_bits) - 1;
     *ws.header = h;
     *status = kOk;
   }
@@ -656,10 +750,10 @@ struct DecStep {
   bool need;
 };
 __device__ DecStep dec_state_step(uint32_t x, bool valid, const DecodeTable& table, uint32_t zero_start,
-                                  uint32_t zero_freq) {
-  const uint32_t slot = x & (kProbScale - 1);
+                                  uint32_t zero_freq, uint32_t slot_mask, uint32_t prob_bits) {
+  const uint32_t slot = x & slot_mask;
   const uint32_t entry = table.entry[slot];
-  const uint32_t y = entry_freq(entry) * (x >> kProbBits) + entry_bias(entry);
+  const uint32_t y = entry_freq(entry) * (x >> prob_bits) + entry_bias(entry);
   return DecStep{entry, y, slot - zero_start < zero_freq, valid && y < kStateLow};
 }
 
@@ -692,6 +786,7 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
   const RansStreams st(payload, e);
   const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
+  const uint32_t slot_mask = table.slot_mask, prob_bits = table.prob_bits;
   uint32_t wpos = 0, rpos = 0, checksum = 0;
   bool bad = false;
   const uint32_t steps = (cn + kLanes - 1) / kLanes;
@@ -706,7 +801,7 @@ __device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uin
         prefetch_l1(st.raw + min(kRawBits * rpos / 8 + kDecPrefetch, st.nraw_bytes - 1u));
       }
     }
-    DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq);
+    DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq, slot_mask, prob_bits);
     const unsigned wmask = __ballot_sync(kFull, d.need);
     const bool has_raw = valid && !d.zero;
     uint32_t v = 0;
@@ -787,6 +882,7 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
   const RansStreams st(payload, e);
   const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
+  const uint32_t slot_mask = table.slot_mask, prob_bits = table.prob_bits;
   const uint32_t l = static_cast<uint32_t>(lane);
   uint32_t wb = 0, w0 = word_or_zero<Aligned>(st.words, st.num_words, l),
            w1 = word_or_zero<Aligned>(st.words, st.num_words, 32 + l), w2 = word_or_zero<Aligned>(st.words, st.num_words, 64 + l);
@@ -798,7 +894,7 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
   for (uint32_t t = 0; t < steps; ++t) {
     const uint32_t i = t * kLanes + l;
     const bool valid = i < cn;
-    DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq);
+    DecStep d = dec_state_step(x, valid, table, zero_start, zero_freq, slot_mask, prob_bits);
     const unsigned wmask = __ballot_sync(kFull, d.need);
     const uint32_t wp = wpos + __popc(wmask & below);
     const uint32_t word = window_at(w0, w1, wp - wb);
@@ -839,25 +935,224 @@ __device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry&
   return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
 }
 
-// The decode kernel's body (Aligned: 2-byte word loads), with the block's shared `table` and
-// `valid_blob`, which the kernels below declare: function-local statics of a template kernel are
-// out of reach of the CUDA emulation's shared-memory poisoning (csrc/emulation/cuda_runtime.h).
-template <bool Aligned>
-__device__ __forceinline__ void decode_block(const uint8_t* blob, uint16_t* out, const DecWs& ws, const int* status,
-                                             DecodeTable& table, int& valid_blob) {
+// ---- the staged decoder (the default for 16-byte aligned blobs and outputs) ----
+// One warp per chunk, as above, but built to issue few instructions per step (an H200 decoding one
+// chunk per warp is bound by instruction issue once the loads' latency is hidden):
+// - the two streams are staged in per-warp shared rings by coalesced 16-byte loads, a round of
+//   512 bytes before each group of 8 steps that could need it, so a step's word and raw field are
+//   shared-memory loads at masked offsets (a raw field: two 32-bit loads and a funnel shift);
+// - a group of 8 steps (256 values) runs without bounds checks: the rings always hold the group's
+//   worst case (8 x 32 words, 8 x 24 raw bytes), and a stream read past its end reads bytes of the
+//   blob that are not the stream's (never past the blob) and leaves the cursor past the count,
+//   which the end-of-chunk check reports (kErrStream, as the host reports the first such read);
+// - values go to a per-warp staging buffer and leave 16 bytes per lane per group (each lane 8
+//   consecutive values), the last partial group value by value.
+constexpr int kStagedWarps = 8;                 // warps (chunks) per block of the staged decoder
+constexpr uint32_t kGroupSteps = 8;             // steps between bounds checks and stores
+constexpr uint32_t kWordRingBytes = 2048;       // per warp; holds the group's 512 bytes and a round
+constexpr uint32_t kRawRingBytes = 1024;        // per warp; holds the group's 192 bytes and a round
+constexpr uint32_t kRoundBytes = 16 * kLanes;   // one refill round: 16 bytes per lane
+#ifndef EP_LOSSLESS_DEC_STAGED_MIN_BLOCKS
+#define EP_LOSSLESS_DEC_STAGED_MIN_BLOCKS 5     // 40 resident warps per SM: at most 51 registers
+#endif
+
+// Per-warp shared buffers of the staged decoder (the raw ring has one more word: a copy of its
+// first, so a field's second word is read without wrapping).
+struct StagedRings {
+  uint4 words[kWordRingBytes / 16];
+  uint32_t raw[kRawRingBytes / 4 + 4];
+  uint4 values[kGroupSteps * kLanes / 8];
+};
+
+// (a & ~mask) | (b & mask): one LOP3 (the compiler splits it in two when `a`'s masked bits are
+// known zero).
+__device__ __forceinline__ uint32_t bit_select(uint32_t a, uint32_t b, uint32_t mask) {
+#ifdef EP_CUDA_EMULATION
+  return (a & ~mask) | (b & mask);
+#else
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(d) : "r"(a), "r"(b), "r"(mask));
+  return d;
+#endif
+}
+
+// (hi:lo) >> (s & 31), low 32 bits.
+__device__ __forceinline__ uint32_t funnel_right(uint32_t lo, uint32_t hi, uint32_t s) {
+#ifdef EP_CUDA_EMULATION
+  return static_cast<uint32_t>(((uint64_t(hi) << 32) | lo) >> (s & 31));
+#else
+  return __funnelshift_r(lo, hi, s);
+#endif
+}
+
+// One refill round of a ring: bytes [fill, fill + 512) of a stream space that starts at blob byte
+// `base` (both multiples of 16) into ring bytes fill mod ring_bytes on; with `mirror`, the ring's
+// first word also to mirror[0] (the raw ring's copy). Every lane calls. A block past the blob's last 16-byte block loads
+// that block instead (blob and blocks 16-byte aligned: the block holding the blob's last byte lies
+// in the blob's last 16-byte granule, never on another page); no stream byte is past the blob, and
+// what a step reads of such a block is past its stream, which the end of the chunk reports.
+// (space: the blob from the stream space's start; last: the offset of the blob's last 16-byte block
+// in it, at most 2^32 - 16: no stream space holds more)
+__device__ __forceinline__ void refill_round(const uint4* space, uint32_t last, uint32_t fill, uint4* ring,
+                                             uint32_t ring_bytes, int lane, uint32_t* mirror) {
+  const uint32_t at = fill + 16u * uint32_t(lane);
+  const uint4 block = __ldg(space + (at < last ? at : last) / 16);
+  ring[(at & (ring_bytes - 1)) / 16] = block;
+  if (mirror != nullptr && (fill & (ring_bytes - 1)) == 0) {  // warp-uniform: lane 0 filled ring byte 0
+    if (lane == 0) mirror[0] = block.x;
+  }
+}
+
+// One step of the staged decoder for this lane (value i of the chunk; Tail: lanes past the chunk's
+// end take no word, field or store). wcur: byte of the next word in word space, rbit: bit of the
+// next field in raw space (warp-uniform, both advanced here). +0.0 is the table's last symbol, so
+// its slots are the top ones, [zero_start, 2^prob_bits): a lane has a raw field iff its slot is
+// below zero_start (2^prob_bits without +0.0).
+template <bool Tail>
+__device__ __forceinline__ void staged_step(uint32_t& x, uint32_t& wcur, uint32_t& rbit, uint32_t& checksum,
+                                            uint32_t i, uint32_t cn, const uint32_t* table, uint32_t slot_mask,
+                                            uint32_t prob_bits, uint32_t zero_start, unsigned below,
+                                            const uint8_t* wring, const uint32_t* rring,
+                                            uint16_t* staged, uint32_t s, uint16_t* dst) {
+  const bool valid = !Tail || i < cn;
+  const uint32_t slot = x & slot_mask;
+  const uint32_t entry = table[slot];
+  const uint32_t q = x >> prob_bits;
+  const uint32_t y = ((entry >> kProbBits) & (kProbScale - 1)) * q + q + (entry & (kProbScale - 1));
+  const bool need = valid && y < kStateLow;
+  const unsigned wmask = __ballot_sync(kFull, need);
+  const uint32_t word =
+      *reinterpret_cast<const uint16_t*>(wring + ((wcur + 2u * __popc(wmask & below)) & (kWordRingBytes - 1)));
+  wcur += 2u * __popc(wmask);
+  const bool has_raw = valid && slot < zero_start;
+  const unsigned rmask = __ballot_sync(kFull, has_raw);
+  const uint32_t bit = rbit + kRawBits * __popc(rmask & below);
+  const uint32_t k = (bit >> 5) & (kRawRingBytes / 4 - 1);
+  const uint32_t field = funnel_right(rring[k], rring[k + 1], bit);
+  rbit += kRawBits * __popc(rmask);
+  if (valid) x = need ? (y << 16) | word : y;  // (a lane past the chunk's end keeps its final state)
+  // the symbol's top 10 bits (entry bits 22-31) over the field's 6: one bit select
+  const uint32_t v = has_raw ? bit_select(entry >> 16, field, kRawMask) : 0u;
+  if (!Tail) {
+    staged[kLanes * s] = static_cast<uint16_t>(v);
+    checksum += v * (2u * i + 1u);
+  } else if (valid) {
+    dst[i] = static_cast<uint16_t>(v);
+    checksum += v * (2u * i + 1u);
+  }
+}
+
+// A rANS chunk on the staged decoder: the values, checks and statuses of decode_chunk. `payload`
+// is at byte `payload_at` of the blob (size bytes, 16-byte aligned, as `dst`).
+__device__ int decode_rans_warp_staged(const uint8_t* blob, uint64_t size, uint64_t payload_at, const ChunkEntry& e,
+                                       uint32_t cn, const DecodeTable& table, uint16_t* dst, int lane,
+                                       StagedRings& rings) {
+  const uint8_t* payload = blob + payload_at;
+  const unsigned below = (1u << lane) - 1u;
+  uint32_t x = load_le<uint32_t>(payload + 4 * lane);
+  if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
+  const uint32_t zero_start = table.zero_start;
+  const uint32_t slot_mask = table.slot_mask, prob_bits = table.prob_bits;
+  // the chunk's sizes and places as lane 0 has them: the compiler then knows they are the same in
+  // every lane, so the loops below are warp-uniform and their ballots need no divergent fallback
+  cn = __shfl_sync(kFull, cn, 0);
+  const uint32_t num_words = __shfl_sync(kFull, e.num_words, 0);
+  payload_at = (uint64_t(__shfl_sync(kFull, uint32_t(payload_at >> 32), 0)) << 32) |
+               __shfl_sync(kFull, uint32_t(payload_at), 0);
+  // word space: blob bytes from the 16-byte block holding the first word; raw space likewise
+  const uint64_t words_at = payload_at + kStateBytes, raw_at = words_at + 2ull * num_words;
+  const uint64_t wbase = words_at & ~uint64_t(15), rbase = raw_at & ~uint64_t(15);
+  uint32_t wcur = static_cast<uint32_t>(words_at - wbase), rbit = 8u * static_cast<uint32_t>(raw_at - rbase);
+  const uint32_t wcur0 = wcur, rbit0 = rbit;
+  // the rings are filled up to these (bytes of word / raw space, multiples of the round)
+  uint32_t wfill = 0, rfill = 0;
+  const uint8_t* wring = reinterpret_cast<const uint8_t*>(rings.words);
+  uint32_t* rring = rings.raw;
+  uint16_t* staged = reinterpret_cast<uint16_t*>(rings.values) + lane;
+  uint32_t checksum = 0;
+  // The rings hold, before each group, word bytes [wcur, wcur + 512) and raw bytes [rbit / 8,
+  // rbit / 8 + 200) (a group's 8 x 32 words, 8 x 24 bytes of fields and the 32-bit word after the
+  // last field's): two rounds each to start, then at most one round each per group restores that
+  // (a round adds 512 bytes, a group consumes at most 512 and 192). What a round overwrites is
+  // more than a ring's size behind the fill, so behind the cursor: no live byte is lost.
+  constexpr uint32_t kGroupWordBytes = kGroupSteps * 2 * kLanes;
+  constexpr uint32_t kGroupRawBytes = kGroupSteps * kRawBits * kLanes / 8 + 8;
+  uint4* raw_ring = reinterpret_cast<uint4*>(rring);
+  uint32_t* mirror = rring + kRawRingBytes / 4;
+  const uint64_t last_block = (size - 1) & ~uint64_t(15);  // size > 0: the blob holds this chunk
+  const uint4* wspace = reinterpret_cast<const uint4*>(blob + wbase);
+  const uint4* rspace = reinterpret_cast<const uint4*>(blob + rbase);
+  // (through a shuffle: the compiler would recompute them, and the group count, from 64-bit
+  // values in every group to save their registers)
+  const uint32_t wlast = __shfl_sync(kFull, static_cast<uint32_t>(min(last_block - wbase, uint64_t(0xFFFFFFF0u))), 0);
+  const uint32_t rlast = __shfl_sync(kFull, static_cast<uint32_t>(min(last_block - rbase, uint64_t(0xFFFFFFF0u))), 0);
+  refill_round(wspace, wlast, 0, rings.words, kWordRingBytes, lane, nullptr);
+  refill_round(wspace, wlast, kRoundBytes, rings.words, kWordRingBytes, lane, nullptr);
+  refill_round(rspace, rlast, 0, raw_ring, kRawRingBytes, lane, mirror);
+  refill_round(rspace, rlast, kRoundBytes, raw_ring, kRawRingBytes, lane, mirror);
+  wfill = rfill = 2 * kRoundBytes;
+  const uint32_t groups = __shfl_sync(kFull, cn / (kGroupSteps * kLanes), 0);
+  uint4* out16 = reinterpret_cast<uint4*>(dst) + lane;  // lane l: values [8 l, 8 l + 8) of each group
+  uint32_t i = uint32_t(lane);                          // this lane's value of the group's first step
+#pragma unroll 1
+  for (uint32_t left = groups; left > 0; --left) {
+#pragma unroll
+    for (uint32_t s = 0; s < kGroupSteps; ++s)
+      staged_step<false>(x, wcur, rbit, checksum, i + s * kLanes, cn, table.entry, slot_mask, prob_bits, zero_start,
+                         below, wring, rring, staged, s, dst);
+    __syncwarp();
+    *out16 = rings.values[lane];
+    out16 += kGroupSteps * kLanes / 8;
+    i += kGroupSteps * kLanes;
+    // (the rounds below write only the rings, which the staging buffer's reads above do not touch)
+    if (wfill < wcur + kGroupWordBytes) {  // warp-uniform
+      refill_round(wspace, wlast, wfill, rings.words, kWordRingBytes, lane, nullptr);
+      wfill += kRoundBytes;
+    }
+    if (rfill < (rbit >> 3) + kGroupRawBytes) {
+      refill_round(rspace, rlast, rfill, raw_ring, kRawRingBytes, lane, mirror);
+      rfill += kRoundBytes;
+    }
+    __syncwarp();  // the rings' new bytes are read, and the staging buffer rewritten, from here on
+  }
+  // the last steps (fewer than a group), value by value
+#pragma unroll 1
+  for (uint32_t t = groups * kGroupSteps * kLanes; t < cn; t += kLanes)  // (t: warp-uniform)
+    staged_step<true>(x, wcur, rbit, checksum, t + uint32_t(lane), cn, table.entry, slot_mask, prob_bits, zero_start,
+                      below, wring, rring, staged, 0, dst);
+  const uint32_t wpos = (wcur - wcur0) / 2, rpos = (rbit - rbit0) / kRawBits;
+  return finish_rans_warp(payload, e, false, wpos, rpos, x, checksum);
+}
+
+// The decode kernel's body (Mode: kDecodeUnaligned, kDecodeAligned (2-byte word loads) or
+// kDecodeStaged (decode_rans_warp_staged; blob and out 16-byte aligned)), with the block's shared
+// `table`, `valid_blob` and, staged, one StagedRings per warp, which the kernels below declare:
+// function-local statics of a template kernel are out of reach of the CUDA emulation's
+// shared-memory poisoning (csrc/emulation/cuda_runtime.h).
+constexpr int kDecodeUnaligned = 0, kDecodeAligned = 1, kDecodeStaged = 2;
+template <int Mode, int Warps>
+__device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size, uint16_t* out, const DecWs& ws,
+                                             const int* status, DecodeTable& table, int& valid_blob,
+                                             StagedRings* rings) {
+  constexpr bool Aligned = Mode != kDecodeUnaligned;
   if (threadIdx.x == 0) valid_blob = *status == kOk;  // one read, so the whole block agrees
   __syncthreads();
   if (!valid_blob) return;
   const Header h = *ws.header;
   if (h.num_table_entries > 0)  // else only raw chunks (or none), and no table was built
-    for (int k = threadIdx.x; k < int(kProbScale); k += blockDim.x) table.entry[k] = ws.table->entry[k];
+    for (int k = threadIdx.x; k < (1 << h.prob_bits); k += blockDim.x) table.entry[k] = ws.table->entry[k];
   if (threadIdx.x == 0) {
     table.zero_start = ws.table->zero_start;
     table.zero_freq = ws.table->zero_freq;
+    table.prob_bits = ws.table->prob_bits;
+    table.slot_mask = ws.table->slot_mask;
   }
   __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  for (uint64_t c = blockIdx.x * uint64_t(kDecWarps) + warp; c < h.num_chunks; c += uint64_t(gridDim.x) * kDecWarps) {
+  // the warp index and each chunk's mode as lane 0 has them: values the compiler knows to be the
+  // same in every lane of a warp, so it knows the decoders run converged and their ballots need no
+  // divergent fallback (WARPSYNC.COLLECTIVE: 3 more instructions per ballot)
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(kFull, int(threadIdx.x / 32), 0);
+  for (uint64_t c = blockIdx.x * uint64_t(Warps) + warp; c < h.num_chunks; c += uint64_t(gridDim.x) * Warps) {
     const uint32_t cn = chunk_count(h, c);
     const ChunkEntry e = read_entry(blob, h, c);
     const uint8_t* payload = blob + ws.offsets[c];
@@ -866,25 +1161,40 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint16_t* out,
     bool bad = false;
     for (uint64_t k = used + lane; k < padded; k += kLanes) bad |= payload[k] != 0;
     int st = kErrPadding;
-    if (!__any_sync(kFull, bad))
-      st = e.mode == kModeRaw ? decode_raw_warp(payload, e, cn, dst, lane)
-                              : (EP_LOSSLESS_DEC_WINDOW ? decode_rans_warp_window<Aligned>(payload, e, cn, table, dst, lane)
-                                                        : decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane));
+    if (!__any_sync(kFull, bad)) {
+      if (__shfl_sync(kFull, e.mode, 0) == kModeRaw)
+        st = decode_raw_warp(payload, e, cn, dst, lane);
+      else if constexpr (Mode == kDecodeStaged)
+        st = decode_rans_warp_staged(blob, size, ws.offsets[c], e, cn, table, dst, lane, rings[warp]);
+      else if constexpr (EP_LOSSLESS_DEC_WINDOW)
+        st = decode_rans_warp_window<Aligned>(payload, e, cn, table, dst, lane);
+      else
+        st = decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane);
+    }
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }
 }
 
-__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_aligned(const uint8_t* blob, uint16_t* out,
-                                                                                      DecWs ws, const int* status) {
+__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_aligned(const uint8_t* blob, uint64_t size,
+                                                                                      uint16_t* out, DecWs ws,
+                                                                                      const int* status) {
   __shared__ DecodeTable table;
   __shared__ int valid_blob;
-  decode_block<true>(blob, out, ws, status, table, valid_blob);
+  decode_block<kDecodeAligned, kDecWarps>(blob, size, out, ws, status, table, valid_blob, nullptr);
 }
-__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_unaligned(const uint8_t* blob, uint16_t* out,
-                                                                                        DecWs ws, const int* status) {
+__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_unaligned(const uint8_t* blob, uint64_t size,
+                                                                                        uint16_t* out, DecWs ws,
+                                                                                        const int* status) {
   __shared__ DecodeTable table;
   __shared__ int valid_blob;
-  decode_block<false>(blob, out, ws, status, table, valid_blob);
+  decode_block<kDecodeUnaligned, kDecWarps>(blob, size, out, ws, status, table, valid_blob, nullptr);
+}
+__global__ void __launch_bounds__(32 * kStagedWarps, EP_LOSSLESS_DEC_STAGED_MIN_BLOCKS)
+    decode_kernel_staged(const uint8_t* blob, uint64_t size, uint16_t* out, DecWs ws, const int* status) {
+  __shared__ DecodeTable table;
+  __shared__ int valid_blob;
+  __shared__ StagedRings rings[kStagedWarps];
+  decode_block<kDecodeStaged, kStagedWarps>(blob, size, out, ws, status, table, valid_blob, rings);
 }
 
 // One thread: the status of the lowest failing chunk, as the host decoder reports it.
@@ -936,7 +1246,7 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   if (chunks > 0)
     EP_LAUNCH(split_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks,
                                                                      aligned, ws);
-  EP_LAUNCH(table_kernel, 1, kMetaThreads, stream)(ws, num_values);
+  EP_LAUNCH(table_kernel, 1, kMetaThreads, stream)(ws, num_values, chunks);
   if (chunks > 0)
     EP_LAUNCH(rans_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks,
                                                                     aligned, ws);
@@ -964,7 +1274,14 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
   DecWs ws;
   carve_dec(max_chunks, static_cast<char*>(workspace), &ws);
   EP_LAUNCH(validate_kernel, 1, kMetaThreads, stream)(blob, blob_bytes, num_values, max_chunks, ws, status);
-  if (max_chunks > 0) {
+  // the staged decoder where blob and out are 16-byte aligned (EP_LOSSLESS_DEC_STAGED=0: never)
+  const bool staged = EP_LOSSLESS_DEC_STAGED && ((reinterpret_cast<uintptr_t>(blob) | reinterpret_cast<uintptr_t>(out)) & 15) == 0;
+  if (max_chunks > 0 && staged) {
+    const uint64_t blocks = (max_chunks + kStagedWarps - 1) / kStagedWarps;
+    const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
+    cudaFuncSetAttribute(decode_kernel_staged, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    EP_LAUNCH(decode_kernel_staged, grid, 32 * kStagedWarps, stream)(blob, blob_bytes, out, ws, status);
+  } else if (max_chunks > 0) {
     const uint64_t blocks = (max_chunks + kDecWarps - 1) / kDecWarps;
     const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
     // payload offsets are multiples of 4: 2-byte word loads when the blob is 2-byte aligned
@@ -975,9 +1292,9 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
                            EP_LOSSLESS_DEC_CARVEOUT);
     }
     if ((reinterpret_cast<uintptr_t>(blob) & 1) == 0)
-      EP_LAUNCH(decode_kernel_aligned, grid, 32 * kDecWarps, stream)(blob, out, ws, status);
+      EP_LAUNCH(decode_kernel_aligned, grid, 32 * kDecWarps, stream)(blob, blob_bytes, out, ws, status);
     else
-      EP_LAUNCH(decode_kernel_unaligned, grid, 32 * kDecWarps, stream)(blob, out, ws, status);
+      EP_LAUNCH(decode_kernel_unaligned, grid, 32 * kDecWarps, stream)(blob, blob_bytes, out, ws, status);
   }
   EP_LAUNCH(report_kernel, 1, 1, stream)(ws, status);
   return static_cast<int>(cudaGetLastError());

@@ -139,7 +139,9 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
 // and the blob fills at least a third of it (or from 2 MiB, where the rest is given back), else as
 // an exact-size copy.
 py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
-                            int64_t chunk_values, int threads, int simd) {
+                            int64_t chunk_values, int threads, int simd, int version) {
+  if (version != int(kVersion) && version != int(kOldVersion))
+    throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + " or " + std::to_string(kVersion));
   const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
@@ -165,7 +167,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
 
   uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
   std::vector<EncSym> syms(kNumSymbols);
-  uint32_t entries = 0;
+  uint32_t entries = 0, table_bytes = 0;
+  int prob_bits = kProbBits;
   std::vector<ChunkEntry> dir(num_chunks);
   std::vector<uint64_t> offsets(num_chunks + 1);
   without_gil([&] {
@@ -208,14 +211,25 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         uint64_t counts[kNumSymbols] = {};
         for (int w = 0; w < nt; ++w)
           for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(w) * kNumSymbols + s];
-        normalize_counts(counts, num_values, freq);
-        cumulative(freq, start);
+        normalize_counts(counts, num_values, freq, kProbBits);
+        if (version != int(kOldVersion)) {  // 12-bit frequencies where they fit and cost less
+          uint32_t freq12[kNumSymbols];
+          normalize_counts(counts, num_values, freq12, kMaxProbBits);
+          if (prefer_12_bits(counts, freq, freq12, num_chunks)) {
+            std::memcpy(freq, freq12, sizeof(freq12));
+            prob_bits = kMaxProbBits;
+          }
+        }
+        cumulative(freq, start, prob_bits);
         uint32_t present = 0;  // a local count: `entries` lives in memory (captured)
         for (int s = 0; s < kNumSymbols; ++s) {
           present += freq[s] != 0;
-          syms[s] = make_enc_sym(start[s], freq[s]);
+          syms[s] = make_enc_sym(start[s], freq[s], prob_bits);
         }
         entries = present;
+        table_bytes = version == int(kOldVersion) ? 4 * present : table_bytes_v3(freq);
+      } else {
+        for (int s = 0; s < kNumSymbols; ++s) syms[s] = make_enc_sym(0, 0, prob_bits);
       }
 #if defined(__x86_64__)
       make_simd_enc_tables(syms.data(), *simd_table_storage);
@@ -258,7 +272,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       local_hist.fold_into(h);
       tables_ready.arrive_and_wait([&] {
         build_tables();
-        data_off = data_offset_for(ndim, entries, static_cast<uint32_t>(num_chunks));
+        data_off = data_offset_for(ndim, table_bytes, static_cast<uint32_t>(num_chunks));
       });
       uint8_t* my_scratch[kMaxChunksPerClaim];
       for (int k = 0; k < per_claim; ++k)
@@ -297,18 +311,21 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     bool all_raw = true;
     for (const ChunkEntry& e : dir) all_raw = all_raw && e.mode == kModeRaw;
     if (all_raw && entries > 0) {
-      entries = 0;
+      entries = table_bytes = 0;
+      prob_bits = kProbBits;
       const uint64_t new_off = data_offset_for(ndim, 0, static_cast<uint32_t>(num_chunks));
       std::memmove(o + new_off, o + data_off, offsets[num_chunks] - data_off);
       for (uint64_t& off : offsets) off -= data_off - new_off;
     }
     // header, table, directory
-    const uint64_t dir_off = directory_offset_for(ndim, entries);
+    const uint64_t dir_off = directory_offset_for(ndim, table_bytes);
     std::memset(o, 0, offsets[0]);
-    store_header(o, ndim, entries, cv, static_cast<uint32_t>(num_chunks), num_values);
+    store_header(o, ndim, entries, cv, static_cast<uint32_t>(num_chunks), num_values, uint32_t(prob_bits), table_bytes,
+                 uint32_t(version));
     for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(o + kHeaderBytes + 8ull * d, uint64_t(shape[d]));
     uint64_t p = table_offset_for(ndim);
-    for (int s = 0; s < kNumSymbols && entries > 0; ++s) {
+    if (version != int(kOldVersion) && entries > 0) write_table_v3(o + p, freq);
+    for (int s = 0; s < kNumSymbols && entries > 0 && version == int(kOldVersion); ++s) {
       if (freq[s] == 0) continue;
       store_le<uint16_t>(o + p, static_cast<uint16_t>(s));
       store_le<uint16_t>(o + p + 2, static_cast<uint16_t>(freq[s]));
@@ -446,7 +463,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
     status = read_directory(b, size, h, entries.data(), offsets.data());
     if (status != kOk) return status;
     std::unique_ptr<DecodeTable> table(new DecodeTable());
-    if (h.num_values > 0) build_decode_table(p.freq, p.start, *table);
+    if (h.num_values > 0) build_decode_table(p.freq, p.start, *table, int(h.prob_bits));
     std::vector<int> chunk_status(h.num_chunks, kOk);
     const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
     const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
@@ -549,9 +566,12 @@ py::array decode_new(uintptr_t blob, uint64_t size, int threads, int simd,
 void register_lossless(py::module_& m) {
   m.def("lossless_encode", &encode, py::arg("values"), py::arg("num_values"), py::arg("shape"),
         py::arg("chunk_values") = int64_t(kDefaultChunkValues), py::arg("threads") = 0, py::arg("simd") = kSimdAvx512,
+        py::arg("version") = int(kVersion),
         "bf16 bit patterns (address of num_values contiguous 2-byte values, kept alive by the caller)\n"
         "and their shape -> self-describing blob (uint8 array);\n"
-        "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical)");
+        "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical);\n"
+        "version: the blob format to write (3, or 2 for comparisons and tests of the older decoder path)");
+  m.attr("LOSSLESS_FORMAT_VERSION") = kVersion;
   m.def("lossless_shape", &header_shape, py::arg("blob"), py::arg("blob_bytes"),
         "validates a blob's header and table (address and size); returns the encoded tensor's shape");
   m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("blob_bytes"), py::arg("out"),

@@ -2,7 +2,9 @@
 
 Each BF16 value is split into a 10-bit symbol (sign, 8-bit exponent and the first mantissa bit;
 +0.0 is a symbol of its own, so zero runs cost almost nothing), entropy-coded with rANS from one
-frequency table per blob, and its 6 low mantissa bits, stored raw (packed). Values are coded in
+frequency table per blob (format version 3: compactly coded, with 11- or 12-bit probabilities,
+whichever codes the blob smaller), and its 6 low mantissa bits, stored raw (packed). Blobs of
+format version 2 still decode. Values are coded in
 independent chunks (one CPU task, one GPU warp each). The blob is self-describing: magic,
 version, shape, table, per-chunk sizes and checksums; ``decode`` validates every field before use
 and raises ``ValueError`` on a truncated or corrupted blob. The format is documented in
@@ -42,6 +44,9 @@ MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
+# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h).
+FORMAT_VERSION = 3
+FORMAT_VERSIONS = (2, 3)
 
 
 def _is_shape(shape: object) -> bool:
@@ -88,7 +93,7 @@ def _simd_level(simd: bool | str) -> int:
 
 
 def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0,
-           simd: bool | str = True) -> torch.Tensor:
+           simd: bool | str = True, version: int = FORMAT_VERSION) -> torch.Tensor:
     """Compresses ``x`` (bfloat16, any shape, any device) into a blob.
 
     Args:
@@ -98,6 +103,8 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: True: the fastest path this CPU has; False: the portable core; or a path of
             :func:`simd_paths` by name. The bytes are the same on every path.
+        version: the blob format, ``FORMAT_VERSION`` (3) or 2 (the older format, for
+            comparisons; always coded on the CPU, the blob then moved to ``x``'s device).
 
     Returns:
         1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when
@@ -107,9 +114,12 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
     _check_input(x, "x")
     chunk_values = _chunk_values(chunk_values, x.numel())
     _check_simd(simd)
-    if lossless_device.available(x.device):
+    if version not in FORMAT_VERSIONS:
+        raise ValueError(f"version must be one of {FORMAT_VERSIONS}, got {version!r}")
+    if version == FORMAT_VERSION and lossless_device.available(x.device):
         return lossless_device.encode(x, chunk_values)
-    return _encode_host(x, chunk_values, threads, _simd_level(simd))
+    blob = _encode_host(x, chunk_values, threads, _simd_level(simd), version)
+    return blob if x.is_cpu else blob.to(x.device)
 
 
 def encode_many(xs: list[torch.Tensor], *, chunk_values: int | None = None, threads: int = 0,
@@ -169,9 +179,11 @@ def _host_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if x.data_ptr() % x.element_size() else x
 
 
-def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: int) -> torch.Tensor:
+def _encode_host(x: torch.Tensor, chunk_values: int, threads: int, simd: int,
+                 version: int = FORMAT_VERSION) -> torch.Tensor:
     x = _host_contiguous(x)
-    return torch.from_numpy(_lib().lossless_encode(x.data_ptr(), x.numel(), list(x.shape), chunk_values, threads, simd))
+    return torch.from_numpy(_lib().lossless_encode(x.data_ptr(), x.numel(), list(x.shape), chunk_values, threads, simd,
+                                                   version))
 
 
 def message_threads() -> int:

@@ -64,7 +64,7 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
   if (h.num_values > (1u << 24)) return -1;  // a mutation declaring a huge tensor: skipped
   out.assign(h.num_values, 0);
   std::unique_ptr<DecodeTable> table(new DecodeTable());
-  if (h.num_values > 0) build_decode_table(freq.get(), start.get(), *table);
+  if (h.num_values > 0) build_decode_table(freq.get(), start.get(), *table, int(h.prob_bits));
   std::vector<int> status(h.num_chunks, kOk);
   for (uint64_t c = 0; c < h.num_chunks; c += 2) {
     const uint8_t* payloads[2];
@@ -151,7 +151,7 @@ long check_decoders(const std::string& dir, int num_blobs, int mutations, const 
 
 // Mismatches between the rANS passes on random chunks.
 long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
-  long mismatches = 0, staged_trials = 0, lockstep_trials = 0;
+  long mismatches = 0, staged_trials = 0, lockstep_trials = 0, wide_trials = 0;
   for (int trial = 0; trial < trials; ++trial) {
     const uint32_t n = 1 + static_cast<uint32_t>(rng() % 5000);
     const int pattern = static_cast<int>(rng() % 5);
@@ -167,11 +167,21 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
     }
     uint64_t counts[kNumSymbols] = {};
     for (const uint16_t x : v) ++counts[symbol_of(x)];
-    uint32_t freq[kNumSymbols], start[kNumSymbols];
-    normalize_counts(counts, n, freq);
-    cumulative(freq, start);
+    // 11-bit frequencies on even trials, else 12-bit ones where they fit (as format version 3 may)
+    uint32_t freq[kNumSymbols], freq12[kNumSymbols], start[kNumSymbols];
+    int prob_bits = kProbBits;
+    normalize_counts(counts, n, freq, kProbBits);
+    normalize_counts(counts, n, freq12, kMaxProbBits);
+    bool fits = true;
+    for (int s = 0; s < kNumSymbols; ++s) fits = fits && freq12[s] <= kProbScale;
+    if (trial % 2 == 1 && fits) {
+      std::memcpy(freq, freq12, sizeof(freq));
+      prob_bits = kMaxProbBits;
+      ++wide_trials;
+    }
+    cumulative(freq, start, prob_bits);
     std::vector<EncSym> syms(kNumSymbols);
-    for (int s = 0; s < kNumSymbols; ++s) syms[s] = make_enc_sym(start[s], freq[s]);
+    for (int s = 0; s < kNumSymbols; ++s) syms[s] = make_enc_sym(start[s], freq[s], prob_bits);
     std::unique_ptr<SimdEncTables> tables(new SimdEncTables());
     make_simd_enc_tables(syms.data(), *tables);
     // exact-size word buffers (the AVX2 pass stores 8 words at a time: 8 words of slack below)
@@ -238,8 +248,8 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
          std::memcmp(raw.data(), ref_raw.data(), raw_bytes(ref_num_raw)) == 0;
     if (!ok) ++mismatches;
   }
-  std::printf("encoders: %d trials (%ld without +0.0, %ld in lockstep pairs), %ld mismatches\n", trials, staged_trials,
-              lockstep_trials, mismatches);
+  std::printf("encoders: %d trials (%ld without +0.0, %ld in lockstep pairs, %ld with 12-bit frequencies), %ld mismatches\n",
+              trials, staged_trials, lockstep_trials, wide_trials, mismatches);
   return mismatches;
 }
 

@@ -97,8 +97,15 @@ def _wide_exponents() -> torch.Tensor:
     return from_bits(sign | exponent | mantissa)
 
 
+def _heavy_tails() -> torch.Tensor:
+    """Normal values scaled by log-normal factors: a wide spread of exponents with many rare
+    symbols, where format version 3 takes 12-bit frequencies for large chunks."""
+    return (torch.randn(60000, generator=_gen(15)) * torch.exp(torch.randn(60000, generator=_gen(16)) * 1.5)).bfloat16()
+
+
 CASES = {
     "normal": lambda: torch.randn(70, 1000, generator=_gen(1)).bfloat16(),
+    "heavy_tails": _heavy_tails,
     "sparse": _sparse_activations,
     "wide_exponents": _wide_exponents,
     "all_patterns": lambda: from_bits(torch.arange(65536)).reshape(256, 256),
@@ -118,7 +125,7 @@ CASES = {
 CHUNK_VALUES = [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES]
 # (case, chunk values) of the corruption checks
 CORRUPTION_CASES = [("sparse", 1024), ("mixed", 4096), ("normal", 4096), ("zeros", 64), ("n33", 32),
-                    ("wide_exponents", 4096)]
+                    ("wide_exponents", 4096), ("heavy_tails", 65536)]
 
 
 def check_blob_is_byte_identical_and_decodes_tensor(lib: ctypes.CDLL, device: str, x: torch.Tensor,
@@ -141,14 +148,31 @@ def check_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, device: str, case
         assert host[6] == 0 and host[7] == 0
     if case == "wide_exponents" and chunk_values >= 4096:  # rANS-coded chunks, as the case means
         assert host.numel() < 2 * x.numel()
+    # format version 3's two table widths are both exercised: 12-bit frequencies where they pay
+    # (many rare symbols in few chunks), 11-bit ones where the margin per chunk exceeds the gain
+    if (case == "heavy_tails" and chunk_values >= 65536) or (case == "mixed" and chunk_values >= 4096):
+        assert prob_bits(host) == 12
+    if case in ("heavy_tails", "normal") and chunk_values == 32:
+        assert prob_bits(host) == 11
+
+
+def prob_bits(blob: torch.Tensor) -> int:
+    """The probability bits of a format version 3 blob's table (11 for version 2)."""
+    return int(blob[28]) if int(blob[4]) == 3 else 11
+
+
+def table_bytes(blob: torch.Tensor) -> int:
+    """Bytes of a blob's frequency table before its padding (either format version)."""
+    b = blob.numpy().tobytes()
+    return struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * struct.unpack_from("<H", b, 6)[0]
 
 
 def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[int, ...]], list[int]]:
     """Directory offset, entries (mode, num_words, num_raw, checksum) and payload offsets."""
     b = blob.numpy().tobytes()
-    ndim, entries = b[5], struct.unpack_from("<H", b, 6)[0]
+    ndim = b[5]
     cv, chunks = struct.unpack_from("<II", b, 8)
-    directory = (32 + 8 * ndim + 4 * entries + 3) // 4 * 4
+    directory = (32 + 8 * ndim + table_bytes(blob) + 3) // 4 * 4
     ents = [struct.unpack_from("<4I", b, directory + 16 * c) for c in range(chunks)]
     offsets = [directory + 16 * chunks]
     for c, (mode, nw, nr, _) in enumerate(ents):
@@ -182,20 +206,25 @@ def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: 
 
 
 def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, case: str, chunk_values: int,
-                                                trials: int = 120) -> None:
-    """Corrupted and truncated blobs of CASES[case]: the kernels report the host decoder's status
-    (and decode exactly the blobs the host accepts)."""
+                                                trials: int = 120, version: int = lossless.FORMAT_VERSION) -> None:
+    """Corrupted and truncated blobs of CASES[case] in format ``version``: the kernels report the
+    host decoder's status (and decode exactly the blobs the host accepts)."""
     x = CASES[case]()
     n = x.numel()
-    blob = lossless.encode(x, chunk_values=chunk_values)
+    blob = lossless.encode(x, chunk_values=chunk_values, version=version)
     gen = _gen(11)
     seen = set()
+    table_at, table_size = 32 + 8 * int(blob[5]), table_bytes(blob)
     for trial in range(trials):
         if trial % 10 == 9:
             bad = blob[:int(torch.randint(0, blob.numel(), (1,), generator=gen))].clone()  # truncated
         elif trial % 10 == 8:
             bad = blob.clone()
             bad[int(torch.randint(0, min(blob.numel(), 64), (1,), generator=gen))] ^= 0x10  # metadata
+        elif trial % 10 == 7 and table_size:
+            bad = blob.clone()  # a bit of the frequency table
+            bad[table_at + int(torch.randint(0, table_size, (1,), generator=gen))] ^= 1 << int(
+                torch.randint(0, 8, (1,), generator=gen))
         else:
             bad = _corrupt(blob, n, gen, chunks=1 + trial % 2)  # one or two chunks
         want = host_status(bad)

@@ -81,7 +81,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     m, n = x_fp8.shape
     padded = align(n, FP8_BLOCK)
     if x_scales.dtype == torch.int32:
-        exponents = x_scales.contiguous().view(torch.uint8).to(torch.int32)
+        exponents = x_scales.clone(memory_format=torch.contiguous_format).view(torch.uint8).to(torch.int32)
         x_scales = (exponents << 23).view(torch.float32)
     values = torch.nn.functional.pad(x_fp8.view(torch.uint8), (0, padded - n)).view(torch.float8_e4m3fn)
     blocks = values.float().view(m, -1, FP8_BLOCK) * x_scales.float().reshape(m, -1, 1)
