@@ -60,3 +60,22 @@ def host_test_module(request, tmp_path_factory):
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     return cached_host_test_module(cache.mkdir("ep_host_test") if cache is not None
                                    else tmp_path_factory.mktemp("ep_host_test"))
+
+
+@pytest.fixture(scope="session")
+def cubins(request, tmp_path_factory):
+    """``get(source)``: the SASS functions and resource usage of a ``csrc/cuda`` file compiled for
+    sm_90 as ``ep_comm._cuda`` compiles it (``support.sass``), built once per session and cached
+    across runs in pytest's cache."""
+    from support import sass
+
+    cache = getattr(request.config, "cache", None)
+    cache_dir = cache.mkdir("ep_sass") if cache is not None else tmp_path_factory.mktemp("sass")
+    built: dict[str, dict] = {}
+
+    def get(source: str) -> dict:
+        if source not in built:
+            cubin = sass.cached_cubin(source, cache_dir)
+            built[source] = {"functions": sass.disassemble(cubin), "resources": sass.resource_usage(cubin)}
+        return built[source]
+    return get

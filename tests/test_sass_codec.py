@@ -33,20 +33,6 @@ ENCODERS = ["split_kernel", "table_kernel", "rans_kernel", "layout_kernel", "pac
 DECODE_STEP_BUDGET = 45
 
 
-@pytest.fixture(scope="module")
-def cubins(request, tmp_path_factory):
-    cache = getattr(request.config, "cache", None)
-    cache_dir = cache.mkdir("ep_sass") if cache is not None else tmp_path_factory.mktemp("sass")
-    built: dict[str, dict] = {}
-
-    def get(source: str) -> dict:
-        if source not in built:
-            cubin = sass.cached_cubin(source, cache_dir)
-            built[source] = {"functions": sass.disassemble(cubin), "resources": sass.resource_usage(cubin)}
-        return built[source]
-    return get
-
-
 def _kernel(cubins, source: str, name: str) -> sass.Function:
     found = sass.find(cubins(source)["functions"], name)
     assert len(found) == 1, list(found)

@@ -39,20 +39,6 @@ REDUCE_KERNELS = [(INTRANODE, "combine_kernel_bf16", None), (INTRANODE, "combine
 MIN_LOADS_IN_FLIGHT = 8
 
 
-@pytest.fixture(scope="module")
-def cubins(request, tmp_path_factory):
-    cache = getattr(request.config, "cache", None)
-    cache_dir = cache.mkdir("ep_sass") if cache is not None else tmp_path_factory.mktemp("sass")
-    built: dict[str, dict] = {}
-
-    def get(source: str) -> dict:
-        if source not in built:
-            cubin = sass.cached_cubin(source, cache_dir)
-            built[source] = {"functions": sass.disassemble(cubin), "resources": sass.resource_usage(cubin)}
-        return built[source]
-    return get
-
-
 def _kernel(cubins, source: str, name: str, template_arg: str | None) -> sass.Function:
     found = sass.find(cubins(source)["functions"], name, template_arg)
     assert len(found) == 1, list(found)
