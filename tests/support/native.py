@@ -79,7 +79,7 @@ def build_host_test_module(out_dir: Path) -> Path:
 
 def cached_host_test_module(cache_dir: Path) -> ModuleType:
     """The module ``ep_host_test``, imported: built into ``cache_dir`` under a key of its source,
-    every csrc/ header and the compiler command, so a later session reuses it until one changes."""
+    every csrc/ header and the compiler command, so a later pytest run reuses it until one changes."""
     digest = hashlib.sha256(" ".join(_host_test_command(Path("out"))).encode())
     for path in [HOST_TEST_SOURCE, *sorted(CSRC.rglob("*.h"))]:
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
@@ -90,10 +90,10 @@ def cached_host_test_module(cache_dir: Path) -> ModuleType:
         try:
             built = build_host_test_module(staging)
             module.parent.mkdir(exist_ok=True)
-            os.replace(built, module)  # atomic: a concurrent session sees no half-written file
+            os.replace(built, module)  # atomic: a concurrent pytest run sees no half-written file
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        for old in cache_dir.iterdir():  # earlier keys' builds (not another session's staging)
+        for old in cache_dir.iterdir():  # earlier keys' builds (not another run's staging)
             if len(old.name) == len(key) and old.name != key and not old.name.startswith("tmp"):
                 shutil.rmtree(old, ignore_errors=True)
     return import_extension(module, HOST_TEST_MODULE)

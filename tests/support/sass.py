@@ -125,7 +125,7 @@ def cached_cubin(source: str | Path, cache_dir: Path, arch: str = "90", defines:
         os.close(fd)
         try:
             compile_cubin(source, Path(staging), arch, defines, root)
-            os.replace(staging, out)  # atomic: a concurrent session sees no half-written file
+            os.replace(staging, out)  # atomic: a concurrent pytest run sees no half-written file
         finally:
             if os.path.exists(staging):
                 os.unlink(staging)
