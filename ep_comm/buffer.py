@@ -280,6 +280,11 @@ class Buffer(RankMasking):
                 self._disagreed = True
                 raise
 
+    def _group_key(self) -> tuple:
+        placement = None if self._placement is None else tuple(self._placement.expert_to_rank.tolist())
+        ranks = tuple(dist.get_global_rank(self.group, r) for r in range(self.group_size))
+        return (ranks, placement, self.ranks_per_node)
+
     def _run(self, mode: str, call: object):
         """Runs ``call`` on the first path of :attr:`path_plan` that takes it."""
         return getattr(self.path_plan.choose(mode, call), mode)(call)
@@ -405,7 +410,7 @@ class Buffer(RankMasking):
     def _dispatch_result(self, out: normal.DispatchOutput, counts_per_expert: torch.Tensor,
                          expert_alignment: int, num_worst_tokens: int, async_finish: bool, config: Config | None):
         """A fresh dispatch's return tuple (padded to ``num_worst_tokens`` when > 0)."""
-        state = replace(out.handle, mask_epoch=self.mask_epoch)
+        state = replace(out.handle, mask_epoch=self.mask_epoch, group_key=self._group_key())
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
         if num_worst_tokens > 0:
             if state.num_recv_tokens > num_worst_tokens:
@@ -491,7 +496,15 @@ class Buffer(RankMasking):
             raise ValueError(f"{name} must be the ep_comm.{kind.__name__} a dispatch of this Buffer returned"
                              f"{made}, got {type(handle).__name__}")
         if handle.buffer_id != self.buffer_id:  # type: ignore[attr-defined]
-            raise ValueError(f"{name} was made by another Buffer")
+            # DeepEP's handles are plain tensors, valid with any Buffer of the group (Megatron
+            # rebuilds its Buffer): take one made by a Buffer of the same group, placement and
+            # nodes, unmasked, whose dispatch did not leave state in a kernel engine of its own
+            if handle.group_key != self._group_key() or not handle.group_key:  # type: ignore[attr-defined]
+                raise ValueError(f"{name} was made by a Buffer of another group, placement or node size")
+            if handle.kernel is not None or handle.mask_epoch or self.mask_epoch:  # type: ignore[attr-defined]
+                raise ValueError(f"{name} was made by another Buffer whose dispatch ran on its kernel engines "
+                                 f"or under masked ranks; dispatch again on this Buffer")
+            return
         if handle.mask_epoch != self.mask_epoch:  # type: ignore[attr-defined]
             raise ValueError(f"{name} was made before the last mask_ranks/unmask_ranks; dispatch again")
 
@@ -611,7 +624,7 @@ class Buffer(RankMasking):
             LowLatencyState(buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                             hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
                             topk_idx=topk_idx.clone(), receive=out.state, recv_count=out.recv_count,
-                            mask_epoch=self.mask_epoch, kernel=out.kernel))
+                            mask_epoch=self.mask_epoch, kernel=out.kernel, group_key=self._group_key()))
 
         def receive() -> None:
             with self._waited(dispatch_wait_recv_cost_stats):

@@ -74,6 +74,9 @@ class DispatchState:
     rail_src_index: torch.Tensor | None = None
     rail_targets: torch.Tensor | None = None
     recv_targets: torch.Tensor | None = None
+    group_key: tuple = ()
+    """The making Buffer's group (global ranks), placement and node size: another Buffer with the
+    same key takes the handle, as DeepEP's handles work with any Buffer of the group."""
 
     @property
     def num_recv_rows(self) -> int:
@@ -221,6 +224,7 @@ class LowLatencyState:
     stats_added: bool = False
     mask_epoch: int = 0
     kernel: object | None = None
+    group_key: tuple = ()
 
 
 class LowLatencyHandle(_EntryTuple):

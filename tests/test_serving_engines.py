@@ -132,3 +132,32 @@ def test_configs_follow_set_num_sms():
     finally:
         ep_comm.Buffer.set_num_sms(before)
     assert ep_comm.Buffer.get_dispatch_config(2).num_sms == before
+
+
+def _rebuilt_buffer(rank, world, group):
+    idx, w = make_routing(rank, 8, 6, 8, 2)
+    x = make_x(rank, 8, 6, 128, torch.bfloat16)
+    first = ep_comm.Buffer(group)
+    recv_x, _, _, _, handle, _ = first.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                num_tokens_per_expert=torch.zeros(8, dtype=torch.int32))
+    expected, _, _ = first.combine(recv_x, handle)
+    ll_x, _, ll_handle, _, _ = first.low_latency_dispatch(x, idx, 8, 8, use_fp8=False)
+    ll_expected, _, _ = first.low_latency_combine(ll_x, idx, w, ll_handle)
+    rebuilt = ep_comm.Buffer(group)  # as Megatron rebuilds its Buffer for the same group
+    combined, _, _ = rebuilt.combine(recv_x, handle)
+    cached, *_ = rebuilt.dispatch(x, handle)
+    ll_combined, _, _ = rebuilt.low_latency_combine(ll_x, idx, w, ll_handle)
+    other = ep_comm.Buffer(group, expert_placement=torch.tensor([1, 0] * 4))
+    try:
+        other.combine(recv_x, handle)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return dict(same=torch.equal(combined, expected), cached=torch.equal(cached, recv_x),
+                ll_same=torch.equal(ll_combined, ll_expected), refused=refused)
+
+
+def test_a_handle_works_with_a_rebuilt_buffer_of_the_same_group(ranks):
+    for got in ranks(2, _rebuilt_buffer):
+        assert got["same"] and got["cached"] and got["ll_same"]
+        assert "another group, placement or node size" in got["refused"]

@@ -21,8 +21,9 @@ def _expect(fn, *names):
 
 def _bad_inputs(rank, world, group):
     buf = ep_comm.Buffer(group, timeout_s=30)
-    other = ep_comm.Buffer(group, timeout_s=30)
     n, h, e = 6, 128, 4
+    # a Buffer of the same group with another expert placement: its handles do not fit this one
+    other = ep_comm.Buffer(group, timeout_s=30, expert_placement=(torch.arange(e) + 1) % world)
     x = torch.randn(n, h).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, -1], [3, 0], [-1, -1], [1, 2], [0, 3]])
     w = torch.rand(n, 2)
