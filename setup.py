@@ -57,7 +57,7 @@ setup(
     # the opt-in top-level `deep_ep` package (not an ep_comm subpackage: it goes on sys.path only
     # when asked, see ep_comm/integrations/deep_ep.py)
     package_data={"ep_comm.integrations": ["deep_ep_path/*.py", "deep_ep_path/deep_ep/*.py",
-                                           "deep_ep_path/deep_ep/utils/*.py"]},
+                                           "deep_ep_path/deep_ep/utils/*.py", "deep_ep_path/deep_ep/buffers/*.py"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "rich"],
     extras_require={

@@ -102,7 +102,7 @@ def test_installed_modules_have_specs_that_find_spec_returns():
         assert spec is not None and spec.submodule_search_locations
         assert spec.origin.startswith(shim.PATH_ENTRY)
         for name in ("deep_ep.utils", "deep_ep.utils.envs", "deep_ep.utils.math", "deep_ep.utils.testing",
-                     "deep_ep.utils.event", "deep_ep_cpp"):
+                     "deep_ep.utils.event", "deep_ep.utils.gate", "deep_ep.utils.refs", "deep_ep_cpp"):
             sub = importlib.util.find_spec(name)
             assert sub is not None and sub.origin.startswith(shim.PATH_ENTRY), name
     finally:
@@ -115,7 +115,7 @@ def test_deep_ep_2x_top_level_names_and_helper_modules():
     version = pytest.importorskip("packaging.version")
     import ep_comm
     from ep_comm.integrations import deep_ep as shim
-    from ep_comm.integrations.deep_ep_utils import envs, testing
+    from ep_comm.integrations.deep_ep_utils import envs, gate, refs, testing
     from ep_comm.integrations.deep_ep_utils import math as ep_math
 
     shim.install()
@@ -123,6 +123,7 @@ def test_deep_ep_2x_top_level_names_and_helper_modules():
         import deep_ep
         from deep_ep.utils.envs import init_dist
         from deep_ep.utils.event import EventHandle, EventOverlap
+        from deep_ep.utils.gate import get_unbalanced_scores
         from deep_ep.utils.math import (
             calc_diff,
             create_grouped_scores,
@@ -131,6 +132,9 @@ def test_deep_ep_2x_top_level_names_and_helper_modules():
             per_token_cast_back,
             per_token_cast_to_fp8,
         )
+        from deep_ep.utils.refs import combine as ref_combine
+        from deep_ep.utils.refs import dispatch as ref_dispatch
+        from deep_ep.utils.refs import generate_pre_combine_data, ordered_accumulate
         from deep_ep.utils.testing import bench, bench_kineto
 
         assert deep_ep.EventHandle is ep_comm.EventHandle is EventHandle
@@ -143,6 +147,10 @@ def test_deep_ep_2x_top_level_names_and_helper_modules():
                                            ep_math.inplace_unique, ep_math.per_token_cast_back,
                                            ep_math.per_token_cast_to_fp8)
         assert deep_ep.utils.math.calc_diff is calc_diff  # submodules are attributes after import deep_ep
+        assert get_unbalanced_scores is gate.get_unbalanced_scores
+        assert (ref_combine, ref_dispatch, generate_pre_combine_data, ordered_accumulate) == (
+            refs.combine, refs.dispatch, refs.generate_pre_combine_data, refs.ordered_accumulate)
+        assert deep_ep.utils.gate.get_unbalanced_scores is get_unbalanced_scores
         assert "release_handle" in inspect.signature(EventOverlap.current_stream_wait).parameters
         parsed = version.Version(deep_ep.__version__)
         assert parsed.release == (2, 1, 0)  # DeepEP 2.x's API level: V1's Buffer and 2.x's ElasticBuffer

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_comm.integrations.deep_ep_utils import envs, testing
+from ep_comm.integrations.deep_ep_utils import envs, gate, refs, testing
 from ep_comm.integrations.deep_ep_utils import math as ep_math
 
 # ---------------------------------------------------------------------------------------------- math
@@ -236,3 +236,129 @@ def test_dist_print_needs_init_dist():
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match="local_rank"):
             envs.init_dist(2, 2)
+
+
+# ---------------------------------------------------------------------------------------------- gate
+
+
+def _rank_token_counts(topk_idx: torch.Tensor, num_ranks: int, per_rank: int) -> torch.Tensor:
+    hits = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool)
+    hits.scatter_(1, topk_idx // per_rank, True)
+    return hits.sum(0).float()
+
+
+def test_scores_by_factor_and_balanced_scores():
+    torch.manual_seed(0)
+    scores = gate.get_scores_by_factor(64, 16, 4, 3.0)
+    assert scores.dtype == torch.float32 and scores.shape == (64, 16)
+    assert 1.0 < float(scores[:, :4].max()) < 3.0 and float(scores[:, 4:].max()) < 1.0
+    assert float(scores.min()) >= 0
+    balanced = gate.get_unbalanced_scores(64, 16, 4, 2, 1.0, False)
+    assert balanced.dtype == torch.float32 and float(balanced.max()) < 1.0  # factor 1: uniform
+    with pytest.raises(ValueError, match="ratio"):
+        gate.get_unbalanced_scores(8, 16, 4, 2, 0.5, False)
+    with pytest.raises(ValueError, match="multiple"):
+        gate.get_unbalanced_scores(8, 15, 4, 2, 1.0, False)
+
+
+@pytest.mark.parametrize("precise", [False, True])
+def test_unbalanced_scores_load_rank_zero_by_the_ratio(precise):
+    torch.manual_seed(1)
+    num_tokens, num_experts, num_ranks, num_topk, ratio = 4096, 64, 8, 6, 2.0
+    scores = gate.get_unbalanced_scores(num_tokens, num_experts, num_ranks, num_topk, ratio, precise)
+    assert scores.shape == (num_tokens, num_experts) and scores.dtype == torch.float32
+    topk_idx = scores.topk(num_topk, dim=-1).indices
+    counts = _rank_token_counts(topk_idx, num_ranks, num_experts // num_ranks)
+    measured = float(counts[0] / counts[1:].mean())
+    assert measured == pytest.approx(ratio, rel=0.1 if precise else 0.2)
+    if precise:  # the chosen experts are exactly those scoring above 0.9
+        assert int((scores > 0.9).sum(1).min()) == num_topk == int((scores > 0.9).sum(1).max())
+
+
+# ---------------------------------------------------------------------------------------------- refs
+
+
+def test_generate_pre_combine_data_definition(monkeypatch):
+    monkeypatch.setattr(refs.dist, "get_world_size", lambda *a, **k: 2)
+    src = torch.tensor([0, 5, 37], dtype=torch.int32)
+    y = refs.generate_pre_combine_data(src, 32, 3, 8)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 3, 8)
+    max_seed = 2 * 32 * 3
+    for i, s in enumerate(src.tolist()):
+        for j in range(3):
+            phase = ((s * 3 + j) * 131071 % max_seed + 1) / max_seed
+            for c in range(8):
+                expected = torch.sin(torch.tensor(phase, dtype=torch.float32) * (c + 1)
+                                     + math.sin(float(envs.get_global_seed()))).to(torch.bfloat16)
+                assert abs(float(y[i, j, c]) - float(expected)) <= 2 ** -7
+    assert torch.equal(y, refs.generate_pre_combine_data(src, 32, 3, 8))
+
+
+def test_ordered_accumulate_adds_in_slot_order_in_float32():
+    data = torch.tensor([[[1.0], [2.0 ** -8], [2.0 ** -8]]], dtype=torch.bfloat16)
+    # float32 keeps 1 + 2^-8 + 2^-8 = 1 + 2^-7 (a bfloat16 value); bfloat16 steps would round to 1.0 twice
+    out = refs.ordered_accumulate(data)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 1) and float(out) == 1.0 + 2.0 ** -7
+    assert float(refs.ordered_accumulate(data, torch.tensor([[0.5]]))) == 1.5 + 2.0 ** -7
+
+
+def test_reference_combine_reduction_levels():
+    # one token, 4 slots: experts 0 and 1 on rank 0, expert 5 on rank 2, slot 3 unused (y is zero there)
+    topk_idx = torch.tensor([[0, 5, 1, -1]])
+    y = torch.tensor([[[1.0], [3.0], [2.0 ** -8], [0.0]]], dtype=torch.bfloat16)
+    bias = torch.tensor([[2.0 ** -8]], dtype=torch.bfloat16)
+    # (False, False): bias and all slots in one float32 sum, rounded once
+    flat = refs.combine(y, topk_idx, 1, 4, 8, bias, False, False)
+    assert float(flat) == float(torch.tensor(2.0 ** -8 + 1 + 3 + 2.0 ** -8).to(torch.bfloat16))
+    # (True, False): rank 0's slots 0 and 2 first become bf16(1 + 2^-8) = 1.0, so the bias is all that is left
+    local = refs.combine(y, topk_idx, 1, 4, 8, bias, True, False)
+    assert float(local) == float(torch.tensor(2.0 ** -8 + 3 + 1.0).to(torch.bfloat16))
+    # two bias tensors are summed first; no bias at all
+    assert torch.equal(refs.combine(y, topk_idx, 1, 4, 8, (bias, bias), False, False),
+                       torch.tensor(2 * 2.0 ** -8 + 1 + 3 + 2.0 ** -8).to(torch.bfloat16).view(1, 1))
+    assert float(refs.combine(y, topk_idx, 1, 4, 8, None, True, False)) == 4.0
+    # scale-up level: 2 x 2 ranks, experts 0-3 in scale-up domain 0, 4-7 in domain 1
+    assert float(refs.combine(y, topk_idx, 2, 2, 8, None, True, True)) == 4.0
+    with pytest.raises(ValueError, match="reduce_in_local"):
+        refs.combine(y, topk_idx, 1, 4, 8, None, False, True)
+
+
+def _reference_dispatch_job(rank, world_size, group):
+    g = torch.Generator().manual_seed(100 + rank)
+    num_tokens, hidden, num_experts = 6 - rank, 256, 8
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    topk_idx = torch.randint(0, num_experts, (num_tokens, 2), generator=g)
+    topk_idx[0, 1] = -1
+    weights = torch.rand(num_tokens, 2, generator=g)
+    fp8 = ep_math.per_token_cast_to_fp8(x)
+    out = refs.dispatch(x, topk_idx, weights, 8, num_experts)
+    out_fp8 = refs.dispatch(fp8, topk_idx, weights, 8, num_experts)
+    recv_x, recv_topk, recv_w, recv_src, per_rank = out
+    fp8_here = ep_math.per_token_cast_to_fp8(recv_x)[0]
+    return dict(recv_x=recv_x, recv_topk=recv_topk, recv_w=recv_w, recv_src=recv_src, per_rank=per_rank,
+                fp8=torch.equal(out_fp8[0][0].view(torch.uint8), fp8_here.view(torch.uint8)),
+                sf_shape=tuple(out_fp8[0][1].shape))
+
+
+def test_reference_dispatch_on_two_ranks(ranks):
+    results = ranks(2, _reference_dispatch_job)
+    inputs = []
+    for rank in range(2):
+        g = torch.Generator().manual_seed(100 + rank)
+        n = 6 - rank
+        x = torch.randn(n, 256, generator=g).to(torch.bfloat16)
+        topk_idx = torch.randint(0, 8, (n, 2), generator=g)
+        topk_idx[0, 1] = -1
+        inputs.append((x, topk_idx, torch.rand(n, 2, generator=g)))
+    for rank, result in enumerate(results):
+        rows = [(src, t) for src in range(2) for t in range(inputs[src][0].shape[0])
+                if ((inputs[src][1][t] // 4) == rank).any()]
+        assert result["per_rank"].tolist() == [sum(1 for s, _ in rows if s == src) for src in range(2)]
+        assert result["recv_src"].tolist() == [s * 8 + t for s, t in rows]
+        assert result["recv_src"].dtype == torch.int32
+        assert torch.equal(result["recv_x"], torch.stack([inputs[s][0][t] for s, t in rows]))
+        assert torch.equal(result["recv_w"], torch.stack([inputs[s][2][t] for s, t in rows]))
+        expected_topk = torch.stack([inputs[s][1][t] for s, t in rows])
+        here = (expected_topk // 4 == rank) & (expected_topk >= 0)
+        assert torch.equal(result["recv_topk"], torch.where(here, expected_topk - 4 * rank, -1))
+        assert result["fp8"] and result["sf_shape"] == (len(rows), 2)

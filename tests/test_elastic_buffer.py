@@ -273,3 +273,46 @@ def test_deep_ep_package_offers_the_2x_names():
             "[getattr(deep_ep, n) for n in ('EventOverlap', 'EventHandle', 'Config', 'get_physical_domain_size', "
             "'get_logical_domain_size')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _slot_values(src_global: torch.Tensor, recv_rank: torch.Tensor) -> torch.Tensor:
+    """``[M, K, H]`` bf16 stand-in expert outputs of (token, top-k slot), from the source global
+    index and the rank holding the slot's expert: the same on the expert's rank and the source."""
+    k = torch.arange(TOPK, dtype=torch.float64)
+    h = torch.arange(1, HIDDEN + 1, dtype=torch.float64)
+    phase = (src_global.double()[:, None] * TOPK + k + 1) * 0.37
+    return torch.sin(phase[:, :, None] * h + recv_rank.double()[:, :, None]).to(torch.bfloat16)
+
+
+def _single_reduction_case(rank, world, group, seed, experts, cpu_sync):
+    x, idx, w = _inputs(rank, seed, experts)
+    idx[1, 2] = -1
+    buf = ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                        allow_multiple_reduction=False)
+    ex_x, _, ex_w, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, do_expand=True,
+                                            expert_alignment=4, do_cpu_sync=cpu_sync)
+    m = handle.num_recv_tokens
+    slots = handle.expanded_slots
+    valid = slots >= 0
+    y = _slot_values(handle.recv_src_metadata[:m, 0], torch.full((m, TOPK), rank))
+    x_expanded = torch.zeros(ex_x.shape[0], HIDDEN, dtype=torch.bfloat16)
+    x_expanded[slots[valid]] = y[valid]
+    bias = (make_x(rank, seed + 1, _tokens(rank), HIDDEN, torch.bfloat16),
+            make_x(rank, seed + 2, _tokens(rank), HIDDEN, torch.bfloat16))
+    combined, combined_w, _ = buf.combine(x_expanded, handle, topk_weights=ex_w, bias=bias)
+    # expected at the source: bias, then the slots in top-k order, in float32, rounded once
+    n = _tokens(rank)
+    src_global = rank * MAX_TOKENS + torch.arange(n)
+    mine = _slot_values(src_global, torch.div(idx, experts // world, rounding_mode="floor"))
+    acc = bias[0].float() + bias[1].float()
+    for k in range(TOPK):
+        acc += torch.where((idx[:, k] >= 0)[:, None], mine[:, k].float(), torch.zeros(()))
+    return dict(combined=combined, expected=acc.to(torch.bfloat16), combined_w=combined_w,
+                w=w.masked_fill(idx < 0, 0))
+
+
+@pytest.mark.parametrize("world,cpu_sync", [(2, True), (4, False)])
+def test_expand_combine_without_multiple_reduction_rounds_once(ranks, world, cpu_sync):
+    for res in ranks(world, _single_reduction_case, 5, 4 * world, cpu_sync):
+        assert torch.equal(res["combined"], res["expected"])
+        assert torch.equal(res["combined_w"], res["w"])

@@ -16,7 +16,10 @@ a second cached dispatch of the weights). What 2.x adds on top is local layout m
 - **Combine** returns every received row to its source and sums it there, unweighted (DeepEP 2.x's
   combine does not apply ``topk_weights`` to ``x``; it reduces the weights alongside). In expand
   mode each received token's pair rows are first summed locally, in top-k order, in float32 and
-  rounded to ``x``'s dtype (DeepEP's "multiple reduction"), then combined as above.
+  rounded to ``x``'s dtype (DeepEP's "multiple reduction"), then combined as above. With
+  ``allow_multiple_reduction=False`` they are not: each pair row travels back on its own (one
+  ``H``-wide column block per top-k slot, ``K`` times the traffic) and the source sums the bias and
+  the token's slots in top-k order in float32, rounding once -- DeepEP's single-reduction result.
   The cross-rank sum is ep_comm's: float32, source ranks in ascending order, bias included, one
   rounding at the end. DeepEP's reference adds a token's rank contributions in the order of each
   rank's last top-k slot instead; with up to two contributing ranks the results are bit-identical,
@@ -155,9 +158,10 @@ class ElasticBuffer:
             num_cpu_bytes: Engram's CPU storage: not offered, must be 0.
             deterministic: accepted; every dispatch here is deterministic (see the module docstring).
             allow_hybrid_mode: picks the logical domains as DeepEP does.
-            allow_multiple_reduction / prefer_overlap_with_compute / sl_idx / num_gpu_timeout_secs:
-                accepted and kept; ep_comm's combine always reduces per rank first and has no RDMA
-                service levels or GPU-side timeouts.
+            allow_multiple_reduction: whether an expand-mode combine may sum each token's local
+                pair rows (rounding to ``x``'s dtype) before sending them (see the module docstring).
+            prefer_overlap_with_compute / sl_idx / num_gpu_timeout_secs: accepted and kept; ep_comm
+                has no RDMA service levels or GPU-side timeouts.
             num_allocated_qps: the QP budget (0: 17, or 129 with hybrid mode, as DeepEP's default).
             num_cpu_timeout_secs: the wrapped Buffer's ``timeout_s``.
             explicitly_destroy: :meth:`destroy` must then be called (and may only be called then).
@@ -518,10 +522,15 @@ class ElasticBuffer:
             slots = handle.expanded_slots.to(x.device)
             valid = slots >= 0
             safe = slots.clamp(min=0)
-            acc = torch.zeros(slots.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-            for k in range(slots.shape[1]):
-                acc += x[safe[:, k]].float() * valid[:, k:k + 1]
-            x = acc.to(x.dtype)
+            if self.allow_multiple_reduction:
+                acc = torch.zeros(slots.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+                for k in range(slots.shape[1]):
+                    acc += x[safe[:, k]].float() * valid[:, k:k + 1]
+                x = acc.to(x.dtype)
+            else:
+                # One row per top-k slot: [M, K * H], zero where the slot's expert is elsewhere.
+                per_slot_hidden = x.shape[1]
+                x = torch.where(valid.unsqueeze(-1), x[safe], x.new_zeros(())).reshape(slots.shape[0], -1)
             if topk_weights is not None:
                 topk_weights = topk_weights[safe].float().masked_fill(~valid, 0)
             rows = inner.state.num_recv_rows
@@ -532,7 +541,23 @@ class ElasticBuffer:
                                                                                    topk_weights.shape[1])])
         elif topk_weights is not None and topk_weights.dim() != 2:
             raise ValueError("topk_weights must be [rows, K] for a non-expanded handle")
-        combined, combined_w, _ = self.buffer.combine(x, inner, topk_weights, bias=bias)
+        if handle.do_expand and not self.allow_multiple_reduction:
+            # Each (token, slot) value comes from exactly one rank, so the cross-rank sum moves it
+            # unchanged; the slots are then summed here, with the bias, in one float32 pass.
+            biases = bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()
+            want = (handle.topk_idx.shape[0], per_slot_hidden)
+            if len(biases) > 2 or any(tuple(b.shape) != want for b in biases):
+                raise ValueError(f"bias must be one or two [{want[0]}, {want[1]}] tensors")
+            combined, combined_w, _ = self.buffer.combine(x, inner, topk_weights)
+            combined = combined.view(combined.shape[0], -1, per_slot_hidden)
+            acc = torch.zeros(combined.shape[0], per_slot_hidden, dtype=torch.float32, device=combined.device)
+            for b in biases:
+                acc += b.float()
+            for k in range(combined.shape[1]):
+                acc += combined[:, k].float()
+            combined = acc.to(combined.dtype)
+        else:
+            combined, combined_w, _ = self.buffer.combine(x, inner, topk_weights, bias=bias)
         if previous_event_before_epilogue is not None and not handle.do_expand:
             self._wait_events(previous_event_before_epilogue, True, "previous_event_before_epilogue")
         return combined, combined_w, self._finish(async_with_compute_stream)
