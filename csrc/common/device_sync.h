@@ -180,8 +180,11 @@ __device__ __forceinline__ int wait_nonzero(const WaitCtx& w, const int* flag, i
 // 32 * kCopyUnroll * 16 bytes (4 KiB) in flight.
 constexpr int kCopyUnroll = 8;
 
-// From a read-only input tensor: non-coherent loads that do not allocate in L1.
-__device__ __forceinline__ void warp_copy16_ro(void* dst, const void* src, int64_t bytes, int lane) {
+// A warp's copy of `bytes` (a multiple of 16) with `load` reading each 16-byte vector: whole
+// batches of kCopyUnroll vectors per lane, every load issued before the first store, then one
+// predicated partial batch.
+template <typename Load>
+__device__ __forceinline__ void warp_copy16(void* dst, const void* src, int64_t bytes, int lane, Load load) {
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
   s += lane;
@@ -189,48 +192,36 @@ __device__ __forceinline__ void warp_copy16_ro(void* dst, const void* src, int64
   int left = static_cast<int>(bytes / 16) - lane;
 #pragma unroll 1
   for (; left >= 32 * kCopyUnroll; left -= 32 * kCopyUnroll, s += 32 * kCopyUnroll, d += 32 * kCopyUnroll) {
-    int4 v[kCopyUnroll];  // whole batches: no predicates, every load issued before the first store
+    int4 v[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) v[u] = ld_nc_na_int4(s + 32 * u);
+    for (int u = 0; u < kCopyUnroll; ++u) v[u] = load(s + 32 * u);
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) st_int4(d + 32 * u, v[u]);
   }
-  if (left > 0) {  // the last, partial batch
+  if (left > 0) {
     int4 v[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u)
-      if (32 * u < left) v[u] = ld_nc_na_int4(s + 32 * u);
+      if (32 * u < left) v[u] = load(s + 32 * u);
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u)
       if (32 * u < left) st_int4(d + 32 * u, v[u]);
   }
 }
 
-// From a communication buffer that peers rewrite during the kernel (ring slots are reused):
-// volatile loads, never a stale cached line.
+struct NonCoherentLoad {  // a read-only input tensor: no L1 allocation
+  __device__ __forceinline__ int4 operator()(const int4* p) const { return ld_nc_na_int4(p); }
+};
+struct VolatileLoad {  // a communication buffer peers rewrite during the kernel: never a stale line
+  __device__ __forceinline__ int4 operator()(const int4* p) const { return ld_volatile_int4(p); }
+};
+
+__device__ __forceinline__ void warp_copy16_ro(void* dst, const void* src, int64_t bytes, int lane) {
+  warp_copy16(dst, src, bytes, lane, NonCoherentLoad{});
+}
+
 __device__ __forceinline__ void warp_copy16_comm(void* dst, const void* src, int64_t bytes, int lane) {
-  auto* d = reinterpret_cast<int4*>(dst);
-  const auto* s = reinterpret_cast<const int4*>(src);
-  s += lane;
-  d += lane;
-  int left = static_cast<int>(bytes / 16) - lane;
-#pragma unroll 1
-  for (; left >= 32 * kCopyUnroll; left -= 32 * kCopyUnroll, s += 32 * kCopyUnroll, d += 32 * kCopyUnroll) {
-    int4 v[kCopyUnroll];  // whole batches: no predicates, every load issued before the first store
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) v[u] = ld_volatile_int4(s + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) st_int4(d + 32 * u, v[u]);
-  }
-  if (left > 0) {  // the last, partial batch
-    int4 v[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
-      if (32 * u < left) v[u] = ld_volatile_int4(s + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
-      if (32 * u < left) st_int4(d + 32 * u, v[u]);
-  }
+  warp_copy16(dst, src, bytes, lane, VolatileLoad{});
 }
 
 }  // namespace ep_comm

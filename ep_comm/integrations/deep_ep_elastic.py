@@ -35,7 +35,7 @@ in the handle for the combine, as in DeepEP; ``num_qps`` must not exceed ``num_a
 otherwise has no effect (ep_comm's transports do not take a QP count per call).
 
 Not offered (the names are absent): Engram (``engram_*``, ``num_cpu_bytes > 0`` is refused),
-pipeline-parallel send/recv (``pp_*``) and all-gather/reduce-scatter sessions (``agrs_*``,
+pipeline-parallel send/recv (``pp_*``) and all-gather/reduce-scatter calls (``agrs_*``,
 ``all_gather``).
 """
 from __future__ import annotations
