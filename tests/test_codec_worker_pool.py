@@ -123,9 +123,10 @@ read, write = os.pipe()
 first = os.fork()
 if first == 0:  # the first process: uses the pool, forks the child, exits
     lossless.encode(x, threads=2)
+    parent = os.getpid()  # taken before the fork: the first process may be gone before the child runs
     if os.fork() != 0:
         os._exit(0)
-    parent = os.getppid()
+    signal.alarm(60)  # the child: a hang ends it too
     while os.getppid() == parent:
         time.sleep(0.01)
     time.sleep(0.2)  # the script reaps the first process: its pid is free
