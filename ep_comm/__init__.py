@@ -1,22 +1,22 @@
 """ep_comm: Mixture-of-Experts expert-parallel dispatch/combine with DeepEP's V1 API.
 
 Public API (see docs/design.md): ``Buffer``, ``DispatchHandle``, ``LowLatencyHandle``, ``CommStats``,
-``CommTimeoutError``, ``EventOverlap``, ``Config``, the differentiable ``dispatch`` / ``combine``,
+``CommTimeoutError`` (and its ``StoreLostError``), ``BufferStateError``, ``EventOverlap``, ``Config``, the differentiable ``dispatch`` / ``combine``,
 and ``build_info()``.
 """
 from ._build import build_info
 from .autograd import combine, dispatch
 from .buffer import Buffer
 from .config import Config
-from .errors import CommTimeoutError
+from .errors import BufferStateError, CommTimeoutError, StoreLostError
 from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, InternodeDispatchHandle, IntranodeDispatchHandle, LowLatencyHandle
 from .placement import ExpertPlacement
 from .stats import CommStats
 
 __all__ = [
-    "Buffer", "CommStats", "CommTimeoutError", "Config", "DispatchHandle", "EventHandle",
+    "Buffer", "BufferStateError", "CommStats", "CommTimeoutError", "Config", "DispatchHandle", "EventHandle",
     "EventOverlap", "ExpertPlacement", "InternodeDispatchHandle", "IntranodeDispatchHandle", "LowLatencyHandle",
-    "build_info", "combine", "dispatch",
+    "StoreLostError", "build_info", "combine", "dispatch",
 ]
 __version__ = "0.1.0"

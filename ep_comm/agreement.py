@@ -1,8 +1,8 @@
 """The opening exchange of every call on the portable transport: a fixed-size header from each
 rank, checked before any payload size is trusted.
 
-Ranks that call with different arguments (another hidden size, dtype, top-k, expert count or
-capacity, another mode, a call behind or ahead) would otherwise exchange payloads whose sizes
+Ranks that call with different arguments (another hidden size, dtype, top-k, expert count,
+expert placement or capacity, another mode, a call behind or ahead) would otherwise exchange payloads whose sizes
 each computed alone, which aborts gloo's process or delivers wrong bytes. The header is the same
 size in every mode, so even ranks in different calls meet in it; every rank then raises the same
 ``ValueError``, naming the field and the ranks that differ, and the group stays in step. A rank
@@ -12,18 +12,20 @@ than time out.
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass, fields
 
 import torch
 
 from .errors import BufferStateError, CommTimeoutError
+from .placement import ExpertPlacement
 from .transports.base import Transport
 
-VERSION = 1
+VERSION = 2
 """Changes whenever the wire format of any mode changes: ranks of different ep_comm versions fail
 in the header instead of misreading each other's payloads."""
 
-MODES = ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
+MODES = ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_combine", "rejoining_ranks")
 CODECS = ("none", "fp8", "lossless", "auto", "fp8_round", "fp8_ue8m0")
 DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
 
@@ -37,6 +39,7 @@ class CallHeader:
         ok: 0 when this rank rejected its own arguments. dtype: payload dtype. hidden: ``H``.
         topk: ``K`` of the routing or the weights carried. num_experts: ``E``. capacity: ``T`` of
         low-latency mode. codec: one of ``CODECS``. weights: whether top-k weights travel.
+        placement: :func:`placement_digest` of the Buffer's ``expert_placement``.
     """
 
     mode: str
@@ -49,15 +52,26 @@ class CallHeader:
     capacity: int = 0
     codec: str = "none"
     weights: bool = False
+    placement: int = 0
 
     def row(self) -> list[int]:
         return [VERSION, MODES.index(self.mode) + 1, self.seq, int(self.ok), DTYPES.index(self.dtype), self.hidden,
-                self.topk, self.num_experts, self.capacity, CODECS.index(self.codec), int(self.weights)]
+                self.topk, self.num_experts, self.capacity, CODECS.index(self.codec), int(self.weights),
+                self.placement]
 
 
 _COLUMNS = ("version", "mode", "seq", "ok", "dtype", "hidden", "topk", "num_experts", "capacity", "codec",
-            "weights")
+            "weights", "placement")
 assert len(_COLUMNS) == 1 + len(fields(CallHeader))
+
+
+def placement_digest(placement: ExpertPlacement | None) -> int:
+    """0 for the default contiguous placement, else a 56-bit digest of ``expert_to_rank`` (equal
+    placements give equal digests on every rank)."""
+    if placement is None:
+        return 0
+    data = placement.expert_to_rank.to(torch.int64).contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little") or 1
 
 
 def _shown(column: str, value: int) -> str:
@@ -67,6 +81,8 @@ def _shown(column: str, value: int) -> str:
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else f"dtype {value}"
     if column == "codec":
         return CODECS[value] if 0 <= value < len(CODECS) else f"codec {value}"
+    if column == "placement":
+        return "the default" if value == 0 else f"expert_placement digest {value:#x}"
     return str(value)
 
 

@@ -1,6 +1,7 @@
 """Buffer: the public facade with DeepEP's V1 calls (layout, dispatch, combine, low-latency)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
@@ -9,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from . import handle_entries, low_latency, normal
-from .agreement import CallHeader, agree, collective
+from .agreement import CallHeader, agree, collective, placement_digest
+from .codecs import nvfp4
 from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
+from .errors import CommTimeoutError
 from .event import EventHandle, EventOverlap, finish_event, wait_previous
 from .handle import (
     DispatchHandle,
@@ -39,9 +42,11 @@ from .placement import ExpertPlacement
 from .rows import ScratchPool
 from .stats import CommStats
 from .transports.base import Transport
+from .transports.job_store import resolve_store
 from .transports.select import make_transport, pick_device
 from .validation import (
     PAYLOAD_DTYPES,
+    DeviceStatus,
     check_buffer_arguments,
     check_codec,
     check_dispatch_input,
@@ -101,6 +106,11 @@ class Buffer(RankMasking):
             subgroups. Low-latency mode stays flat; after ``mask_ranks`` the Buffer runs flat for
             the rest of its life. Construction creates the rail and node subgroups with
             ``dist.new_group`` (collective).
+        store: the key-value store that names dead peers and re-forms groups (``mask_ranks``,
+            ``unmask_ranks``, ``reset``, ``Buffer.rejoin``); default: the store the default process
+            group was launched with. Pass one hosted outside the workers (the same on every rank)
+            when that one lives in rank 0's process (``tcp://``/``env://`` outside torchrun), so
+            the job survives rank 0's death.
     """
 
     num_sms: int = 20
@@ -119,7 +129,7 @@ class Buffer(RankMasking):
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: object | None = None, *, backend: str = "auto",
                  timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None,
-                 ranks_per_node: int | None = None) -> None:
+                 ranks_per_node: int | None = None, store: dist.Store | None = None) -> None:
         check_buffer_arguments(group, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, backend, timeout_s,
                                ranks_per_node, allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                                allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, explicitly_destroy=explicitly_destroy,
@@ -145,7 +155,8 @@ class Buffer(RankMasking):
         self.timeout_s = float(timeout_s)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
-        self.buffer_id = next(_buffer_ids)
+        self.buffer_id = self._new_buffer_id()
+        self._store = resolve_store(store)
         self.device = pick_device(group, backend)
         # gloo stages payloads through host memory, so it takes tensors on any device (a
         # mixed-vendor job's GPUs); NCCL/RCCL take tensors on this rank's GPU only
@@ -157,12 +168,15 @@ class Buffer(RankMasking):
         self.transport, self.transport_reason = make_transport(group, backend, self.device, self.timeout_s,
                                                                num_nvl_bytes, num_rdma_bytes, num_qps_per_rank)
         """Why every rank chose this transport (the same on every rank)."""
+        if self.transport.name == "torch":
+            self.transport.store = self._store  # type: ignore[attr-defined]
         self.backend = self.transport.name
         self._scratch = ScratchPool()  # low-latency message bytes, reused across calls
         self.path_plan = self._make_paths(ranks_per_node)
         """The Buffer's paths in the order they are tried, and the choice of each mode's last call
         (``ep_comm.paths.PathPlan``; ``print(buf.path_plan)`` says what may run and why not)."""
-        self.last_stats: CommStats | None = None
+        self._last_stats: CommStats | None = None
+        self._device_status = DeviceStatus()  # the kernel path's data checks (check_low_latency_status)
         self.masked_ranks: frozenset[int] = frozenset()
         self.mask_epoch = 0
         self._unmasked_transport = self.transport
@@ -171,7 +185,22 @@ class Buffer(RankMasking):
         self.auto_codec = AutoCodecPolicy()
         """The rule ``codec="auto"`` follows (see ep_comm.codecs.auto); set its fields to tune."""
 
+    @property
+    def last_stats(self) -> CommStats | None:
+        """The ``CommStats`` of the last call. After a low-latency call on the kernel path its
+        per-peer counts stay on the device until this is read (reading them waits for them)."""
+        return None if self._last_stats is None else self._last_stats.settle()
+
+    @last_stats.setter
+    def last_stats(self, stats: CommStats | None) -> None:
+        self._last_stats = stats
+
     # -- construction helpers ------------------------------------------------------------------
+    @staticmethod
+    def _new_buffer_id() -> int:
+        """A number no other Buffer of this process has (handles remember it)."""
+        return next(_buffer_ids)
+
     def _make_paths(self, ranks_per_node: int | None) -> PathPlan:
         """The paths in order of preference (collective: the kernel paths agree on what may run,
         and ``ranks_per_node`` creates the node subgroups)."""
@@ -275,15 +304,14 @@ class Buffer(RankMasking):
             live = [r for r in range(self.group_size) if r not in self.masked_ranks]
             self._header_collectives = 1
             try:
-                agree(self.transport, replace(header, seq=seq), live)
+                agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement)), live)
             except ValueError:
                 self._disagreed = True
                 raise
 
     def _group_key(self) -> tuple:
         placement = None if self._placement is None else tuple(self._placement.expert_to_rank.tolist())
-        ranks = tuple(dist.get_global_rank(self.group, r) for r in range(self.group_size))
-        return (ranks, placement, self.ranks_per_node)
+        return (self._global_ranks(), placement, self.ranks_per_node)
 
     def _run(self, mode: str, call: object):
         """Runs ``call`` on the first path of :attr:`path_plan` that takes it."""
@@ -569,6 +597,11 @@ class Buffer(RankMasking):
                              use_nvfp4: bool = False, x_global_scale: torch.Tensor | None = None):
         """Decode-time dispatch into fixed per-expert slots.
 
+        On the NVIDIA kernel path with CUDA tensors (``path_plan``) the call, its hook and the
+        combine never wait for the device, so they can be captured in a CUDA graph; checks that
+        read ``topk_idx``'s values run on the device and are raised by a later call or
+        :meth:`check_low_latency_status`.
+
         Args:
             x: ``[N, H]`` bf16 with ``N <= num_max_dispatch_tokens_per_rank``.
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
@@ -579,28 +612,54 @@ class Buffer(RankMasking):
             dispatch_wait_recv_cost_stats: optional ``[R]`` int64 (DeepEP's slow-peer statistics):
                 each entry of a live source rank grows by the nanoseconds this rank waited in the
                 receive (the transports here receive from every source at once, so all grow alike).
-            use_nvfp4 / x_global_scale: the serving engines' NVFP4 dispatch (DeepEP forks):
-                keyword-only; ``use_nvfp4=True`` is a ValueError (no NVFP4 cast here yet), and
-                ``x_global_scale`` needs it.
+            use_nvfp4 / x_global_scale: the serving engines' NVFP4 dispatch (DeepEP's NVFP4
+                fork; keyword-only): the sender quantizes ``x`` to e2m1 with one e4m3 scale per 16
+                values under the global scale ``x_global_scale`` (float32, one element, on x's
+                device; ``ep_comm.codecs.nvfp4``) and sends the packed bytes: on the portable
+                path ``H/2 + H/16`` bytes a row (padded to 256) instead of ``2H``; on the kernel
+                path in rows of ``2H`` bytes (its engine serves the combine's bf16 rows too),
+                so the values are NVFP4's but the bytes moved are bf16's. ``use_fp8`` /
+                ``round_scale`` / ``use_ue8m0`` are then ignored. Needs ``H % 16 == 0``.
         Returns:
             ``(recv_x, recv_count [L]`` int32, ``handle``, ``event``, ``hook`` or None): ``recv_x``
             is ``[L, R * T, H]`` bf16 or ``(e4m3 [L, R*T, H], scales [L, R*T, H // 128]`` float32
             / ``[L, R*T, H // 512]`` int32 with UE8M0, column-major in their last two dimensions
-            as DeepEP's, strides ``(G * R*T, 1, R*T)``); local expert ``j``'s tokens are rows
-            ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by source rank. As in DeepEP, the
+            as DeepEP's, strides ``(G * R*T, 1, R*T)``); with ``use_nvfp4``, DeepEP's NVFP4
+            layout: ``(packed [R*T, H/2, L]`` uint8, a view of a contiguous ``[L, R*T, H/2]``,
+            ``scales [32, 4, rm, 4, rk, L]`` float8_e4m3fn, the 128x4-tiled block scales with
+            ``rm = ceil(R*T / 128)``, ``rk = ceil(H / 64)`` (``nvfp4.swizzle_scales``)); local
+            expert ``j``'s tokens are rows ``[0, recv_count[j])`` of ``recv_x[j]``, grouped by
+            source rank. As in DeepEP, the
             receive tensors are double-buffered inside the Buffer: they stay valid until the call
             after next, so clone them to keep them longer.
         """
-        if use_nvfp4:
-            raise ValueError("use_nvfp4=True: ep_comm has no NVFP4 (e2m1 + per-16 scales) cast yet; "
-                             "dispatch bf16 (use_fp8=False) or FP8 and quantize to NVFP4 after the dispatch")
-        if x_global_scale is not None:
+        if not isinstance(use_nvfp4, (bool, int)) or use_nvfp4 not in (0, 1):
+            raise ValueError(f"use_nvfp4 must be a bool, got {use_nvfp4!r}")
+        if x_global_scale is not None and not use_nvfp4:
             raise ValueError("x_global_scale is the NVFP4 global scale; it needs use_nvfp4=True")
         num_experts = check_num_experts(num_experts, self.group_size, self._placement is not None)
         require_tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self._input_device)
-        topk_idx = check_topk_idx(topk_idx, num_experts, x.device, x.shape[0])
-        check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, use_ue8m0)
+        hidden = int(x.shape[1])
+        compact = False
+        if use_nvfp4:
+            if x_global_scale is None:
+                raise ValueError("use_nvfp4=True needs x_global_scale (float32, one element: the NVFP4 global scale)")
+            global_scale = nvfp4.check_global_scale(x_global_scale)
+            use_fp8 = round_scale = use_ue8m0 = False
         placement = self.placement(num_experts)
+        on_device = self._on_kernel_path("low_latency_dispatch", LowLatencyDispatchCall(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, placement, use_fp8, round_scale, use_ue8m0, (),
+            bool(self.masked_ranks)))
+        if use_nvfp4:
+            # the kernel path's engine is sized by H for the combine as well: its rows keep H words;
+            # the portable path sends compact rows
+            compact = not on_device
+            x = nvfp4.pack_rows(x, global_scale, None if compact else 2 * hidden)
+        if on_device:
+            self._device_status.report()
+        topk_idx = check_topk_idx(topk_idx, num_experts, x.device, x.shape[0], check_values=not on_device)
+        check_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, use_ue8m0,
+                                   check_values=not on_device)
         num_local = int(placement.num_local_experts[self.rank])
         if cumulative_local_expert_recv_stats is not None:
             require_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
@@ -609,6 +668,8 @@ class Buffer(RankMasking):
                           (num_local,))
         self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
+        if on_device:
+            topk_idx = self._device_status.dispatch_routing(topk_idx, num_experts)
         fp8_kind = "none" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_round" if round_scale else "fp8"
         self._open(CallHeader("low_latency_dispatch", 0, dtype=x.dtype, hidden=int(x.shape[1]),
                               topk=int(topk_idx.shape[1]), num_experts=num_experts,
@@ -617,18 +678,27 @@ class Buffer(RankMasking):
                                            x.shape[1], use_fp8, use_ue8m0, x.device)
         out = self._run("low_latency_dispatch", LowLatencyDispatchCall(
             x, topk_idx, num_max_dispatch_tokens_per_rank, placement, use_fp8, round_scale, use_ue8m0, area,
-            bool(self.masked_ranks)))
+            bool(self.masked_ranks), compact))
+        if use_nvfp4:
+            out.stats.codec = "nvfp4"
         self._record(out.stats, dropped)
         handle = LowLatencyHandle(
-            (out.recv_src_info, out.layout_range, num_max_dispatch_tokens_per_rank, int(x.shape[1]), num_experts),
+            (out.recv_src_info, out.layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts),
             LowLatencyState(buffer_id=self.buffer_id, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                            hidden=int(x.shape[1]), num_experts=num_experts, num_local_experts=num_local,
+                            hidden=hidden, num_experts=num_experts, num_local_experts=num_local,
                             topk_idx=topk_idx.clone(), receive=out.state, recv_count=out.recv_count,
                             mask_epoch=self.mask_epoch, kernel=out.kernel, group_key=self._group_key()))
+
+        recv_x = out.recv_x
+        unpack = None
+        if use_nvfp4:
+            recv_x, unpack = nvfp4.receive_tensors(out.recv_x, hidden)
 
         def receive() -> None:
             with self._waited(dispatch_wait_recv_cost_stats):
                 out.receive()
+            if unpack is not None:
+                unpack()
             if cumulative_local_expert_recv_stats is not None and not handle.stats_added:
                 cumulative_local_expert_recv_stats.add_(out.recv_count.to(
                     cumulative_local_expert_recv_stats.dtype))
@@ -638,8 +708,43 @@ class Buffer(RankMasking):
         if not return_recv_hook:
             receive()
             hook = None
+        if on_device:
+            self._device_status.publish()
         event = finish_event(async_finish, self.device)
-        return out.recv_x, out.recv_count, handle, event, hook
+        return recv_x, out.recv_count, handle, event, hook
+
+    def _on_kernel_path(self, mode: str, call: object) -> bool:
+        """Whether the kernel path takes this low-latency call with device tensors: then the call
+        makes no host round trip (CUDA-graph capturable) and its data checks run on the device
+        (:meth:`check_low_latency_status`)."""
+        if call.x.device.type == "cpu":  # type: ignore[attr-defined]
+            return False
+        for path in self.path_plan.paths:
+            if (path.unavailable or getattr(path, f"{mode}_reason")(call)) is None:
+                return isinstance(path, FusedKernelPath)
+        return False
+
+    def check_low_latency_status(self) -> None:
+        """Waits for this rank's stream, then raises what the low-latency calls on the kernel path
+        left to report. Those calls never wait for the device (so they can be captured in a CUDA
+        graph and replayed): their data checks (``topk_idx`` entries in range, no expert twice
+        per token, a combine's routing equal to its dispatch's) run on the device, and the kernels
+        record timeouts and capacity overflows. The next low-latency call raises what has reached
+        the host by then; this call waits first, so it raises everything up to now: a
+        ``ValueError`` naming the call and the argument, or ``CommTimeoutError`` naming the peer
+        (the group is then out of step until ``reset()``). Entries that failed a check were
+        treated as ``-1`` (the token skipped that expert); a combine whose ``topk_idx`` differed
+        from its dispatch's combined along the dispatch's routing."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        fused = self.path_plan.get(FusedKernelPath.name)
+        if isinstance(fused, FusedKernelPath):
+            try:
+                fused.low_latency_status(wait=False)
+            except CommTimeoutError:
+                self._broken = "a low-latency call whose kernels timed out"
+                raise
+        self._device_status.report()
 
     def _check_wait_stats(self, name: str, stats: torch.Tensor | None) -> None:
         if stats is not None:
@@ -649,6 +754,8 @@ class Buffer(RankMasking):
                 raise ValueError(f"{name} must be contiguous")
 
     def _waited(self, stats: torch.Tensor | None):
+        if stats is not None and stats.device.type != "cpu" and torch.cuda.is_current_stream_capturing():
+            return contextlib.nullcontext()  # a host-measured wait means nothing in a graph replay
         live = torch.ones(self.group_size, dtype=torch.bool)
         live[list(self.masked_ranks)] = False
         return low_latency.timed_wait(stats, live)
@@ -723,10 +830,20 @@ class Buffer(RankMasking):
         slots = num_ranks * handle.num_max_dispatch_tokens_per_rank
         require_tensor("x", x, dtypes=(torch.bfloat16,), dim=3, device=self._input_device)
         require_shape("x", x, (handle.num_local_experts, slots, handle.hidden))
-        topk_idx = check_topk_idx(topk_idx, handle.num_experts, x.device)
         placement = self.placement(handle.num_experts)
+        on_device = self._on_kernel_path("low_latency_combine", LowLatencyCombineCall(
+            handle, x, topk_idx, topk_weights, placement, out, bool(self.masked_ranks)))
+        if on_device:
+            self._device_status.report()
+        topk_idx = check_topk_idx(topk_idx, handle.num_experts, x.device, check_values=not on_device)
         topk_idx, dropped = self._drop_masked(topk_idx, placement)
-        if topk_idx.shape != handle.topk_idx.shape or not torch.equal(topk_idx, handle.topk_idx):
+        if topk_idx.shape != handle.topk_idx.shape:
+            raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, the handle dispatched "
+                             f"{tuple(handle.topk_idx.shape)}")
+        if on_device:  # compared on the device; the kernels follow the dispatched routing
+            self._device_status.combine_routing(topk_idx, handle.topk_idx, handle.num_experts)
+            topk_idx = handle.topk_idx
+        elif not torch.equal(topk_idx, handle.topk_idx):
             raise ValueError("topk_idx differs from the routing the handle dispatched")
         topk_weights = check_topk_weights(topk_weights, topk_idx, x.device)
         if out is not None:
@@ -739,27 +856,33 @@ class Buffer(RankMasking):
         if not isinstance(overlap, (bool, int)) or overlap not in (0, 1):
             raise ValueError(f"overlap must be a bool, got {overlap!r}")
         if overlap:
+            if on_device and torch.cuda.is_current_stream_capturing():
+                raise ValueError("overlap=True: the combine waits for the expert GEMM's signals from the host, "
+                                 "which a CUDA graph cannot hold; capture the combine with overlap=False")
             low_latency.wait_for_expert_signals(handle.recv_count, slots, packed_recv_count, comp_signal, block_m,
                                                 threshold, src_signals, src_signal_expect_value, self.timeout_s)
         self._open(CallHeader("low_latency_combine", 0, dtype=x.dtype, hidden=handle.hidden,
                               topk=int(topk_idx.shape[1]), num_experts=handle.num_experts,
                               capacity=handle.num_max_dispatch_tokens_per_rank))
-        finish, stats = self._run("low_latency_combine", LowLatencyCombineCall(
-            handle, x, topk_idx, topk_weights, placement, out, bool(self.masked_ranks)))
-        self._record(stats, dropped)
-        result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=self._input_device) \
+        result = torch.empty(topk_idx.shape[0], handle.hidden, dtype=torch.bfloat16, device=x.device) \
             if out is None else out
+        finish, stats = self._run("low_latency_combine", LowLatencyCombineCall(
+            handle, x, topk_idx, topk_weights, placement, result, bool(self.masked_ranks)))
+        self._record(stats, dropped)
         done = [False]
 
         def receive() -> None:
             if not done[0]:
                 with self._waited(combine_wait_recv_cost_stats):
                     received = finish()
-                result.copy_(received)
+                if received is not result:
+                    result.copy_(received)
                 done[0] = True
 
         hook: Callable[[], None] | None = receive
         if not return_recv_hook:
             receive()
             hook = None
+        if on_device:
+            self._device_status.publish()
         return result, finish_event(async_finish, self.device), hook

@@ -21,3 +21,10 @@ class BufferStateError(RuntimeError):
     """The Buffer's group is out of step after a failed call (a timeout, or an exchange that
     stopped half-way): every further call raises this until ``Buffer.reset()`` or
     ``Buffer.mask_ranks(...)`` re-forms the group."""
+
+
+class StoreLostError(CommTimeoutError):
+    """The job's key-value store stopped answering (its host process died: with the usual
+    ``tcp://`` / ``env://`` rendezvous outside torchrun, global rank 0's). Without it no peer can
+    be named (``peers`` is empty), masked or re-formed; the message says which launches survive
+    that (a store hosted outside the workers, passed to ``init_process_group`` or ``Buffer``)."""

@@ -266,7 +266,7 @@ def combine(groups: NodeTransports, handle: DispatchState, x: torch.Tensor,
     # back to the forwarders: contract order -> arrival order (grouped by forwarder)
     arrival = torch.empty_like(plan.recv_order)
     arrival[plan.recv_order] = torch.arange(num_rows, dtype=torch.int64)
-    values = {name: RowSource(t, arrival) for name, t in rows.items()}
+    values = {name: RowSource(t, arrival.to(t.device)) for name, t in rows.items()}
     hop1 = _hop(groups, False, fmt, values, plan.node_recv_counts.sum(1).tolist(), codec,
                 "combine/node", plan.forward_plan.splits())
     ledger.add(hop1, groups.node_members)

@@ -10,8 +10,21 @@ renumbered to the destination's local experts. The receiver copies each row into
 every local expert it selected; an expert's slots are grouped by source rank, ascending token
 order within a rank.
 
+With many ranks the fixed blocks mostly carry empty slots: a token reaches at most ``K`` of the
+``R`` ranks, so a rank sends at most ``K * T`` real rows in ``R * (T + 1)`` slots (at EP 256 and
+top-8, 3 % of the bytes). The *needed-rows* transfer sends only the real rows: the row counts go
+first (one small exchange), then an all-to-all of ``counts[r]`` rows to each rank ``r``, with no
+header rows. Both transfers deliver the same rows to the same slots. They differ in what a CUDA
+graph can capture: the fixed transfer's messages have sizes fixed by ``(R, T, H)``, static shapes
+that a graph can replay; the needed-rows transfer must bring the counts to the host to size its
+exchange, which a graph cannot capture. :func:`choose_transfer` takes the needed rows when they
+pay (``R > 2 K``: the fixed blocks would carry more than twice the largest possible real rows);
+the choice depends only on values every rank agreed on in the call's header, so every rank makes
+the same one.
+
 Combine: each expert owner returns one row per (token, local expert) pair, in the order the pairs
-were received; the source multiplies by the top-k weights and sums over k in float32.
+were received; the source multiplies by the top-k weights and sums over k in float32. Its message
+sizes follow from the routing both sides know (the needed rows, with no count exchange).
 """
 from __future__ import annotations
 
@@ -35,6 +48,21 @@ from .transports.base import PendingExchange, Transport
 
 COMBINE_BLOCK_ROWS = 128
 """Rows reduced per step in the low-latency combine's torch path (bounds its float32 temporaries)."""
+
+TRANSFERS = ("auto", "fixed", "needed")
+"""How a low-latency dispatch sends its rows (see the module docstring)."""
+
+
+def choose_transfer(transfer: str, num_ranks: int, topk: int) -> str:
+    """``"fixed"`` or ``"needed"`` for ``transfer`` (one of :data:`TRANSFERS`): ``"auto"`` takes
+    the needed rows when ``num_ranks > 2 * topk``, the fixed blocks otherwise (where they carry at
+    most about twice the real rows and save the count exchange and its host round trip). The
+    result depends only on agreed values, so every rank of a call chooses alike."""
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+    if transfer != "auto":
+        return transfer
+    return "needed" if num_ranks > 2 * topk else "fixed"
 
 
 @dataclass
@@ -112,13 +140,16 @@ def empty_receive_area(spec: tuple[tuple[tuple[int, ...], torch.dtype], ...],
 def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
              placement: ExpertPlacement, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
              receive_area: tuple[torch.Tensor, ...] | None = None,
-             scratch: ScratchPool | None = None) -> LowLatencyDispatchOutput:
+             scratch: ScratchPool | None = None, transfer: str = "auto") -> LowLatencyDispatchOutput:
     """Sends this rank's tokens (``x [N, H]`` bf16, ``topk_idx [N, K]`` int64, ``N <= T``) and
     returns outputs whose ``receive()`` completes the exchange.
 
     ``receive_area``: tensors of :func:`receive_area_spec` to receive into (reused across calls by
     the Buffer, so their pages stay resident); fresh ones when None. ``scratch``: the Buffer's
     pool for the message bytes sent and received (given back once ``receive()`` has read them).
+    ``transfer``: ``"fixed"`` blocks of ``T + 1`` slots per rank (static sizes: what a CUDA graph
+    can capture), ``"needed"`` rows only after a count exchange (not capturable: the counts go
+    through the host), or ``"auto"`` (:func:`choose_transfer`); the same on every rank.
     """
     scratch = scratch or ScratchPool(keep=0)
     rank, num_ranks = transport.rank, transport.num_ranks
@@ -126,7 +157,9 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     topk = topk_idx.shape[1]
     num_local = int(placement.num_local_experts[rank])
     fmt = _row_format(hidden, topk, use_fp8, use_ue8m0)
-    slots_per_block = max_tokens + 1  # T row slots, then the header row
+    needed = choose_transfer(transfer, num_ranks, topk) == "needed"
+    # fixed: T row slots then the header row per rank; needed: each rank's rows, back to back
+    slots_per_block = max_tokens + 1
     block_bytes = slots_per_block * fmt.row_bytes
     before = transport.num_collectives
 
@@ -146,23 +179,34 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     here = (sent_topk >= 0) & (placement.expert_to_rank.to(x.device)[safe] == dest.unsqueeze(1))
     local = placement.expert_to_local.to(x.device)[safe]
 
-    # slots beyond each block's count are never read: no need to clear them
-    total_bytes = num_ranks * block_bytes
-    send_buffer, send_bytes = scratch.take("low_latency_dispatch/send", total_bytes, x.device)
-    recv_buffer, recv_bytes = scratch.take("low_latency_dispatch/recv", total_bytes, x.device)
-    send = send_bytes.view(num_ranks, slots_per_block, fmt.row_bytes)
-    send_fields = fmt.views(send.view(num_ranks * slots_per_block, fmt.row_bytes))
-    send_row = dest * slots_per_block + position[token, dest]
+    counts = mask.sum(0, dtype=torch.int64)
+    if needed:
+        # the counts first: every rank learns how many rows each source sends it
+        rows_to = counts.tolist()
+        rows_from_host = transport.exchange_counts(counts.cpu().unsqueeze(1), "low_latency_dispatch/counts")[:, 0]
+        send_splits = [n * fmt.row_bytes for n in rows_to]
+        recv_splits = [int(n) * fmt.row_bytes for n in rows_from_host.tolist()]
+        first_row = torch.cumsum(counts, 0) - counts
+        send_row = first_row[dest] + position[token, dest]
+        num_send_rows = sum(rows_to)
+    else:
+        # slots beyond each block's count are never read: no need to clear them
+        send_splits = recv_splits = [block_bytes] * num_ranks
+        send_row = dest * slots_per_block + position[token, dest]
+        num_send_rows = num_ranks * slots_per_block
+    send_buffer, send_bytes = scratch.take("low_latency_dispatch/send", sum(send_splits), x.device)
+    recv_buffer, recv_bytes = scratch.take("low_latency_dispatch/recv", sum(recv_splits), x.device)
+    send_fields = fmt.views(send_bytes.view(num_send_rows, fmt.row_bytes))
     for name, value in payload.items():
         copy_rows(send_fields[name], send_row, value, token)
     if fused_fp8:
         row_kernels.quantize_rows(x, token, send_fields["x"], send_fields["scales"], send_row, round_scale, use_ue8m0)
     send_fields["topk"].index_copy_(0, send_row, torch.where(here, local, torch.full_like(local, -1)).to(torch.int32))
     send_fields["src"].index_copy_(0, send_row, token.to(torch.int32).unsqueeze(1))
-    counts = mask.sum(0, dtype=torch.int64)
-    send[:, max_tokens, :8] = counts.unsqueeze(1).view(torch.uint8)
-    splits = [block_bytes] * num_ranks
-    pending: PendingExchange = transport.exchange_bytes(send.reshape(-1), splits, splits,
+    if not needed:
+        send_bytes.view(num_ranks, slots_per_block, fmt.row_bytes)[:, max_tokens, :8] = \
+            counts.unsqueeze(1).view(torch.uint8)
+    pending: PendingExchange = transport.exchange_bytes(send_bytes, send_splits, recv_splits,
                                                         "low_latency_dispatch/payload", out=recv_bytes)
 
     # DeepEP's layout: rows past recv_count[j] of recv_x[j] hold no data and are left unwritten
@@ -182,18 +226,25 @@ def dispatch(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, max_
     state = LowLatencyReceiveState()
     raw_row = hidden * 2 + topk * 4
     stats = CommStats("low_latency_dispatch", "fp8" if use_fp8 else "none",
-                      [int(c) * raw_row for c in counts.tolist()], splits, [0] * num_ranks, splits,
+                      [int(c) * raw_row for c in counts.tolist()], send_splits, [0] * num_ranks, recv_splits,
                       rank=rank)
 
     def receive() -> None:
         if state.done:
             return
-        received = pending.wait().view(num_ranks, slots_per_block, fmt.row_bytes)
-        rows_from = received[:, max_tokens, :8].contiguous().view(torch.int64).reshape(-1)
-        valid = torch.arange(max_tokens, device=x.device).unsqueeze(0) < rows_from.unsqueeze(1)
-        src_rank, src_slot = torch.nonzero(valid, as_tuple=True)
-        src_row = src_rank * slots_per_block + src_slot
-        fields = fmt.views(received.view(num_ranks * slots_per_block, fmt.row_bytes))
+        got = pending.wait()
+        if needed:
+            rows_from = rows_from_host.to(x.device)
+            src_rank = torch.repeat_interleave(torch.arange(num_ranks, device=x.device), rows_from)
+            src_row = torch.arange(src_rank.numel(), device=x.device)
+            fields = fmt.views(got.view(src_rank.numel(), fmt.row_bytes))
+        else:
+            received = got.view(num_ranks, slots_per_block, fmt.row_bytes)
+            rows_from = received[:, max_tokens, :8].contiguous().view(torch.int64).reshape(-1)
+            valid = torch.arange(max_tokens, device=x.device).unsqueeze(0) < rows_from.unsqueeze(1)
+            src_rank, src_slot = torch.nonzero(valid, as_tuple=True)
+            src_row = src_rank * slots_per_block + src_slot
+            fields = fmt.views(received.view(num_ranks * slots_per_block, fmt.row_bytes))
         slot_plan = build_expert_slot_plan(fields["topk"].index_select(0, src_row).to(torch.int64), rows_from,
                                            num_local)
         pair_row = src_row[slot_plan.row]

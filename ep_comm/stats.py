@@ -1,6 +1,7 @@
 """CommStats: what the last call put on the wire."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,16 @@ class CommStats:
     num_collectives: int = 0
     dropped_topk_entries: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    pending: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Fills the per-peer byte lists from counts a kernel path left on the device (None once
+    filled); :meth:`settle` runs it, which waits for those counts."""
+
+    def settle(self) -> CommStats:
+        """Runs :attr:`pending` once (``Buffer.last_stats`` does it on read)."""
+        fill, self.pending = self.pending, None
+        if fill is not None:
+            fill()
+        return self
 
     @property
     def total_sent_raw(self) -> int:

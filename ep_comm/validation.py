@@ -32,14 +32,15 @@ def require_shape(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> Non
 
 
 def check_topk_idx(topk_idx: object, num_experts: int, device: torch.device,
-                   num_tokens: int | None = None, name: str = "topk_idx") -> torch.Tensor:
-    """``[N, K]`` int64 with every entry in ``[-1, num_experts)``."""
+                   num_tokens: int | None = None, name: str = "topk_idx", *, check_values: bool = True) -> torch.Tensor:
+    """``[N, K]`` int64 with every entry in ``[-1, num_experts)`` (the entries are read only
+    with ``check_values``; :class:`DeviceStatus` checks them on the device instead)."""
     t = require_tensor(name, topk_idx, dtypes=(torch.int64,), dim=2, device=device)
     if num_tokens is not None and t.shape[0] != num_tokens:
         raise ValueError(f"{name} has {t.shape[0]} rows but x has {num_tokens} tokens")
     if t.shape[1] == 0:
         raise ValueError(f"{name} must have at least one column (top-k >= 1)")
-    if t.numel() > 0:
+    if check_values and t.numel() > 0:
         low, high = int(t.min()), int(t.max())
         if low < -1 or high >= num_experts:
             raise ValueError(f"{name} entries must lie in [-1, {num_experts}); found values in "
@@ -99,10 +100,10 @@ def check_dispatch_input(x: object, device: torch.device | None) -> tuple[int, i
 
 
 def check_low_latency_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: object, use_fp8: bool,
-                               round_scale: bool, use_ue8m0: bool) -> None:
+                               round_scale: bool, use_ue8m0: bool, *, check_values: bool = True) -> None:
     """The low-latency dispatch's limits: ``N <= num_max_dispatch_tokens_per_rank``, the FP8 and
-    UE8M0 hidden-size multiples, and no token selecting one expert twice (each (token, expert)
-    pair has one slot)."""
+    UE8M0 hidden-size multiples, and (with ``check_values``; else :class:`DeviceStatus` on the
+    device) no token selecting one expert twice (each (token, expert) pair has one slot)."""
     check_nonneg_int("num_max_dispatch_tokens_per_rank", max_tokens, positive=True)
     if x.shape[0] > max_tokens:  # type: ignore[operator]
         raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank "
@@ -113,7 +114,7 @@ def check_low_latency_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, max_toke
         raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
     if use_ue8m0 and x.shape[1] % 512 != 0:
         raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got {x.shape[1]}")
-    if topk_idx.shape[1] > 1 and topk_idx.numel() > 0:
+    if check_values and topk_idx.shape[1] > 1 and topk_idx.numel() > 0:
         ordered = topk_idx.sort(dim=1).values
         if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
             raise ValueError("topk_idx selects the same expert twice for one token; low-latency mode "
@@ -158,3 +159,88 @@ def check_rank_list(name: str, ranks: object, num_ranks: int, rank: int) -> froz
     if rank in out:
         raise ValueError(f"{name} includes this rank ({rank}): a rank cannot mask itself")
     return frozenset(out)
+
+
+def _out_of_range_or_repeated(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` bool masks of the entries outside ``[-1, num_experts)`` and of the valid entries
+    that repeat an expert an earlier column of the same token selected (device ops only)."""
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    k = topk_idx.shape[1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=topk_idx.device).tril(-1)  # [k, j]: j < k
+    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [N, k, j]
+    repeated = (same & earlier).any(2) & (topk_idx >= 0) & ~out_of_range
+    return out_of_range, repeated
+
+
+class DeviceStatus:
+    """The data checks of the low-latency calls when they run on the kernel path: done by device
+    ops without a host round trip (so the calls can be captured in a CUDA graph), reported later.
+
+    Each check adds its failure count to a device word ``[C]`` int32 (``C`` checks); every call
+    then copies the word asynchronously into a host mirror (pinned memory on a GPU). The next
+    low-latency call of the Buffer, or :meth:`report` (``Buffer.check_low_latency_status``, which
+    first waits for the stream), raises a ``ValueError`` naming the call and the argument for
+    each count that grew since the last report. The offending entries never reach the kernels:
+    a bad ``topk_idx`` entry is treated as ``-1`` (the token skips that expert); a combine whose
+    ``topk_idx`` differs from its dispatch's combines along the dispatch's routing.
+    """
+
+    CHECKS = (
+        ("low_latency_dispatch", "topk_idx", "entries must lie in [-1, {num_experts})"),
+        ("low_latency_dispatch", "topk_idx", "selects the same expert twice for one token; low-latency mode "
+                                             "gives each (token, expert) one slot"),
+        ("low_latency_combine", "topk_idx", "differs from the routing the handle dispatched"),
+    )
+    RANGE, REPEAT, MISMATCH = 0, 1, 2
+
+    def __init__(self) -> None:
+        self._word: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
+        self._reported = [0] * len(self.CHECKS)
+        self._details: dict[int, dict[str, object]] = {}
+
+    def _words(self, device: torch.device) -> torch.Tensor:
+        if self._word is None or self._word.device != device:
+            self._word = torch.zeros(len(self.CHECKS), dtype=torch.int32, device=device)
+            self._host = torch.zeros(len(self.CHECKS), dtype=torch.int32,
+                                     pin_memory=device.type == "cuda")
+            self._reported = [0] * len(self.CHECKS)
+        return self._word
+
+    def _flag(self, check: int, bad: torch.Tensor, **details: object) -> None:
+        self._words(bad.device)[check:check + 1].add_(bad.reshape(1).to(torch.int32))
+        self._details[check] = details
+
+    def dispatch_routing(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """Flags the dispatch's bad ``topk_idx`` entries; returns ``topk_idx`` with them ``-1``."""
+        out_of_range, repeated = _out_of_range_or_repeated(topk_idx, num_experts)
+        self._flag(self.RANGE, out_of_range.any(), num_experts=num_experts)
+        self._flag(self.REPEAT, repeated.any())
+        return topk_idx.masked_fill(out_of_range | repeated, -1)
+
+    def combine_routing(self, topk_idx: torch.Tensor, dispatched: torch.Tensor, num_experts: int) -> None:
+        """Flags a combine ``topk_idx`` that differs from ``dispatched`` (the dispatch's routing
+        as :meth:`dispatch_routing` left it)."""
+        out_of_range, repeated = _out_of_range_or_repeated(topk_idx, num_experts)
+        self._flag(self.MISMATCH, (topk_idx.masked_fill(out_of_range | repeated, -1) != dispatched).any())
+
+    def publish(self) -> None:
+        """Queues the copy of the counts to the host mirror (asynchronous, capturable)."""
+        if self._word is not None:
+            self._host.copy_(self._word, non_blocking=True)  # type: ignore[union-attr]
+
+    def report(self) -> None:
+        """Raises a ValueError for each check whose count grew since the last report, as far as
+        the host mirror shows it (no wait)."""
+        if self._host is None:
+            return
+        counts = self._host.tolist()
+        grown = [i for i, (now, seen) in enumerate(zip(counts, self._reported)) if now > seen]
+        self._reported = [max(a, b) for a, b in zip(counts, self._reported)]
+        if grown:
+            lines = []
+            for i in grown:
+                call, name, what = self.CHECKS[i]
+                lines.append(f"{name} of an earlier {call} (checked on the device, {counts[i]} call(s) so far) "
+                             + what.format(**self._details.get(i, {})))
+            raise ValueError("; ".join(lines))

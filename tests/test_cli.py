@@ -556,3 +556,28 @@ def test_node_aware_sends_fewer_inter_node_bytes_than_flat_and_checks(tmp_path, 
             assert n["inter_node_bytes_per_token"] == pytest.approx(off / 4 / 8)
     low = [r for r in report["results"] if r["mode"] == "low-latency"]
     assert low and all("node_aware" not in r for r in low)  # low-latency mode stays flat
+
+
+def test_low_latency_dispatch_projects_the_transfer_the_buffer_would_choose():
+    """Measured in fixed blocks on 2 ranks (T + 1 slots of a row's bytes per peer): EP 8 (top-4,
+    8 <= 2K) is projected in fixed blocks, EP 16 and 32 in needed rows (one row per token-rank
+    pair, plus the count exchange's latency), the row priced from the measured block."""
+    cfg = BenchConfig(**SIM_CFG)
+    row_bytes = 1000.0
+    block = torch.full((2, 2), row_bytes * (cfg.tokens + 1))
+    sim = simulate(cfg, {("low-latency", "none", "dispatch"): block})
+    by = {r["ep"]: r for r in sim["rows"]}
+    assert [by[ep]["dispatch_transfer"] for ep in (8, 16, 32)] == ["fixed", "needed", "needed"]
+    links = Links.from_config(cfg)
+    for ep in (8, 16, 32):
+        routing = torch.stack([make_routing(cfg, r, num_experts=32)[0] for r in range(ep)])
+        kind = "per-peer" if ep == 8 else "token-rank"
+        expected, where = op_time(units(routing, 32, kind) * (row_bytes * (cfg.tokens + 1) if ep == 8 else row_bytes),
+                                  links)
+        if ep != 8:
+            expected += links.nvl_latency if where == "nvlink" else links.rdma_latency
+        assert by[ep]["dispatch_us"] == pytest.approx(expected * 1e6)
+    # the needed rows at EP 32 cost less than fixed blocks of the same rows would
+    fixed_32 = op_time(units(torch.stack([make_routing(cfg, r, num_experts=32)[0] for r in range(32)]), 32, "per-peer")
+                       * row_bytes * (cfg.tokens + 1), links)[0]
+    assert by[32]["dispatch_us"] < fixed_32 * 1e6

@@ -56,6 +56,12 @@ def _disagree(rank, world, group, case):
                 buf.low_latency_dispatch(x, idx, 8, EXPERTS, use_fp8=False)
             else:
                 buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=counts)
+        elif case == "placement":  # the last rank's Buffer places experts 0 and 1 the other way
+            order = torch.arange(EXPERTS) // (EXPERTS // world)
+            if odd:
+                order[[0, 1]] = torch.tensor([world - 1, 0])
+            placed = ep_comm.Buffer(group, timeout_s=30, expert_placement=order)
+            placed.dispatch(x, topk_idx=idx, num_tokens_per_expert=counts)
         elif case == "rejected":  # one rank's own topk_idx is out of range
             buf.dispatch(x, topk_idx=idx + (100 if odd else 0), num_tokens_per_expert=counts)
         error = None
@@ -68,6 +74,7 @@ def _disagree(rank, world, group, case):
 @pytest.mark.parametrize("case,field", [
     ("dtype", "dtype"), ("num_experts", "num_experts"), ("topk", "topk"), ("combine_hidden", "hidden"),
     ("ll_hidden", "hidden"), ("ll_capacity", "capacity"), ("mode", "mode"), ("rejected", "topk_idx"),
+    ("placement", "placement"),
 ])
 def test_ranks_that_disagree_fail_alike_and_stay_in_step(ranks, world, case, field):
     results = ranks(world, _disagree, case)

@@ -220,7 +220,7 @@ class _RowMajorKernel:
         return [LowLatencyResult(recv_x, scales, count, torch.zeros(local, slots, dtype=torch.int32),
                                  torch.zeros(local, slots, dtype=torch.int32), layout)], None
 
-    def finish_dispatch(self, launch):
+    def finish_dispatch(self, launch, wait=True):
         pass
 
 

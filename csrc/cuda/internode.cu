@@ -74,12 +74,11 @@ __global__ void exchange_wait_kernel(uint8_t* symmetric, int64_t slot_bytes, uin
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = reinterpret_cast<const volatile uint8_t*>(in)[i];
 }
 
-// One block: quiet, tell every PE this one arrived (words[my_pe] there = value), then wait
-// (bounded) until every PE said so here. Thread p signals and waits for PE p.
-__global__ void bounded_barrier_kernel(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
-                                       unsigned long long timeout_ns, int32_t* record) {
-  if (threadIdx.x == 0) nvshmem_quiet();
-  __syncthreads();
+// One block, after thread 0's nvshmem_quiet and a __syncthreads: tell every PE this one arrived
+// (words[my_pe] there = value), then wait (bounded) until every PE said so here. Thread p signals
+// and waits for PE p.
+__device__ void barrier_arrive_and_wait(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
+                                        unsigned long long timeout_ns, int32_t* record) {
   for (int pe = threadIdx.x; pe < num_pes; pe += blockDim.x)
     nvshmemx_signal_op(words + my_pe, value, NVSHMEM_SIGNAL_SET, pe);
   const WaitCtx w{record, timeout_ns, my_pe};
@@ -90,11 +89,39 @@ __global__ void bounded_barrier_kernel(uint64_t* words, int num_pes, int my_pe, 
   }
 }
 
+__global__ void bounded_barrier_kernel(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
+                                       unsigned long long timeout_ns, int32_t* record) {
+  if (threadIdx.x == 0) nvshmem_quiet();
+  __syncthreads();
+  barrier_arrive_and_wait(words, num_pes, my_pe, value, timeout_ns, record);
+}
+
+// The barrier's number is this PE's count of its barriers on `words` (*round, device memory):
+// every PE runs the same sequence of them, so the counts agree, and a CUDA graph replay advances
+// the count as a fresh launch does.
+__global__ void counted_barrier_kernel(uint64_t* words, unsigned long long* round, int num_pes, int my_pe,
+                                       unsigned long long timeout_ns, int32_t* record) {
+  const unsigned long long value = *round + 1;
+  __syncthreads();  // every thread has read the count before thread 0 advances it
+  if (threadIdx.x == 0) {
+    *round = value;
+    nvshmem_quiet();
+  }
+  __syncthreads();
+  barrier_arrive_and_wait(words, num_pes, my_pe, value, timeout_ns, record);
+}
+
 }  // namespace
 
 void launch_bounded_barrier(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
                             unsigned long long timeout_ns, int32_t* record, void* stream) {
   bounded_barrier_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(words, num_pes, my_pe, value,
+                                                                           timeout_ns, record);
+}
+
+void launch_counted_barrier(uint64_t* words, unsigned long long* round, int num_pes, int my_pe,
+                            unsigned long long timeout_ns, int32_t* record, void* stream) {
+  counted_barrier_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(words, round, num_pes, my_pe,
                                                                            timeout_ns, record);
 }
 
@@ -163,6 +190,7 @@ void nvshmem_release(void*) {}
 void* nvshmem_peer_ptr(void*, int) { return nullptr; }
 void nvshmem_barrier_on_stream(void*) {}
 void launch_bounded_barrier(uint64_t*, int, int, unsigned long long, unsigned long long, int32_t*, void*) {}
+void launch_counted_barrier(uint64_t*, unsigned long long*, int, int, unsigned long long, int32_t*, void*) {}
 void launch_exchange_round(uint8_t*, int64_t, const uint8_t*, const int64_t*, const int64_t*,
                            uint8_t*, const int64_t*, const int64_t*, int, int, unsigned long long,
                            unsigned long long, int32_t*, void*) {}

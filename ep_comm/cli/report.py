@@ -223,7 +223,8 @@ def print_simulation(sim: dict, console: Console) -> None:
         codec = r["codec"]
         if codec == "auto":
             codec += f" ({r.get('dispatch_choice', '-')}/{r.get('combine_choice', '-')})"
-        cells = [str(r["ep"]), str(r["nodes"]), r["mode"], codec,
+        mode = r["mode"] + (f" ({r['dispatch_transfer']})" if "dispatch_transfer" in r else "")
+        cells = [str(r["ep"]), str(r["nodes"]), mode, codec,
                  fmt_time(r.get("dispatch_us", 0.0)), fmt_time(r.get("combine_us", 0.0)),
                  fmt_time(r["total_us"]), f"{r['total_us'] / ref:.2f}x" if ref else "-",
                  f"{r.get('dispatch_bottleneck', '-')}/{r.get('combine_bottleneck', '-')}"]
@@ -236,6 +237,9 @@ def print_simulation(sim: dict, console: Console) -> None:
         console.print("  auto (d/c): the codec auto picks for dispatch / combine, by the rule at the bandwidth of "
                       "the link bounding the uncompressed op; auto picks: the rule's pick on each link class the "
                       "op uses; bottleneck codec: the codec's serial time exceeds the transfer's")
+    if any("dispatch_transfer" in r for r in sim["rows"]):
+        console.print("  low-latency (fixed): T + 1 slots to every peer; (needed): only the real rows, after a "
+                      "count exchange (ep_comm.low_latency.choose_transfer)")
     for c in sim["coefficients"]:
         console.print(f"  {c['mode']}/{c['codec']} {c['op']}: {c['bytes_per_unit']:,.1f} B per {c['unit']} "
                       f"unit (fit error {c['fit_error']:.1%})")

@@ -3,7 +3,7 @@
 Traffic model (from the measured run, per mode, codec and op). Every rank ``r`` sends rank ``s``
 
     bytes(r -> s) = b_op * units_op(r, s)   (dispatch, combine, low-latency combine)
-    bytes(r -> s) = a_op                    (low-latency dispatch: fixed-capacity blocks)
+    bytes(r -> s) = a_op                    (low-latency dispatch in fixed-capacity blocks)
 
 where ``units`` counts the rows the algorithm moves: for dispatch the tokens of ``r`` with at least
 one expert on ``s`` (token-rank pairs); for normal combine the same pairs in the reverse direction
@@ -14,6 +14,12 @@ and the per-row metadata); ``a_op`` is the measured mean bytes per peer. At the 
 ``P`` the units come from the same router generator (same tokens per rank, top-k, seed) over
 ``E_sim`` experts (``--sim-experts``, default 256 as in DeepSeek-V3), ``E_sim / P`` per rank.
 ``fit_error`` reports how far the model is from the measured bytes at the measured size.
+
+Low-latency dispatch sends each peer either ``T + 1`` fixed slots (``T`` tokens per rank, the last
+slot its count) or, when ``ep_comm.low_latency.choose_transfer`` takes the needed rows at that
+EP size (``P > 2 K``), one row per token-rank pair after a count exchange. Both move rows of the
+same size, so a row's bytes measured in one transfer (``a_op / (T + 1)``, or ``b_op``) price the
+other; the needed rows pay one more latency of the link class that bounds the op (the counts).
 
 Time model. Ranks ``r`` and ``s`` share a node when ``r // G == s // G`` (``G`` = GPUs per node,
 default 8); a rank's own bytes cost nothing. Each GPU has one NVLink port (bandwidth ``B_nvl``,
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import auto
+from ..low_latency import choose_transfer
 from .config import CODECS, MODES, BenchConfig
 from .routing import make_routing
 
@@ -63,6 +70,28 @@ UNITS = {("normal", "dispatch"): ("token-rank", False), ("normal", "combine"): (
          ("low-latency", "dispatch"): ("per-peer", False), ("low-latency", "combine"): ("token-expert", True)}
 """``(mode, op) -> (unit kind, reverse)``; ``reverse``: the bytes flow from the experts' owner back
 to the token's rank, opposite to the units' direction."""
+
+
+
+def unit_kind(mode: str, op: str, num_ranks: int, topk: int) -> tuple[str, bool]:
+    """``(unit kind, reverse)`` of ``(mode, op)`` at ``num_ranks`` ranks: :data:`UNITS`, except a
+    low-latency dispatch that sends only the needed rows there (one row per token-rank pair)."""
+    if (mode, op) == ("low-latency", "dispatch") and choose_transfer("auto", num_ranks, topk) == "needed":
+        return "token-rank", False
+    return UNITS[(mode, op)]
+
+
+def rescale(coef: float, kind: str, to_kind: str, tokens: int) -> float:
+    """``coef`` bytes per ``kind`` unit as bytes per ``to_kind`` unit, for the two low-latency
+    dispatch transfers: a fixed block (``per-peer``) is ``tokens + 1`` rows, a needed row one."""
+    if kind == to_kind:
+        return coef
+    if (kind, to_kind) == ("per-peer", "token-rank"):
+        return coef / (tokens + 1)
+    if (kind, to_kind) == ("token-rank", "per-peer"):
+        return coef * (tokens + 1)
+    raise ValueError(f"no conversion from {kind!r} to {to_kind!r} units")
+
 
 OPS = ("dispatch", "combine")
 LINK_CLASSES = ("nvlink", "rdma")
@@ -247,7 +276,7 @@ def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], Traffic | to
     coef_rows = []
     for key, t in sorted(traffic.items()):
         mode, name, op = key
-        kind, reverse = UNITS[(mode, op)]
+        kind, reverse = unit_kind(mode, op, cfg.ranks, cfg.topk)
         u = units(here, cfg.experts, kind)
         wire_coef[key], err = fit(t.wire, u, reverse)
         raw_coef[key] = fit(t.raw, u, reverse)[0]
@@ -267,7 +296,7 @@ def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], Traffic | to
             skipped.append(f"EP {ep}: {cfg.sim_experts} experts are not divisible by {ep}")
             continue
         at = _Projection(links, traffic, wire_coef, raw_coef, decisions, codec,
-                         routing_at(cfg, ep, cfg.sim_experts), cfg.sim_experts)
+                         routing_at(cfg, ep, cfg.sim_experts), cfg.sim_experts, cfg)
         for mode, name in cases:
             row = {"ep": ep, "nodes": -(-ep // links.ranks_per_node), "mode": mode, "codec": name}
             total = 0.0
@@ -281,6 +310,8 @@ def simulate(cfg: BenchConfig, measured: dict[tuple[str, str, str], Traffic | to
                     row[f"{op}_codec_us"] = got["codec_us"]
                 if "choice" in got:
                     row[f"{op}_choice"] = got["choice"]
+                if "transfer" in got:
+                    row[f"{op}_transfer"] = got["transfer"]
                 if mode in decisions and (name == "auto" or traffic[(mode, name, op)].codec == "lossless"):
                     by_link = row.setdefault("auto_by_link", {})
                     for link in got["links"]:
@@ -318,6 +349,8 @@ class _Projection:
     codec: CodecSpeed | None
     routing: torch.Tensor
     num_experts: int
+    measured: BenchConfig
+    """The measured run's configuration (its ranks, tokens and top-k)."""
 
     def __post_init__(self) -> None:
         self._units: dict[str, torch.Tensor] = {}
@@ -329,22 +362,31 @@ class _Projection:
         key = (mode, name, op)
         if key not in self.traffic:
             return None
-        kind, reverse = UNITS[(mode, op)]
+        cfg = self.measured
+        measured_kind = unit_kind(mode, op, cfg.ranks, cfg.topk)[0]
+        kind, reverse = unit_kind(mode, op, self.routing.shape[0], cfg.topk)
         if kind not in self._units:
             self._units[kind] = units(self.routing, self.num_experts, kind)
         t = self.traffic[key]
-        raw = bytes_from_units(self._units[kind], self.raw_coef[key], reverse)
+        raw = bytes_from_units(self._units[kind], rescale(self.raw_coef[key], measured_kind, kind, cfg.tokens),
+                               reverse)
         used = coded or t.codec
         if used == "none" and t.codec != "none":
             wire = raw
         elif used == "lossless" and t.codec != "lossless":
             wire = raw * self.decisions[mode]["ratio"]
         else:
-            wire = bytes_from_units(self._units[kind], self.wire_coef[key], reverse)
+            wire = bytes_from_units(self._units[kind], rescale(self.wire_coef[key], measured_kind, kind, cfg.tokens),
+                                    reverse)
         link_s, where = op_time(wire, self.links)
+        got = {}
+        if (mode, op) == ("low-latency", "dispatch"):
+            got["transfer"] = "needed" if kind == "token-rank" else "fixed"
+            if kind == "token-rank" and where in LINK_CLASSES:  # the count exchange before the rows
+                link_s += {"nvlink": self.links.nvl_latency, "rdma": self.links.rdma_latency}[where]
         spent = codec_time(raw, self.codec) if used == "lossless" and self.codec is not None else 0.0
         return {"us": (link_s + spent) * 1e6, "codec_us": spent * 1e6,
-                "bottleneck": "codec" if spent > link_s else where, "links": links_used(wire, self.links)}
+                "bottleneck": "codec" if spent > link_s else where, "links": links_used(wire, self.links), **got}
 
     def auto_op(self, mode: str, op: str) -> dict | None:
         """``auto``'s projection of one op: the codec the rule picks at the bandwidth of the link

@@ -60,6 +60,14 @@ class LowLatencyEngine:
     dispatches, or two combines, in a row). The barrier is bounded (a peer that never calls is a
     ``CommTimeoutError`` naming it, and the stream moves on). Virtual ranks run in stream order
     and need none.
+
+    ``finish_*(wait=False)`` only queues the receive: nothing waits for the stream, so the calls
+    can be captured in a CUDA graph. What the kernels record (a timeout naming the peer, a
+    capacity overflow) stays in the pinned timeout records until :meth:`check_records` reads
+    them, which the next send does first (without waiting) and :meth:`synchronize` does after
+    waiting. A record is cleared only once reported; meanwhile the kernels that see it give up.
+    The barrier counts its rounds on the device (``launch_counted_barrier``), so a graph replay
+    is a barrier as a fresh launch is.
     """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
@@ -78,7 +86,8 @@ class LowLatencyEngine:
                                               max_tokens, num_topk, hidden)
         self.buffers = PeerBuffers(lay["total_bytes"], num_ranks, self.device, group, settings)
         self.barrier_offset = int(lay["barrier"])
-        self.barrier_round = 0  # the same count on every PE: one per send
+        # this PE's count of its barriers (the same on every PE: one per send), on the device
+        self.barrier_round = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.local_ranks = self.buffers.local_ranks
         self.multi_process = group is not None
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
@@ -120,14 +129,23 @@ class LowLatencyEngine:
                     "(could not tell which peer)", peers=[], phase="low_latency/stream")
             time.sleep(0)
 
+    def check_records(self) -> None:
+        """Raises what a kernel recorded (``CommTimeoutError`` naming the peer, or a ValueError for
+        a capacity overflow) and clears it; reads host memory only, so a record a running kernel
+        has not written yet shows at a later check."""
+        for record in self.records:
+            record.check()
+
+    def synchronize(self) -> None:
+        """Waits for the stream (bounded with a group), then :meth:`check_records`."""
+        self._check()
+
     def _before_send(self) -> None:
-        for rec in self.records:
-            rec.reset()
+        self.check_records()
         if self.multi_process:
-            self.barrier_round += 1
-            self.cuda.launch_bounded_barrier(self.buffers.symmetric + self.barrier_offset, self.num_ranks,
-                                             self.local_ranks[0], self.barrier_round, self.timeout_ns,
-                                             self.records[0].ptr, stream_handle(self.device))
+            self.cuda.launch_counted_barrier(self.buffers.symmetric + self.barrier_offset,
+                                             ptr_or_none(self.barrier_round), self.num_ranks, self.local_ranks[0],
+                                             self.timeout_ns, self.records[0].ptr, stream_handle(self.device))
 
     def close(self) -> None:
         """Frees the buffers (collective over the PEs with a group)."""
@@ -181,10 +199,12 @@ class LowLatencyEngine:
         self.cuda.low_latency_dispatch_send(self._common(), ranks, *launch.flags, stream_handle(self.device))
         return results, launch
 
-    def finish_dispatch(self, launch: LowLatencyLaunch) -> None:
-        """Launches the receive phase, waits for it and raises what the kernels recorded."""
+    def finish_dispatch(self, launch: LowLatencyLaunch, wait: bool = True) -> None:
+        """Launches the receive phase; with ``wait``, waits for it and raises what the kernels
+        recorded (without, a later send or :meth:`synchronize` reports it)."""
         self.cuda.low_latency_dispatch_recv(self._common(), launch.ranks, *launch.flags, stream_handle(self.device))
-        self._check()
+        if wait:
+            self._check()
 
     def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor], use_fp8: bool = False,
                  round_scale: bool = False, use_ue8m0: bool = False) -> list[LowLatencyResult]:
@@ -229,10 +249,11 @@ class LowLatencyEngine:
         self.cuda.low_latency_combine_send(self._common(), ranks, stream_handle(self.device))
         return results, launch
 
-    def finish_combine(self, launch: LowLatencyLaunch) -> None:
-        """Launches the receive (weighted sum), waits for it and raises what the kernels recorded."""
+    def finish_combine(self, launch: LowLatencyLaunch, wait: bool = True) -> None:
+        """Launches the receive (weighted sum); ``wait`` as in :meth:`finish_dispatch`."""
         self.cuda.low_latency_combine_recv(self._common(), launch.ranks, stream_handle(self.device))
-        self._check()
+        if wait:
+            self._check()
 
     def combine(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], handles: list[LowLatencyResult]) -> list[torch.Tensor]:

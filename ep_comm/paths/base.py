@@ -75,7 +75,9 @@ class CombineCall:
 @dataclass(frozen=True)
 class LowLatencyDispatchCall:
     """A low-latency dispatch: ``x [N, H]`` bf16, ``topk_idx [N, K]`` int64 (masked ranks'
-    entries ``-1``), capacity ``max_tokens`` per rank, and the Buffer's receive tensors to fill."""
+    entries ``-1``), capacity ``max_tokens`` per rank, and the Buffer's receive tensors to fill.
+    ``nvfp4``: ``x`` holds compact NVFP4 rows (``ep_comm.codecs.nvfp4.pack_rows``), narrower
+    than the combine's ``H``."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -86,6 +88,7 @@ class LowLatencyDispatchCall:
     use_ue8m0: bool
     receive_area: tuple[torch.Tensor, ...]
     masked: bool
+    nvfp4: bool = False
 
 
 @dataclass(frozen=True)

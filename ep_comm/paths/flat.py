@@ -29,6 +29,9 @@ class FlatPath(Path):
     bytes of ``scratch``."""
 
     name = "flat"
+    low_latency_transfer = "auto"
+    """How low-latency dispatches send their rows: ``"auto"``, ``"fixed"`` or ``"needed"``
+    (``ep_comm.low_latency.choose_transfer``); set it alike on every rank."""
 
     def __init__(self, transport: Transport, buffer_id: int, scratch: ScratchPool) -> None:
         super().__init__()
@@ -62,7 +65,7 @@ class FlatPath(Path):
     def low_latency_dispatch(self, call: LowLatencyDispatchCall) -> LowLatencyDispatchOutput:
         return low_latency.dispatch(self.transport, call.x, call.topk_idx, call.max_tokens, call.placement,
                                     call.use_fp8, call.round_scale, call.use_ue8m0, call.receive_area,
-                                    self.scratch)
+                                    self.scratch, self.low_latency_transfer)
 
     def low_latency_combine_reason(self, call: LowLatencyCombineCall) -> str | None:
         return "the dispatch ran on the fused kernels" if call.handle.kernel is not None else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -79,14 +79,15 @@ class FusedLowLatencyHandle:
     """Rides in ``LowLatencyHandle.kernel``: the dispatch's ``LowLatencyResult`` and pair counts.
 
     Attributes:
-        pairs_to: ``[R]`` (token, expert) pairs this rank sent to each rank (set on receive).
-        pairs_from: ``[R]`` pairs received from each rank (set on receive).
+        pairs_to: ``[R]`` int64 on the device, (token, expert) pairs this rank sent to each rank
+            (set on receive).
+        pairs_from: ``[R]`` int64 on the device, pairs received from each rank (set on receive).
     """
 
     generation: int
     result: object
-    pairs_to: list[int] = field(default_factory=list)
-    pairs_from: list[int] = field(default_factory=list)
+    pairs_to: torch.Tensor | None = None
+    pairs_from: torch.Tensor | None = None
 
 
 def _nonnull(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -201,6 +202,15 @@ class FusedKernelPath(Path):
         self.low_latency_generation += 1
         return self.low_latency
 
+    def low_latency_status(self, wait: bool) -> None:
+        """Raises what the low-latency kernels recorded (a timeout naming the peer, a capacity
+        overflow); with ``wait``, after waiting for the stream."""
+        if self.low_latency is not None:
+            if wait:
+                self.low_latency.synchronize()
+            else:
+                self.low_latency.check_records()
+
     def close(self) -> None:
         """Releases the engines' buffers (collective)."""
         self._retire(self.intranode)
@@ -256,6 +266,9 @@ class FusedKernelPath(Path):
             return self.low_latency_unavailable
         if call.masked:
             return "ranks are masked"
+        if call.nvfp4:
+            return ("compact NVFP4 rows are narrower than the combine's bf16 rows, and one engine "
+                    "(sized by the dispatch's row) serves both")
         if call.x.shape[1] % 128:
             return f"hidden {call.x.shape[1]} is not a multiple of 128"
         return None
@@ -363,19 +376,24 @@ class FusedKernelPath(Path):
                           [0] * r, [0] * r, rank=self.rank, extra={"fused_kernels": 1.0})
         e2r = engine.e2r.long()
 
-        def receive() -> None:
+        def fill_stats() -> None:  # reads the device counts: only when last_stats is read
+            to, back = kernel.pairs_to.tolist(), kernel.pairs_from.tolist()
+            stats.bytes_sent_raw = [n * 2 * hidden for n in to]
+            stats.bytes_sent_wire = [n * wire_row for n in to]
+            stats.bytes_recv_raw = [n * 2 * hidden for n in back]
+            stats.bytes_recv_wire = [n * wire_row for n in back]
+
+        def receive() -> None:  # queues the receive kernel; no host round trip (graph capturable)
             if state.done:
                 return
-            engine.finish_dispatch(launch)
+            engine.finish_dispatch(launch, wait=False)
             if kernel_scales is not None:
                 receive_area[1].copy_(kernel_scales)
-            valid = topk >= 0
-            kernel.pairs_to = torch.bincount(e2r[topk[valid]], minlength=r).tolist()
-            kernel.pairs_from = res.layout_range[:, :, 1].sum(0).tolist()
-            stats.bytes_sent_raw = [n * 2 * hidden for n in kernel.pairs_to]
-            stats.bytes_sent_wire = [n * wire_row for n in kernel.pairs_to]
-            stats.bytes_recv_raw = [n * 2 * hidden for n in kernel.pairs_from]
-            stats.bytes_recv_wire = [n * wire_row for n in kernel.pairs_from]
+            valid = (topk >= 0).to(torch.int64)
+            kernel.pairs_to = torch.zeros(r, dtype=torch.int64, device=self.device).index_add_(
+                0, e2r[topk.clamp(min=0)].reshape(-1), valid.reshape(-1))
+            kernel.pairs_from = res.layout_range[:, :, 1].sum(0)
+            stats.pending = fill_stats
             state.layout_range = res.layout_range
             layout_range.copy_(pack_layout_range(res.layout_range))
             state.done = True
@@ -398,13 +416,17 @@ class FusedKernelPath(Path):
         outs, launch = engine.start_combine([x.to(self.device)], [topk_idx.to(self.device)],
                                             [topk_weights.to(self.device)], [kernel.result],
                                             outs=None if target is None else [target])
-        sent = [n * 2 * hidden for n in kernel.pairs_from]
-        recv = [n * 2 * hidden for n in kernel.pairs_to]
-        stats = CommStats("low_latency_combine", "none", sent, sent, recv, recv, rank=self.rank,
+        stats = CommStats("low_latency_combine", "none", [], [], [], [], rank=self.rank,
                           extra={"fused_kernels": 1.0})
 
-        def finish() -> torch.Tensor:
-            engine.finish_combine(launch)
+        def fill_stats() -> None:  # reads the device counts: only when last_stats is read
+            stats.bytes_sent_raw = stats.bytes_sent_wire = [n * 2 * hidden for n in kernel.pairs_from.tolist()]
+            stats.bytes_recv_raw = stats.bytes_recv_wire = [n * 2 * hidden for n in kernel.pairs_to.tolist()]
+
+        stats.pending = fill_stats
+
+        def finish() -> torch.Tensor:  # queues the receive kernel; no host round trip
+            engine.finish_combine(launch, wait=False)
             return outs[0]
 
         return finish, stats

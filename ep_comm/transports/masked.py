@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..errors import CommTimeoutError
 from .base import PendingExchange, Transport
+from .job_store import store_alive, store_lost
 
 
 class MaskedTransport(Transport):
@@ -35,8 +36,8 @@ class MaskedTransport(Transport):
             yield
         except CommTimeoutError as error:
             peers = [self.live[p] for p in error.peers if 0 <= p < len(self.live)]
-            raise CommTimeoutError(f"{error} [live-group ranks {error.peers} are Buffer ranks {peers}]",
-                                   peers=peers, phase=error.phase) from error
+            raise type(error)(f"{error} [live-group ranks {error.peers} are Buffer ranks {peers}]",
+                              peers=peers, phase=error.phase) from error
 
     @property
     def num_collectives(self) -> int:  # type: ignore[override]
@@ -82,28 +83,36 @@ class MaskedTransport(Transport):
         return full
 
 
-def form_live_transport(group: dist.ProcessGroup, live: list[int], rank: int, timeout_s: float,
-                        device: torch.device, name: str) -> MaskedTransport:
-    """A ``MaskedTransport`` over a new group of the ``live`` ranks of ``group`` (collective over
-    them). ``name`` must be the same on every live rank and new for each formation: on gloo it
-    prefixes the store keys of a group made straight from the job's store, so a rank that stalled
-    and came back (and so made fewer groups than the survivors) still meets them.
+def form_live_transport(store: dist.Store, group: dist.ProcessGroup | None, live: list[int], rank: int,
+                        num_ranks: int, timeout_s: float, device: torch.device, name: str) -> MaskedTransport:
+    """A ``MaskedTransport`` over a new group of the ``live`` ranks (collective over them).
+
+    ``name`` must be the same on every live rank and new for each formation. On gloo (``group``
+    None or a gloo group) the group is made straight from ``store`` under the prefix ``name``, so
+    a rank that stalled and came back (and so made fewer groups than the survivors) and a
+    restarted process that has no process group with the survivors (``group`` None) still meet
+    them; other backends make a subgroup of ``group`` with ``dist.new_group``.
 
     Raises:
-        CommTimeoutError: the group could not be formed within ``timeout_s``.
+        StoreLostError: ``store`` stopped answering. CommTimeoutError: the group could not be
+            formed within ``timeout_s``.
     """
     from .torch_dist import TorchDistTransport
 
     try:
-        if str(dist.get_backend(group)) == "gloo":
-            store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
-            inner = TorchDistTransport.with_gloo_backend(store, live.index(rank), len(live), timeout_s, name)
+        if group is None or str(dist.get_backend(group)) == "gloo":
+            inner = TorchDistTransport.with_gloo_backend(dist.PrefixStore(name, store), live.index(rank), len(live),
+                                                         timeout_s, name)
+            inner.store = store
         else:
             subgroup = dist.new_group(ranks=[dist.get_global_rank(group, r) for r in live],
                                       timeout=timedelta(seconds=timeout_s), backend=str(dist.get_backend(group)),
                                       use_local_synchronization=True)
             inner = TorchDistTransport(subgroup, timeout_s, device, name)
+            inner.store = store
     except (RuntimeError, dist.DistError) as error:
+        if not store_alive(store):
+            raise store_lost("mask_ranks", error) from error
         raise CommTimeoutError(f"ep_comm: rank {rank} could not form a group of ranks {live} "
                                f"within timeout_s={timeout_s:g}: {error}", peers=[], phase="mask_ranks") from error
-    return MaskedTransport(inner, live, dist.get_world_size(group), rank)
+    return MaskedTransport(inner, live, num_ranks, rank)

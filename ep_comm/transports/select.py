@@ -103,13 +103,22 @@ def decide_transport(backend: str, ranks: list[RankCapabilities]) -> tuple[str, 
 
 
 def pick_device(group: dist.ProcessGroup, backend: str = "auto") -> torch.device:
-    """This rank's current CUDA (or ROCm) device for ``backend="nvshmem"`` or an NCCL/RCCL group
-    (when a GPU is visible), else the CPU."""
+    """The device this rank's tensors and exchanges live on: the current CUDA (or ROCm) device for
+    ``backend="nvshmem"`` or an NCCL/RCCL group (when a GPU is visible); for any other group, the
+    CPU when one of its backends serves the CPU (gloo), else the current device of the one device
+    type its backends serve (a group that, like NCCL's, takes no CPU tensors)."""
     if backend == "nvshmem" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    if str(dist.get_backend(group)) in ("nccl", "rccl") and torch.cuda.is_available():
+    name = str(dist.get_backend(group))
+    if name in ("nccl", "rccl") and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    served = {torch.device(d).type for d in getattr(group, "_device_types", [])}
+    if not served or "cpu" in served or name == "gloo":
+        return torch.device("cpu")
+    kind = sorted(served)[0]
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    return torch.device(kind, index)
 
 
 def make_transport(group: dist.ProcessGroup, backend: str, device: torch.device, timeout_s: float,

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from ..errors import CommTimeoutError
 from .base import PendingExchange, Transport
+from .host_staged import DEFAULT_CHUNK_BYTES, PinnedPool, staged_all_to_all
+from .job_store import store_lost
 
 
 class TorchDistTransport(Transport):
@@ -25,6 +27,12 @@ class TorchDistTransport(Transport):
     """
 
     name = "torch"
+    staging_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Chunk size of the host-staged pipeline (GPU payloads over gloo)."""
+    _pinned: PinnedPool | None = None
+    store: dist.Store | None = None
+    """The store that names missing peers (the Buffer sets its job store; None: the default
+    process group's)."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, device: torch.device,
                  instance_id: str) -> None:
@@ -74,6 +82,8 @@ class TorchDistTransport(Transport):
                        phase: str, out: torch.Tensor | None = None) -> PendingExchange:
         if send.dtype != torch.uint8 or send.dim() != 1:
             raise ValueError("transport payloads are 1-D uint8 tensors")
+        if self.host_staged and send.device.type != "cpu":
+            return self._exchange_staged(send, send_splits, recv_splits, phase)
         # gloo stages through host memory; NCCL/RCCL take tensors on the group's device only, so
         # every message (count tables built on the CPU included) moves there first
         comm_device = torch.device("cpu") if self.host_staged else self.device
@@ -96,6 +106,36 @@ class TorchDistTransport(Transport):
             self._wait(work, phase, started)
             return recv.to(result_device) if result_device != comm_device else recv
 
+        return PendingExchange(finish)
+
+    def _exchange_staged(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                         phase: str) -> PendingExchange:
+        """GPU payloads over gloo: chunked through pinned host memory, the copies overlapped with
+        the wire (``transports.host_staged``)."""
+        if self._pinned is None:
+            self._pinned = PinnedPool()
+        if self.gloo is not None:
+            gloo = self.gloo
+
+            def post_send(t, peer, tag):
+                return gloo.send([t], peer, tag)  # type: ignore[attr-defined]
+
+            def post_recv(t, peer, tag):
+                return gloo.recv([t], peer, tag)  # type: ignore[attr-defined]
+        else:
+            def post_send(t, peer, tag):
+                return dist.isend(t, group=self.group, group_dst=peer, tag=tag)
+
+            def post_recv(t, peer, tag):
+                return dist.irecv(t, group=self.group, group_src=peer, tag=tag)
+        self.num_collectives += 1
+        started = time.monotonic()
+        try:
+            finish = staged_all_to_all(send.contiguous(), list(send_splits), list(recv_splits), self.rank,
+                                       post_send, post_recv, lambda work: self._wait(work, phase, started),
+                                       self._pinned, self.staging_chunk_bytes)
+        except RuntimeError as error:
+            self._raise_launch_error(phase, error, started)
         return PendingExchange(finish)
 
     def exchange_counts(self, counts: torch.Tensor, phase: str) -> torch.Tensor:
@@ -137,6 +177,8 @@ class TorchDistTransport(Transport):
 
     def _raise_timeout(self, phase: str, cause: BaseException | None, started: float) -> None:
         missing = self._find_missing_peers()
+        if missing is None:
+            raise store_lost(phase, cause) from cause
         waited = time.monotonic() - started
         who = (f"rank(s) {missing}" if missing else "a peer (could not tell which)")
         reason = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
@@ -144,11 +186,12 @@ class TorchDistTransport(Transport):
             f"ep_comm {phase}: rank {self.rank} waited {waited:.1f}s; {who} did not take part "
             f"within timeout_s={self.timeout_s:g}{reason}", peers=missing, phase=phase) from cause
 
-    def _find_missing_peers(self) -> list[int]:
-        """Survivors each write a marker to the store; whoever writes none is missing."""
+    def _find_missing_peers(self) -> list[int] | None:
+        """Survivors each write a marker to the store; whoever writes none is missing. None when
+        the store itself is gone."""
         self._incidents += 1
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = self.store if self.store is not None else dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - no store: cannot name the peer
             return []
         prefix = f"ep_comm/{self.instance_id}/incident{self._incidents}/"
@@ -164,4 +207,4 @@ class TorchDistTransport(Transport):
                 time.sleep(0.05)
             return [r for r in range(self.num_ranks) if r not in present]
         except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
-            return []
+            return None
