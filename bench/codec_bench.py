@@ -353,38 +353,67 @@ OVERHEAD_PARTS = ("header", "table", "directory", "states", "padding", "coded")
 
 
 def blob_parts(blob: torch.Tensor) -> dict[str, int]:
-    """Where a blob's bytes go (format version 2 or 3, csrc/codec/lossless_core.h): header and
+    """Where a blob's bytes go (format version 2, 3 or 4, csrc/codec/lossless_core.h): header and
     shape, frequency table (with its padding), chunk directory, rANS final states (128 bytes per
-    rANS chunk), payload padding, and the rest (coded words, raw fields, raw chunks)."""
+    rANS chunk, 4 per one-state chunk), payload padding, and the rest (coded words, raw fields, raw
+    chunks)."""
     import struct
 
     b = blob.numpy().tobytes()
-    ndim, entries = b[5], struct.unpack_from("<H", b, 6)[0]
-    cv, chunks, n = struct.unpack_from("<IIQ", b, 8)
-    table = struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * entries
-    header = 32 + 8 * ndim
+    ndim, entries, cv = b[5], struct.unpack_from("<H", b, 6)[0], struct.unpack_from("<I", b, 8)[0]
+    if b[4] == 4:  # a 20-byte header, LEB128 dimensions; value and chunk counts from the shape
+        header, n = 20, 1
+        for _ in range(ndim):
+            dim, shift = 0, 0
+            while True:
+                dim |= (b[header] & 0x7F) << shift
+                shift, header = shift + 7, header + 1
+                if not b[header - 1] & 0x80:
+                    break
+            n *= dim
+        chunks, table = -(-n // cv), struct.unpack_from("<H", b, 18)[0]
+    else:
+        chunks, n = struct.unpack_from("<IQ", b, 12)
+        table = struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * entries
+        header = 32 + 8 * ndim
     directory = (header + table + 3) // 4 * 4
     parts = {"header": header, "table": directory - header, "directory": 16 * chunks, "states": 0, "padding": 0}
     for c in range(chunks):
         mode, words, fields, _ = struct.unpack_from("<4I", b, directory + 16 * c)
-        used = 2 * min(cv, n - c * cv) if mode == 1 else 128 + 2 * words + (6 * fields + 7) // 8
-        parts["states"] += 128 if mode == 0 else 0
+        states = {0: 128, 2: 4}.get(mode, 0)
+        used = 2 * min(cv, n - c * cv) if mode == 1 else 0 if mode == 3 else states + 2 * words + (6 * fields + 7) // 8
+        parts["states"] += states
         parts["padding"] += -used % 4
     parts["coded"] = len(b) - sum(parts.values())
     return parts
 
 
 def format_sizes(tensors: list[torch.Tensor]) -> dict:
-    """Ours' blobs of ``tensors`` (each coded alone, on one thread): format version 2's ratio, and
-    version 3's bytes by part (fractions of the raw bytes)."""
+    """Ours' blobs of ``tensors`` (each coded alone, on one thread): format versions 2's and 3's
+    ratios, and version 4's bytes by part (fractions of the raw bytes)."""
     raw = sum(t.numel() * 2 for t in tensors)
     parts = dict.fromkeys(OVERHEAD_PARTS, 0)
-    v2 = 0
+    v2 = v3 = 0
     for t in tensors:
         for k, v in blob_parts(lossless.encode(t, threads=1)).items():
             parts[k] += v
         v2 += lossless.encode(t, threads=1, version=2).numel()
-    return {"v2_ratio": v2 / raw, "parts": {k: v / raw for k, v in parts.items()}}
+        v3 += lossless.encode(t, threads=1, version=3).numel()
+    return {"v2_ratio": v2 / raw, "v3_ratio": v3 / raw, "parts": {k: v / raw for k, v in parts.items()}}
+
+
+def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
+    """Each tensor coded alone (one thread) by ours and by zipnn, beside its order-0 bound: a row
+    per tensor with its shape and the three sizes in bytes."""
+    from zipnn import ZipNN
+
+    z = ZipNN(method="huffman", input_format="torch", bytearray_dtype="bfloat16", threads=1)
+    rows = []
+    for i, t in enumerate(tensors):
+        rows.append({"index": i, "shape": list(t.shape), "raw": t.numel() * 2,
+                     "ours": int(lossless.encode(t, threads=1).numel()), "zipnn": len(z.compress(_copy(t))),
+                     "bound": order0_bound([t]) * t.numel() * 2})
+    return rows
 
 
 def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
@@ -438,6 +467,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
                                    "enc_all": m["enc_gbs"], "dec_all": m["dec_gbs"]}
             row["bound"] = order0_bound(tensors)
             row["format"] = format_sizes(tensors)
+            row["per_tensor"] = per_tensor_sizes(tensors)
             if layout == "whole tensors":
                 row["design"] = design_sizes(tensors)
             report["results"].append(row)
@@ -474,14 +504,39 @@ def print_report(report: dict) -> None:
                       f"{o['dec_all'] / z['dec_all']:.2f}x")
         table.add_row("", "", "", "ours/bound", f"{o['ratio'] / row['bound']:.4f}", "", "", "", "", end_section=True)
     console.print(table)
-    sizes = Table(title="ours' bytes by part (fractions of the raw bytes, format version 3) and format version 2")
-    for col in ("kind", "layout", "ours", "bound", "ours v2", *OVERHEAD_PARTS):
+    sizes = Table(title="ours' bytes by part (fractions of the raw bytes, format version 4) and format versions 2, 3")
+    for col in ("kind", "layout", "ours", "bound", "ours v2", "ours v3", *OVERHEAD_PARTS):
         sizes.add_column(col)
     for row in report["results"]:
         parts = row["format"]["parts"]
         sizes.add_row(row["kind"], row["layout"], f"{row['ours']['ratio']:.5f}", f"{row['bound']:.5f}",
-                      f"{row['format']['v2_ratio']:.5f}", *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
+                      f"{row['format']['v2_ratio']:.5f}", f"{row['format']['v3_ratio']:.5f}",
+                      *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
     console.print(sizes)
+    per = Table(title="per tensor: tensors where ours is larger than zipnn, and ours over the bound")
+    for col in ("kind", "layout", "tensors", "ours > zipnn", "largest excess over zipnn (bytes)",
+                "ours/bound, worst tensor", "ours/bound, all"):
+        per.add_column(col)
+    for row in report["results"]:
+        rows = row["per_tensor"]
+        worse = [r for r in rows if r["ours"] > r["zipnn"]]
+        excess = max((r["ours"] - r["zipnn"] for r in worse), default=0)
+        worst = max((r["ours"] / r["bound"] for r in rows if r["bound"] > 0), default=float("nan"))
+        total = sum(r["ours"] for r in rows) / max(sum(r["bound"] for r in rows), 1e-9)
+        per.add_row(row["kind"], row["layout"], str(len(rows)), str(len(worse)), str(excess), f"{worst:.4f}",
+                    f"{total:.4f}")
+    console.print(per)
+    if report.get("per_tensor_rows"):
+        rows_table = Table(title="every tensor, bytes (ours, zipnn, order-0 bound)")
+        for col in ("kind", "layout", "#", "shape", "raw", "ours", "zipnn", "bound", "ours/zipnn", "ours/bound"):
+            rows_table.add_column(col)
+        for row in report["results"]:
+            for r in row["per_tensor"]:
+                rows_table.add_row(row["kind"], row["layout"], str(r["index"]), "x".join(map(str, r["shape"])) or "()",
+                                   str(r["raw"]), str(r["ours"]), str(r["zipnn"]), f"{r['bound']:.0f}",
+                                   f"{r['ours'] / r['zipnn']:.4f}",
+                                   f"{r['ours'] / r['bound']:.4f}" if r["bound"] > 0 else "-")
+        console.print(rows_table)
     console.print(report["note"])
     console.print(f"timing: {report['timing']}")
     console.print(f"CPU: {report['cpu']}; ours ran its {report['ours_path']} path")
@@ -527,11 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simd", choices=("best", *lossless.SIMD_PATHS), default="best",
                         help="ours' SIMD path (default: the best this CPU has), e.g. avx2 to time the path "
                              "of CPUs without AVX-512 on one that has it")
+    parser.add_argument("--per-tensor", action="store_true",
+                        help="also print every tensor's and message's sizes (ours, zipnn, bound)")
     args = parser.parse_args(argv)
     if args.save_tensors:
         save_tensors(args.save_tensors, model_tensors(args.batch, args.seq), args.max_mb)
         return 0
     report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model)
+    report["per_tensor_rows"] = args.per_tensor
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.codec_kernel_cases import blob_layout
 
 from ep_comm.codecs import lossless, lossless_device
 
@@ -297,7 +298,7 @@ def test_crafted_chunk_hiding_its_zeros_is_rejected():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1024, generator=g).bfloat16()
     x[::7] = 0
-    blob = bytearray(lossless.encode(x, chunk_values=1024).numpy().tobytes())
+    blob = bytearray(lossless.encode(x, chunk_values=1024, version=3).numpy().tobytes())  # 32 states
     directory = (_table_end(torch.frombuffer(bytearray(blob), dtype=torch.uint8)) + 3) & ~3
     mode, num_words, num_raw, checksum = struct.unpack_from("<4I", blob, directory)
     values = bits(x).numpy().astype("uint16")
@@ -612,12 +613,9 @@ def test_blob_type_checked():
 
 
 def _table_end(blob: torch.Tensor) -> int:
-    """The offset just past a blob's frequency table (format version 2 or 3; before its padding)."""
-    import struct
-
-    b = blob.numpy().tobytes()
-    table = struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * struct.unpack_from("<H", b, 6)[0]
-    return 32 + 8 * b[5] + table
+    """The offset just past a blob's frequency table (format version 2, 3 or 4; before its padding)."""
+    layout = blob_layout(blob)
+    return layout["table_at"] + layout["table_bytes"]
 
 
 def _read_table_v3(blob: torch.Tensor) -> tuple[int, dict[int, int], int]:
@@ -733,7 +731,7 @@ def test_small_chunks_match_large_chunk_statistics():
     assert (int(small[6]) | int(small[7]) << 8) == entries
     table = slice(40, 40 + 4 * entries)  # header 32 bytes + one u64 dimension
     assert torch.equal(small[table], large[table])
-    small, large = (lossless.encode(x, chunk_values=cv) for cv in (1024, 65536))
+    small, large = (lossless.encode(x, chunk_values=cv, version=3) for cv in (1024, 65536))
     (bits_small, f_small, _), (bits_large, f_large, _) = _read_table_v3(small), _read_table_v3(large)
     assert set(f_small) == set(f_large) and len(f_small) == entries
     if bits_small == bits_large:
@@ -768,7 +766,7 @@ def test_format_3_is_never_larger_than_format_2(name, x, chunk_values):
     size, both decode to the input everywhere, and version 3's table reads back (by the format's
     definition, in Python) as frequencies summing to 2^prob_bits, each at most 2048, in at most
     version 2's 4 bytes per entry."""
-    new = {p: lossless.encode(x, chunk_values=chunk_values, simd=p) for p in lossless.simd_paths()}
+    new = {p: lossless.encode(x, chunk_values=chunk_values, simd=p, version=3) for p in lossless.simd_paths()}
     old = {p: lossless.encode(x, chunk_values=chunk_values, simd=p, version=2) for p in lossless.simd_paths()}
     assert len({bytes(b.numpy()) for b in new.values()}) == 1 and len({bytes(b.numpy()) for b in old.values()}) == 1
     new, old = new["portable"], old["portable"]
@@ -790,11 +788,11 @@ def test_format_3_uses_12_bit_frequencies_where_they_pay():
     2048); one small chunk keeps 11 (the gain is below the 64-byte margin per chunk)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 7168, generator=g).bfloat16()
-    blob = lossless.encode(x)
+    blob = lossless.encode(x, version=3)
     assert _read_table_v3(blob)[0] == 12 and blob.numel() < lossless.encode(x, version=2).numel()
     skewed = torch.where(torch.rand(64, 7168, generator=g) < 0.6, torch.ones(()), torch.randn(64, 7168, generator=g))
-    assert _read_table_v3(lossless.encode(skewed.bfloat16()))[0] == 11
-    assert _read_table_v3(lossless.encode(torch.randn(512, generator=g).bfloat16()))[0] == 11
+    assert _read_table_v3(lossless.encode(skewed.bfloat16(), version=3))[0] == 11
+    assert _read_table_v3(lossless.encode(torch.randn(512, generator=g).bfloat16(), version=3))[0] == 11
 
 
 @pytest.mark.parametrize("table,entries,prob_bits,message", [
@@ -835,7 +833,7 @@ def test_encode_version_argument():
         lossless.encode(torch.zeros(4, dtype=torch.bfloat16), version=1)
     from ep_comm import _host
 
-    assert lossless.FORMAT_VERSION == 3 and _host.LOSSLESS_FORMAT_VERSION == 3
+    assert lossless.FORMAT_VERSION == 4 and _host.LOSSLESS_FORMAT_VERSION == 4
 
 
 # ---- what the device path reads on the host: the fixed header, and the error texts
@@ -856,7 +854,9 @@ def test_header_fields_reject_what_the_decoder_rejects():
     blob = lossless.encode(torch.randn(300, 7).to(torch.bfloat16), chunk_values=64)
     with pytest.raises(ValueError, match="prefix must hold the blob's first 96 bytes, got 10"):
         _host.lossless_metadata_bytes(blob[:10].numpy(), blob.numel())
-    with pytest.raises(ValueError, match="metadata must hold at least the blob's first 48 bytes, got 40"):
+    with pytest.raises(ValueError, match="blob is truncated"):  # not even the header
+        _host.lossless_parse_metadata(blob[:10].numpy(), blob.numel())
+    with pytest.raises(ValueError, match="metadata must hold the blob's first [0-9]+ bytes, got 40"):
         _host.lossless_parse_metadata(blob[:40].numpy(), blob.numel())
     data_offset = _host.lossless_metadata_bytes(blob[:96].numpy(), blob.numel())
     with pytest.raises(ValueError, match=f"metadata must hold the blob's first {data_offset} bytes"):
@@ -879,9 +879,12 @@ def test_header_fields_reject_what_the_decoder_rejects():
     for cut in list(range(0, data_offset + 2)) + [blob.numel() - 1]:
         want = outcome(lossless.shape_of, blob[:cut])
         assert isinstance(want, str) and outcome(lossless_device.header, blob[:cut]) == want, f"{cut} bytes"
-    for position, message in [(0, "bad magic"), (4, "version"), (5, "corrupted header"), (8, "corrupted header"),
-                              (16, "corrupted header"), (33, "shape does not match")]:
-        bad = blob.clone()
+    v3 = lossless.encode(torch.randn(300, 7).to(torch.bfloat16), chunk_values=64, version=3)
+    for version, position, message in [
+            (4, 0, "bad magic"), (4, 4, "version"), (4, 5, "corrupted header"), (4, 8, "corrupted header"),
+            (4, 16, "corrupted header"), (4, 20, "corrupted header"),  # the shape: the metadata checksum
+            (3, 16, "corrupted header"), (3, 33, "shape does not match")]:
+        bad = (blob if version == 4 else v3).clone()
         bad[position] ^= 0x41
         with pytest.raises(ValueError, match=message):
             lossless_device.header(bad)

@@ -42,8 +42,9 @@ def write_blobs(directory: Path, count: int) -> None:
             x = torch.zeros(n, dtype=torch.bfloat16)
         elif style == 4 and i % 2 == 0:
             x = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        # every fourth blob in format version 2, which the decoders still read
-        blob = lossless.encode(x, chunk_values=cv, version=2 if i % 4 == 3 else lossless.FORMAT_VERSION)
+        # every fourth blob in format version 3 and every fourth in 2, which the decoders still read
+        version = [lossless.FORMAT_VERSION, lossless.FORMAT_VERSION, 3, 2][i % 4]
+        blob = lossless.encode(x, chunk_values=cv, version=version)
         (directory / f"{i}.blob").write_bytes(blob.numpy().tobytes())
         (directory / f"{i}.raw").write_bytes(x.view(torch.int16).numpy().tobytes())
 

@@ -8,40 +8,50 @@
 //   raw    = the low 6 mantissa bits v & 0x3F, stored as packed 6-bit fields, only for symbols
 //            != 1024.
 // Symbols are coded with rANS (32-bit state, 16-bit renormalisation, 2^prob_bits-slot
-// probabilities, prob_bits 11 or 12 per blob) from one frequency table per blob, shared by all its
-// chunks. Values are cut into chunks of `chunk_values`; inside a chunk value i belongs to lane
+// probabilities) from one frequency table per blob, shared by all its chunks. Values are cut into
+// chunks of `chunk_values`; inside a chunk coded with 32 states (mode 0) value i belongs to lane
 // i % 32 (32 interleaved rANS states, one per warp lane on the GPU).
 //
-// Blob layout, format version 3 (little-endian, every field naturally aligned):
-//   Header (32 bytes): u32 magic 'EPLB', u8 version (3), u8 ndim, u16 num_table_entries,
+// Blob layout, format version 4 (little-endian, every field naturally aligned):
+//   Header (32 bytes): u32 magic 'EPLB', u8 version (4), u8 ndim, u16 num_table_entries,
 //                      u32 chunk_values, u32 num_chunks, u64 num_values,
 //                      u32 meta_checksum (of every byte before the directory but these 4),
-//                      u8 prob_bits (11 or 12), u8 0, u16 table_bytes
+//                      u8 prob_bits (6 to 12; 11 or 12 when a chunk has mode 0), u8 0, u16 table_bytes
 //   u64 shape[ndim]
-//   table (table_bytes bytes; none when every chunk is stored raw): num_table_entries entries in
-//          ascending symbol order, each a gap then a frequency:
-//            gap  = symbol - previous symbol - 1 (previous = -1 before the first) in [0, 1024]:
-//                   one byte when below 128, else two bytes 0x80 | gap >> 8, gap & 0xFF;
-//            freq in [1, 2048]: one byte freq - 1 when freq <= 128, else two bytes
-//                   0x80 | (freq - 1) >> 8, (freq - 1) & 0xFF;
-//          always the shortest form (so at most version 2's 4 bytes per entry); the frequencies
-//          sum to 2^prob_bits
+//   table (table_bytes bytes; none when no chunk is rANS-coded): one byte kg | kf << 4 (kg <= 10,
+//          kf <= 11), then a bit stream (bit j of byte b is stream bit 8b + j): per entry, in
+//          ascending symbol order, gap = symbol - previous symbol - 1 (previous = -1 before the
+//          first) in the order-kg Exp-Golomb code and freq - 1 in the order-kf one, where v in the
+//          order-k code is, with q = (v >> k) + 1 = 2^m + r: m zero bits, a one bit, r in m bits,
+//          then v's low k bits; zero bits to the end of the last byte. Frequencies are in [1, 2048]
+//          and sum to 2^prob_bits; the encoder takes the lowest of the cheapest orders
 //   zero padding to a multiple of 4 bytes
 //   directory: num_chunks x ChunkEntry {u32 mode, u32 num_words, u32 num_raw, u32 checksum}
 //   chunk payloads in order, each zero-padded to a multiple of 4 bytes:
-//     mode 0 (rANS): u32 final_state[32], u16 words[num_words], raw fields: num_raw 6-bit fields,
-//                    field k in bits [6k, 6k + 6) of the byte stream (bit j of byte b is stream
-//                    bit 8b + j), ceil(6 num_raw / 8) bytes, unused high bits zero
-//     mode 1 (raw):  u16 values[n] (a chunk that rANS would not shrink)
-// Format version 2 (still decoded) differs only in the header's last word (reserved, 0: prob_bits
-// is 11) and the table: num_table_entries x {u16 symbol, u16 freq}, 4 bytes each.
-// The encoder picks prob_bits per blob: 12 when every symbol's 12-bit frequency fits in 2048 slots
-// and the estimated size (the table and the symbols' cross-entropy under its frequencies) is
-// smaller than with 11 bits by more than 64 bytes per chunk, else 11 (then the table's
-// frequencies are version 2's). So a version 3 blob is never larger than version 2's: with 11
-// bits its table is no larger and everything else is the same; a rANS lane's bytes are its
-// symbols' information plus between 2 and 4 bytes (the final state less the renormalisation
-// floor), so two tables' chunks differ from their estimates' difference by under 2 bytes a lane.
+//     mode 0 (rANS, 32 states): u32 final_state[32], u16 words[num_words], raw fields: num_raw
+//                    6-bit fields, field k in bits [6k, 6k + 6) of the byte stream (bit j of byte
+//                    b is stream bit 8b + j), ceil(6 num_raw / 8) bytes, unused high bits zero
+//     mode 1 (raw):  u16 values[n] (a chunk that coding would not shrink)
+//     mode 2 (one state): u32 final_state, u16 words[num_words], raw fields as mode 0: the values
+//                    coded in order by one rANS state; only in a blob's only chunk of at most
+//                    kOneStateMaxValues values (the encoder uses it there, and stores the chunk raw
+//                    unless its payload plus the padded table is smaller than the values)
+//     mode 3 (+0.0): no payload, num_words = num_raw = 0, checksum 0 (every value +0.0)
+// Format version 3 (still decoded; written on request) differs in the table, num_table_entries
+// entries each a gap (one byte when below 128, else 0x80 | gap >> 8, gap & 0xFF) then a frequency
+// (one byte freq - 1 when freq <= 128, else 0x80 | (freq - 1) >> 8, (freq - 1) & 0xFF), always the
+// shortest form; prob_bits 11 or 12; modes 0 and 1 only. Format version 2 (still decoded) differs
+// from version 3 in the header's last word (reserved, 0: prob_bits is 11) and the table:
+// num_table_entries x {u16 symbol, u16 freq}, 4 bytes each.
+// The encoder picks prob_bits per blob: for a blob of one chunk of at most kOneStateMaxValues
+// values, the bits from kMinProbBits to 12 of the smallest estimated size (the symbols'
+// cross-entropy under the frequencies plus the table; choose_one_state_prob_bits); otherwise 12
+// when every symbol's 12-bit frequency fits in 2048 slots and the estimated size (the table and
+// the symbols' cross-entropy under its frequencies) is smaller than with 11 bits by more than 64
+// bytes per chunk, else 11. With 11 bits a version 3 table is no larger than version 2's and
+// everything else is the same; a rANS lane's bytes are its symbols' information plus between 2
+// and 4 bytes (the final state less the renormalisation floor), so two tables' chunks differ from
+// their estimates' difference by under 2 bytes a lane.
 // The checksum of a chunk is sum_i v_i * (2 i + 1) mod 2^32 over its values (i within the chunk),
 // so any single corrupted value changes it.
 #pragma once
@@ -54,13 +64,15 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 3;     // what the encoder writes
-constexpr uint32_t kOldVersion = 2;  // still decoded
+constexpr uint32_t kVersion = 4;     // what the encoder writes by default
+constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
+constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;
 constexpr int kLanes = 32;
 constexpr int kProbBits = 11;                       // version 2's probabilities; the entry fields' width
 constexpr uint32_t kProbScale = 1u << kProbBits;    // also the largest frequency of one symbol
 constexpr int kMaxProbBits = 12;                    // version 3 also takes 12
+constexpr int kMinProbBits = 6;                     // version 4's one-state blobs take 6 to 12
 constexpr uint32_t kMaxProbScale = 1u << kMaxProbBits;
 constexpr uint32_t kStateLow = 1u << 16;  // rANS states live in [kStateLow, 2^32)
 constexpr int kNumSymbols = 1025;
@@ -70,13 +82,20 @@ constexpr int kRawBits = 6;
 constexpr uint32_t kRawMask = (1u << kRawBits) - 1;
 constexpr uint32_t kModeRans = 0;
 constexpr uint32_t kModeRaw = 1;
+constexpr uint32_t kModeOneState = 2;  // version 4: one rANS state (a blob's only chunk, at most kOneStateMaxValues)
+constexpr uint32_t kModeZero = 3;      // version 4: every value +0.0, no payload
+constexpr uint32_t kOneStateMaxValues = 4096;
 constexpr uint32_t kDefaultChunkValues = 65536;
 constexpr uint32_t kMinChunkValues = 32;
 constexpr uint32_t kMaxChunkValues = 1u << 24;
 constexpr uint64_t kMaxValues = 1ull << 48;
-constexpr size_t kHeaderBytes = 32;
-constexpr size_t kMetaChecksumOffset = 24;
+constexpr size_t kHeaderBytes = 32;           // versions 2 and 3 (and the most any version takes)
+constexpr size_t kMetaChecksumOffset = 24;    // versions 2 and 3
+constexpr size_t kHeaderBytesV4 = 20;
+constexpr size_t kMetaChecksumOffsetV4 = 12;
+constexpr uint32_t kMaxDimBytes = 7;          // a version 4 dimension: LEB128 of at most 2^48
 constexpr size_t kStateBytes = kLanes * 4;
+constexpr size_t kOneStateBytes = 4;
 
 // Error codes of the decoder (0 = ok); error_message() turns them into text.
 enum Status : int {
@@ -133,10 +152,14 @@ EP_HD uint64_t align4(uint64_t n) { return (n + 3) & ~uint64_t(3); }
 // Bytes of `num_raw` packed 6-bit fields.
 EP_HD uint64_t raw_bytes(uint64_t num_raw) { return (uint64_t(kRawBits) * num_raw + 7) / 8; }
 
+// Bytes of the final states that open a rANS chunk's payload (mode 0 or 2).
+EP_HD uint64_t state_bytes(const ChunkEntry& e) { return e.mode == kModeOneState ? kOneStateBytes : kStateBytes; }
+
 // Bytes of a chunk's payload before padding.
 EP_HD uint64_t payload_bytes(const ChunkEntry& e, uint32_t n) {
   if (e.mode == kModeRaw) return 2ull * n;
-  return kStateBytes + 2ull * e.num_words + raw_bytes(e.num_raw);
+  if (e.mode == kModeZero) return 0;
+  return state_bytes(e) + 2ull * e.num_words + raw_bytes(e.num_raw);
 }
 
 // ---- packed 6-bit fields ----
@@ -322,6 +345,195 @@ EP_HD void write_table_v3(uint8_t* p, const uint32_t* freq) {
   }
 }
 
+// ---- version 4 tables: order-k Exp-Golomb codes in a bit stream ----
+// A value v >= 0 in the order-k code: with q = (v >> k) + 1 = 2^m + r (r < 2^m), m zero bits, a
+// one bit, r in m bits, then v's low k bits (stream bits low first, as BitWriter puts them):
+// 2m + 1 + k bits. A table is one byte kg | kf << 4 (the orders of the gaps and of freq - 1), then
+// per entry in ascending symbol order the gap (as in version 3) in order kg and freq - 1 in order
+// kf, then zero bits to the byte's end. The encoder takes the lowest of the cheapest orders.
+constexpr uint32_t kMaxGapOrder = 10;   // gaps are at most 1024
+constexpr uint32_t kMaxFreqOrder = 11;  // freq - 1 is at most 2047
+constexpr uint32_t kMaxCodePrefix = 11;  // m of any valid code: q <= 2048
+
+EP_HD uint32_t eg_prefix(uint32_t v, uint32_t k) {
+  const uint32_t q = (v >> k) + 1;  // >= 1: floor(log2 q) from the leading zeros
+#if defined(__CUDA_ARCH__)
+  return 31u - uint32_t(__clz(q));
+#else
+  return 31u - uint32_t(__builtin_clz(q));
+#endif
+}
+EP_HD uint32_t eg_bits(uint32_t v, uint32_t k) { return 2 * eg_prefix(v, k) + 1 + k; }
+// The code's bits (bit 0 first in the stream); eg_bits(v, k) <= 36 of them.
+EP_HD uint64_t eg_code(uint32_t v, uint32_t k) {
+  const uint32_t m = eg_prefix(v, k), q = (v >> k) + 1;
+  const uint64_t r = q - (1u << m), low = v & ((1u << k) - 1u);
+  return (uint64_t(1) << m) | (r << (m + 1)) | (low << (2 * m + 1));
+}
+
+// One table entry's code (gap, then freq - 1) and its length in bits (at most 44).
+EP_HD uint64_t table_entry_code_v4(uint32_t gap, uint32_t freq, uint32_t kg, uint32_t kf, uint32_t& bits) {
+  const uint32_t gbits = eg_bits(gap, kg);
+  bits = gbits + eg_bits(freq - 1, kf);
+  return eg_code(gap, kg) | (eg_code(freq - 1, kf) << gbits);
+}
+
+// The orders of freq[1025]'s version 4 table: the lowest of the cheapest, each on its own.
+// (Host: the present entries gathered first, so a table of few symbols costs few steps.)
+EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
+  uint32_t gaps[kNumSymbols], f1[kNumSymbols], present = 0;
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    gaps[present] = uint32_t(s - previous - 1);
+    f1[present++] = freq[s] - 1;
+    previous = s;
+  }
+  uint64_t best_g = ~0ull, best_f = ~0ull;
+  kg = kf = 0;
+  for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
+    uint64_t cg = 0, cf = 0;
+    for (uint32_t i = 0; i < present; ++i) {
+      cg += eg_bits(gaps[i], k);
+      cf += eg_bits(f1[i], k);
+    }
+    if (k <= kMaxGapOrder && cg < best_g) best_g = cg, kg = k;
+    if (cf < best_f) best_f = cf, kf = k;
+  }
+}
+
+// Bytes of freq[1025]'s version 4 table with orders kg, kf (0 when no symbol is present).
+EP_HD uint32_t table_bytes_v4(const uint32_t* freq, uint32_t kg, uint32_t kf) {
+  uint64_t bits = 0;
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    uint32_t b = 0;
+    table_entry_code_v4(uint32_t(s - previous - 1), freq[s], kg, kf, b);
+    bits += b;
+    previous = s;
+  }
+  return previous < 0 ? 0u : uint32_t(1 + (bits + 7) / 8);
+}
+
+// Writes freq[1025]'s version 4 table with orders kg, kf at p (table_bytes_v4 bytes).
+EP_HD void write_table_v4(uint8_t* p, const uint32_t* freq, uint32_t kg, uint32_t kf) {
+  p[0] = static_cast<uint8_t>(kg | (kf << 4));
+  BitWriter bits(p + 1);
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    uint32_t n = 0;
+    const uint64_t code = table_entry_code_v4(uint32_t(s - previous - 1), freq[s], kg, kf, n);
+    bits.put(code, n);  // n <= 44
+    previous = s;
+  }
+  bits.finish();
+}
+
+// Reads a bit stream of `bits` bits at p, low bits first, every read bounds-checked.
+struct BitReader {
+  const uint8_t* p;
+  uint64_t bits;
+  uint64_t pos = 0;
+  EP_HD BitReader(const uint8_t* q, uint64_t b) : p(q), bits(b) {}
+  // The next n <= 24 bits into v; false past the end.
+  EP_HD bool get(uint32_t n, uint32_t& v) {
+    if (pos + n > bits) return false;
+    v = 0;
+    for (uint32_t i = 0; i < n; ++i, ++pos) v |= uint32_t((p[pos >> 3] >> (pos & 7)) & 1u) << i;
+    return true;
+  }
+  // An order-k code into v; false past the end or when its prefix is longer than any valid one.
+  EP_HD bool get_eg(uint32_t k, uint32_t& v) {
+    uint32_t m = 0, bit = 0;
+    for (;;) {
+      if (!get(1, bit)) return false;
+      if (bit) break;
+      if (++m > kMaxCodePrefix) return false;
+    }
+    uint32_t r = 0, low = 0;
+    if (!get(m, r) || !get(k, low)) return false;
+    v = ((((1u << m) | r) - 1u) << k) | low;
+    return true;
+  }
+};
+
+// The fewest probability bits choose_one_state_prob_bits tries for `present` symbols: kMinProbBits,
+// or one more than log2(present) rounded up (so every symbol has at least two slots' worth; fewer
+// bits were never the cheapest on the benchmark's small tensors, and trying them is slow).
+EP_HD int one_state_min_prob_bits(uint32_t present) {
+  int bits = 0;
+  while ((1u << bits) < present) ++bits;
+  return bits + 1 > kMinProbBits ? bits + 1 : kMinProbBits;
+}
+
+// The probability bits of a version 4 blob coded as one one-state chunk (counts[1025] over `total`
+// > 0 values): of one_state_min_prob_bits(present) to kMaxProbBits, those whose frequencies
+// (normalize_counts) are at most 2048, the one of the smallest estimated size (the symbols'
+// cross-entropy under the frequencies in 1/1024 bits, by log2_q10, plus 8 << 10 per byte of the
+// table, table_bytes_v4), the fewest bits on ties; 11 when none qualifies (a symbol above half the
+// values among 1,025). freq[1025] gets its frequencies.
+// Computed over the present symbols only (the absent ones have frequency 0 and never take a
+// correction), with normalize_counts' and table_bytes_v4's results.
+EP_HD int choose_one_state_prob_bits(const uint64_t* counts, uint64_t total, uint32_t* freq) {
+  uint32_t sym[kNumSymbols], gap[kNumSymbols], trial[kNumSymbols], best_freq[kNumSymbols];
+  uint32_t present = 0;
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (counts[s] == 0) continue;
+    sym[present] = uint32_t(s);
+    gap[present++] = uint32_t(s - previous - 1);
+    previous = s;
+  }
+  uint64_t gap_bits = ~0ull;  // the gaps' cheapest order: the same for every prob_bits
+  for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
+    uint64_t bits = 0;
+    for (uint32_t i = 0; i < present; ++i) bits += eg_bits(gap[i], k);
+    gap_bits = bits < gap_bits ? bits : gap_bits;
+  }
+  uint64_t best_cost = ~0ull;
+  int best = kMaxProbBits;
+  for (int pb = one_state_min_prob_bits(present); pb <= kMaxProbBits; ++pb) {
+    int64_t diff = int64_t(1) << pb;  // normalize_counts
+    for (uint32_t i = 0; i < present; ++i) {
+      trial[i] = scaled_frequency(counts[sym[i]], total, pb);
+      diff -= trial[i];
+    }
+    while (diff != 0) {
+      uint32_t top = 0;
+      for (uint32_t i = 1; i < present; ++i)
+        if (trial[i] > trial[top]) top = i;
+      correct_frequency(trial[top], diff);
+    }
+    bool fits = true;
+    uint64_t cost = 0, freq_bits = ~0ull;
+    for (uint32_t i = 0; i < present; ++i) {
+      fits = fits && trial[i] <= kProbScale;
+      cost += counts[sym[i]] * ((uint64_t(pb) << 10) - log2_q10(trial[i]));
+    }
+    if (!fits) continue;
+    for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
+      uint64_t bits = 0;
+      for (uint32_t i = 0; i < present; ++i) bits += eg_bits(trial[i] - 1, k);
+      freq_bits = bits < freq_bits ? bits : freq_bits;
+    }
+    cost += (8 * (1 + (gap_bits + freq_bits + 7) / 8)) << 10;  // table_bytes_v4
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = pb;
+      for (uint32_t i = 0; i < present; ++i) best_freq[i] = trial[i];
+    }
+  }
+  if (best_cost == ~0ull) {
+    normalize_counts(counts, total, freq, kProbBits);
+    return kProbBits;
+  }
+  for (int s = 0; s < kNumSymbols; ++s) freq[s] = 0;
+  for (uint32_t i = 0; i < present; ++i) freq[sym[i]] = best_freq[i];
+  return best;
+}
+
 // ---- rANS steps (one state) ----
 // High 64 bits of a 64x64-bit product.
 EP_HD uint64_t mulhi64(uint64_t a, uint64_t b) {
@@ -428,18 +640,62 @@ EP_HD uint64_t num_chunks_for(uint64_t num_values, uint32_t chunk_values) {
   return (num_values + chunk_values - 1) / chunk_values;
 }
 
+// ---- header layout: versions 2 and 3 (32 bytes, u64 dimensions), version 4 (20 bytes, LEB128
+// dimensions: 7 bits a byte, low first, the high bit set on every byte but the last, shortest form)
+EP_HD uint64_t header_bytes(uint32_t version) { return version == kVersion ? kHeaderBytesV4 : kHeaderBytes; }
+EP_HD uint64_t meta_checksum_offset(uint32_t version) {
+  return version == kVersion ? kMetaChecksumOffsetV4 : kMetaChecksumOffset;
+}
+EP_HD uint32_t dim_bytes_v4(uint64_t d) {
+  uint32_t b = 1;
+  while (d >= 128) d >>= 7, ++b;
+  return b;
+}
+// Bytes of a shape of `ndim` dimensions in format `version`.
+EP_HD uint64_t shape_bytes(const uint64_t* dims, uint32_t ndim, uint32_t version) {
+  if (version != kVersion) return 8ull * ndim;
+  uint64_t b = 0;
+  for (uint32_t d = 0; d < ndim; ++d) b += dim_bytes_v4(dims[d]);
+  return b;
+}
+// Writes the shape after the header (shape_bytes bytes).
+EP_HD void store_shape(uint8_t* o, const uint64_t* dims, uint32_t ndim, uint32_t version) {
+  uint8_t* p = o + header_bytes(version);
+  for (uint32_t d = 0; d < ndim; ++d) {
+    if (version != kVersion) {
+      store_le<uint64_t>(p, dims[d]);
+      p += 8;
+      continue;
+    }
+    uint64_t v = dims[d];
+    while (v >= 128) {
+      *p++ = static_cast<uint8_t>(0x80 | (v & 0x7F));
+      v >>= 7;
+    }
+    *p++ = static_cast<uint8_t>(v);
+  }
+}
+
+// The most bytes header and shape take (version 2's and 3's 8 bytes a dimension).
 EP_HD uint64_t table_offset_for(uint32_t ndim) { return kHeaderBytes + 8ull * ndim; }
-// (table_bytes: the table's size before padding; version 2: 4 per entry)
+// (table_offset: the header's and shape's bytes; table_bytes: the table's size before padding)
+EP_HD uint64_t directory_offset_at(uint64_t table_offset, uint32_t table_bytes) {
+  return align4(table_offset + table_bytes);
+}
+EP_HD uint64_t data_offset_at(uint64_t table_offset, uint32_t table_bytes, uint32_t chunks) {
+  return directory_offset_at(table_offset, table_bytes) + sizeof(ChunkEntry) * uint64_t(chunks);
+}
+// Upper bounds (the layout of versions 2 and 3), for sizing outputs.
 EP_HD uint64_t directory_offset_for(uint32_t ndim, uint32_t table_bytes) {
-  return align4(table_offset_for(ndim) + table_bytes);
+  return directory_offset_at(table_offset_for(ndim), table_bytes);
 }
 EP_HD uint64_t data_offset_for(uint32_t ndim, uint32_t table_bytes, uint32_t chunks) {
   return directory_offset_for(ndim, table_bytes) + sizeof(ChunkEntry) * uint64_t(chunks);
 }
 
-// The fixed header fields: magic, version, ndim, table entries, chunk size, chunk count, value
-// count, and the word after the metadata checksum (the checksum itself comes last): version 3's
-// prob_bits and table bytes, version 2's zero.
+// The fixed header fields: magic, version, ndim, table entries, chunk size, (versions 2 and 3:
+// chunk count and value count), and the word after the metadata checksum (the checksum itself
+// comes last): versions 3's and 4's prob_bits and table bytes, version 2's zero.
 EP_HD void store_header(uint8_t* o, uint32_t ndim, uint32_t entries, uint32_t chunk_values, uint32_t chunks,
                         uint64_t num_values, uint32_t prob_bits = kProbBits, uint32_t table_bytes = 0,
                         uint32_t version = kVersion) {
@@ -448,33 +704,42 @@ EP_HD void store_header(uint8_t* o, uint32_t ndim, uint32_t entries, uint32_t ch
   o[5] = static_cast<uint8_t>(ndim);
   store_le<uint16_t>(o + 6, static_cast<uint16_t>(entries));
   store_le<uint32_t>(o + 8, chunk_values);
-  store_le<uint32_t>(o + 12, chunks);
-  store_le<uint64_t>(o + 16, num_values);
+  if (version != kVersion) {
+    store_le<uint32_t>(o + 12, chunks);
+    store_le<uint64_t>(o + 16, num_values);
+  }
   const uint32_t last = version == kOldVersion ? 0u : prob_bits | (table_bytes << 16);
-  store_le<uint32_t>(o + kMetaChecksumOffset + 4, last);
+  store_le<uint32_t>(o + meta_checksum_offset(version) + 4, last);
 }
 
-// Checksum of the header, shape and table (bytes [0, end) but the checksum field itself).
-EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end) {
+// Checksum of the header, shape and table (bytes [0, end) but the checksum field itself, at
+// meta_checksum_offset(version)).
+EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end, uint32_t version) {
+  const uint64_t at = meta_checksum_offset(version);
   uint32_t sum = 0;
   for (uint64_t i = 0; i < end; ++i)
-    if (i < kMetaChecksumOffset || i >= kMetaChecksumOffset + 4) sum += uint32_t(blob[i]) * uint32_t(2 * i + 1);
+    if (i < at || i >= at + 4) sum += uint32_t(blob[i]) * uint32_t(2 * i + 1);
   return sum;
 }
 
 // The checks of parse_header that read fixed fields: header, shape, and that table and directory
-// fit (not the table padding and the metadata checksum, which read every metadata byte).
-EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h) {
-  if (size < kHeaderBytes) return kErrTruncated;
+// fit (not the table padding and the metadata checksum, which read every metadata byte). Reads
+// only bytes below min(size, readable) (readable: how much of the blob the caller holds).
+EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull) {
+  if (readable > size) readable = size;
+  if (readable < kHeaderBytesV4) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
-  if (blob[4] != kVersion && blob[4] != kOldVersion) return kErrVersion;
+  if (blob[4] != kVersion && blob[4] != kVersion3 && blob[4] != kOldVersion) return kErrVersion;
   h.version = blob[4];
+  if (readable < header_bytes(h.version)) return kErrTruncated;
   h.ndim = blob[5];
   h.num_table_entries = load_le<uint16_t>(blob + 6);
   h.chunk_values = load_le<uint32_t>(blob + 8);
-  h.num_chunks = load_le<uint32_t>(blob + 12);
-  h.num_values = load_le<uint64_t>(blob + 16);
-  const uint32_t last = load_le<uint32_t>(blob + kMetaChecksumOffset + 4);
+  if (h.version != kVersion) {
+    h.num_chunks = load_le<uint32_t>(blob + 12);
+    h.num_values = load_le<uint64_t>(blob + 16);
+  }
+  const uint32_t last = load_le<uint32_t>(blob + meta_checksum_offset(h.version) + 4);
   if (h.version == kOldVersion) {
     if (last != 0) return kErrHeader;
     h.prob_bits = kProbBits;
@@ -482,32 +747,63 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h) {
   } else {
     h.prob_bits = last & 0xFF;
     h.table_bytes = last >> 16;
-    if ((h.prob_bits != uint32_t(kProbBits) && h.prob_bits != uint32_t(kMaxProbBits)) || ((last >> 8) & 0xFF) != 0)
-      return kErrHeader;
-    // every entry takes 2 to 4 bytes
-    if (h.table_bytes < 2 * h.num_table_entries || h.table_bytes > 4 * h.num_table_entries) return kErrTable;
+    const bool bits_ok = h.version == kVersion3
+                             ? h.prob_bits == uint32_t(kProbBits) || h.prob_bits == uint32_t(kMaxProbBits)
+                             : h.prob_bits >= uint32_t(kMinProbBits) && h.prob_bits <= uint32_t(kMaxProbBits);
+    if (!bits_ok || ((last >> 8) & 0xFF) != 0) return kErrHeader;
+    if (h.version == kVersion3) {
+      // every entry takes 2 to 4 bytes
+      if (h.table_bytes < 2 * h.num_table_entries || h.table_bytes > 4 * h.num_table_entries) return kErrTable;
+    } else if ((h.table_bytes == 0) != (h.num_table_entries == 0) || h.table_bytes > kMaxTableBytes) {
+      return kErrTable;  // version 4: the orders' byte and at least 2 bits an entry
+    }
   }
   if (h.ndim > kMaxDims) return kErrHeader;
   if (h.chunk_values < kMinChunkValues || h.chunk_values > kMaxChunkValues || h.chunk_values % kLanes != 0)
     return kErrHeader;
-  if (h.num_values > kMaxValues) return kErrHeader;
-  if (num_chunks_for(h.num_values, h.chunk_values) != h.num_chunks) return kErrHeader;
   if (h.num_table_entries > kNumSymbols) return kErrTable;
-  // no table: an empty tensor, or every chunk stored raw
-  if (h.num_values == 0 && h.num_table_entries != 0) return kErrTable;
-  h.table_offset = table_offset_for(h.ndim);
-  if (size < h.table_offset) return kErrTruncated;
-  uint64_t product = 1;
+  if (h.version != kVersion) {
+    if (h.num_values > kMaxValues) return kErrHeader;
+    if (num_chunks_for(h.num_values, h.chunk_values) != h.num_chunks) return kErrHeader;
+    // no table: an empty tensor, or every chunk stored raw
+    if (h.num_values == 0 && h.num_table_entries != 0) return kErrTable;
+  }
+  uint64_t at = header_bytes(h.version), product = 1;
   for (uint32_t d = 0; d < h.ndim; ++d) {
-    h.shape[d] = load_le<uint64_t>(blob + kHeaderBytes + 8ull * d);
+    if (h.version != kVersion) {
+      if (readable < at + 8) return kErrTruncated;
+      h.shape[d] = load_le<uint64_t>(blob + at);
+      at += 8;
+    } else {  // LEB128, shortest form, at most kMaxDimBytes bytes
+      uint64_t v = 0;
+      for (uint32_t k = 0;; ++k) {
+        if (k == kMaxDimBytes) return kErrShape;
+        if (readable < at + 1) return kErrTruncated;
+        const uint8_t byte = blob[at++];
+        v |= uint64_t(byte & 0x7F) << (7 * k);
+        if ((byte & 0x80) == 0) {
+          if (k > 0 && byte == 0) return kErrShape;
+          break;
+        }
+      }
+      h.shape[d] = v;
+    }
     if (h.shape[d] > kMaxValues) return kErrShape;
     // checked before multiplying, so the product cannot wrap around
     if (h.shape[d] != 0 && product > kMaxValues / h.shape[d]) return kErrShape;
     product = product * h.shape[d];
   }
+  if (h.version == kVersion) {
+    h.num_values = product;
+    const uint64_t chunks = num_chunks_for(product, h.chunk_values);
+    if (chunks > 0xFFFFFFFFull) return kErrHeader;
+    h.num_chunks = static_cast<uint32_t>(chunks);
+    if (h.num_values == 0 && h.num_table_entries != 0) return kErrTable;
+  }
   if (product != h.num_values) return kErrShape;
-  h.directory_offset = directory_offset_for(h.ndim, h.table_bytes);
-  h.data_offset = data_offset_for(h.ndim, h.table_bytes, h.num_chunks);
+  h.table_offset = at;
+  h.directory_offset = directory_offset_at(h.table_offset, h.table_bytes);
+  h.data_offset = data_offset_at(h.table_offset, h.table_bytes, h.num_chunks);
   if (size < h.data_offset) return kErrTruncated;
   return kOk;
 }
@@ -519,7 +815,8 @@ EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
   if (st != kOk) return st;
   for (uint64_t p = h.table_offset + h.table_bytes; p < h.directory_offset; ++p)
     if (blob[p] != 0) return kErrPadding;
-  if (meta_checksum(blob, h.directory_offset) != load_le<uint32_t>(blob + kMetaChecksumOffset)) return kErrHeader;
+  if (meta_checksum(blob, h.directory_offset, h.version) != load_le<uint32_t>(blob + meta_checksum_offset(h.version)))
+    return kErrHeader;
   return kOk;
 }
 
@@ -553,11 +850,36 @@ EP_HD int read_table_v3(const uint8_t* p, const Header& h, uint32_t* freq) {
   return k == h.table_bytes ? int(kOk) : int(kErrTable);
 }
 
+// Reads a version 4 table (h.table_bytes bytes at `p`, inside the blob) into freq[1025]: orders in
+// range, symbols below 1025, frequencies in [1, 2048], the bits after the last entry zero and
+// fewer than 8 (the sum is checked by the caller).
+EP_HD int read_table_v4(const uint8_t* p, const Header& h, uint32_t* freq) {
+  if (h.num_table_entries == 0) return h.table_bytes == 0 ? int(kOk) : int(kErrTable);
+  const uint32_t kg = p[0] & 0xFu, kf = p[0] >> 4;
+  if (kg > kMaxGapOrder || kf > kMaxFreqOrder) return kErrTable;
+  BitReader bits(p + 1, 8ull * (h.table_bytes - 1));
+  int previous = -1;
+  for (uint32_t i = 0; i < h.num_table_entries; ++i) {
+    uint32_t gap = 0, f1 = 0;
+    if (!bits.get_eg(kg, gap) || !bits.get_eg(kf, f1)) return kErrTable;
+    if (gap >= uint32_t(kNumSymbols) || f1 >= kProbScale) return kErrTable;
+    const int sym = previous + 1 + int(gap);
+    if (sym >= kNumSymbols) return kErrTable;
+    freq[sym] = f1 + 1;
+    previous = sym;
+  }
+  const uint32_t left = uint32_t(bits.bits - bits.pos);
+  uint32_t rest = 0;
+  if (left >= 8 || !bits.get(left, rest) || rest != 0) return kErrTable;
+  return kOk;
+}
+
 // Reads the table into freq[1025] / start[1025]; validates order and sum.
 EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint32_t* start) {
   for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
   if (h.version != kOldVersion) {
-    const int st = read_table_v3(blob + h.table_offset, h, freq);
+    const int st = h.version == kVersion3 ? read_table_v3(blob + h.table_offset, h, freq)
+                                          : read_table_v4(blob + h.table_offset, h, freq);
     if (st != kOk) return st;
     if (h.num_table_entries == 0) return kOk;
     return cumulative(freq, start, int(h.prob_bits)) ? int(kOk) : int(kErrTable);
@@ -579,7 +901,13 @@ EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint3
 // Validates a chunk's directory entry (n = its value count) against the blob's header.
 EP_HD int check_entry(const Header& h, const ChunkEntry& e, uint32_t n) {
   if (e.mode == kModeRaw) return (e.num_words == 0 && e.num_raw == 0) ? int(kOk) : int(kErrDirectory);
-  if (e.mode != kModeRans || h.num_table_entries == 0) return kErrDirectory;
+  if (e.mode == kModeZero)  // version 4; all +0.0: no fields, checksum 0
+    return (h.version == kVersion && e.num_words == 0 && e.num_raw == 0 && e.checksum == 0) ? int(kOk)
+                                                                                             : int(kErrDirectory);
+  if (e.mode == kModeOneState && (h.version != kVersion || n > kOneStateMaxValues)) return kErrDirectory;
+  if ((e.mode != kModeRans && e.mode != kModeOneState) || h.num_table_entries == 0) return kErrDirectory;
+  // 32-state chunks: 11 or 12 probability bits (the SIMD decoders' constants); fewer: one-state only
+  if (e.mode == kModeRans && h.prob_bits < uint32_t(kProbBits)) return kErrDirectory;
   if (e.num_words > n || e.num_raw > n) return kErrDirectory;
   return kOk;
 }
@@ -712,7 +1040,7 @@ EP_HD bool load_states(const uint8_t* payload, uint32_t* states) {
 // The unused high bits of a rANS chunk's last raw byte are zero.
 EP_HD bool raw_tail_zero(const uint8_t* payload, const ChunkEntry& e) {
   const uint64_t bits = uint64_t(kRawBits) * e.num_raw;
-  return bits % 8 == 0 || (payload[kStateBytes + 2ull * e.num_words + bits / 8] >> (bits % 8)) == 0;
+  return bits % 8 == 0 || (payload[state_bytes(e) + 2ull * e.num_words + bits / 8] >> (bits % 8)) == 0;
 }
 
 // Checks run after a chunk's values are decoded: every word and raw field consumed, states back
@@ -770,6 +1098,55 @@ EP_HD int decode_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, 
   uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;
   return decode_chunk_from(payload, e, n, table, out, states, 0, 0, 0);
+}
+
+// ---- one-state chunks (mode 2, version 4): the chunk's values coded in order by one rANS state ----
+
+// Codes the symbols of v[0, n) with one state, last value first, writing words backwards below
+// words_end (room for n words); returns the number of words; `state` gets the final state.
+EP_HD uint32_t rans_encode_one_state(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t& state,
+                                     uint16_t* words_end) {
+  uint32_t x = kStateLow;
+  uint16_t* cursor = words_end;
+  for (uint32_t i = n; i-- > 0;) x = enc_step(x, syms[symbol_of(v[i])], cursor);
+  state = x;
+  return static_cast<uint32_t>(words_end - cursor);
+}
+
+// Decodes a mode 2 chunk (payload_bytes(e, n) bytes at `payload`, bounds-checked by the caller)
+// with the checks of decode_chunk: the state in range, every word and raw field consumed, the
+// state back at its initial value, the last raw byte's unused bits zero, the checksum.
+EP_HD int decode_one_state_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                                 uint16_t* out) {
+  uint32_t x = load_le<uint32_t>(payload);
+  if (x < kStateLow) return kErrStream;
+  const uint8_t* words = payload + kOneStateBytes;
+  const uint8_t* raw = words + 2ull * e.num_words;
+  const uint64_t nraw_bytes = raw_bytes(e.num_raw);
+  uint32_t wpos = 0, rpos = 0, checksum = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t s = dec_step(x, table);
+    if (x < kStateLow) {
+      if (wpos >= e.num_words) return kErrStream;
+      x = (x << 16) | load_le<uint16_t>(words + 2ull * wpos);
+      ++wpos;
+    }
+    uint32_t r = 0;
+    if (s != uint32_t(kZeroSymbol)) {
+      if (rpos >= e.num_raw) return kErrStream;
+      r = read_raw_field(raw, nraw_bytes, rpos++);
+    }
+    out[i] = join_value(s, r);
+    checksum += checksum_term(out[i], i);
+  }
+  if (wpos != e.num_words || rpos != e.num_raw || x != kStateLow) return kErrStream;
+  if (!raw_tail_zero(payload, e)) return kErrPadding;
+  return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+
+// A mode 3 chunk: n values +0.0 (check_entry checked its fields).
+EP_HD void decode_zero_chunk(uint32_t n, uint16_t* out) {
+  for (uint32_t i = 0; i < n; ++i) out[i] = 0;
 }
 
 // Raw chunk: copies and checks the checksum.

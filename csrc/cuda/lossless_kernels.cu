@@ -7,12 +7,18 @@
 //                  flushed once per block) -- the values are read once for all three;
 //   table_kernel   one block: the host's normalisation with 11 and 12 bits (parallel argmax for
 //                  the corrections), the host's choice between them (prefer_12_bits, block sums),
-//                  the cumulative starts (block scan) and the encoder's symbol table;
+//                  or for a blob of one small chunk the host's choice of 6 to 12 bits
+//                  (choose_one_state_prob_bits, each trial's sums in parallel), the version 4
+//                  table's orders and size, the cumulative starts (block scan) and the encoder's
+//                  symbol table;
 //   rans_kernel    one warp per chunk, lanes = the core's 32 interleaved states, symbol table in
-//                  shared memory, values read in 512-byte tiles one tile ahead;
-//   layout_kernel  one block: header, format 3 table (none when every chunk is raw, as on the host;
-//                  entries placed by a block max-scan for the gaps and a sum-scan for the sizes),
-//                  metadata checksum (block reduction), chunk offsets (block scan), directory;
+//                  shared memory, values read in 512-byte tiles one tile ahead; a blob's only
+//                  chunk of at most kOneStateMaxValues values coded by lane 0 with one state (mode
+//                  2); chunks of +0.0 only as mode 3;
+//   layout_kernel  one block: header, format 4 table (none when no chunk is rANS-coded, as on the
+//                  host; entries' gaps by a block max-scan, their first bits by a sum-scan of their
+//                  code lengths, codes added into shared words), metadata checksum (block
+//                  reduction), chunk offsets (block scan), directory;
 //   pack_kernel    one block per chunk: payload into place, 4-byte stores.
 // Decode (three launches):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
@@ -25,6 +31,8 @@
 //   decode_kernel_aligned / _unaligned  (other addresses) the per-step decoder, one warp per chunk,
 //                  decoder table in shared memory; the checks of decode_chunk, a failed bound
 //                  reported after the chunk's loop;
+//   (every decoder) a one-state chunk (mode 2) decoded by lane 0 (decode_one_state_chunk), a
+//                  +0.0 chunk (mode 3) zero-filled by its warp;
 //   report_kernel  the status of the first failing chunk, as on the host.
 #include <cuda_runtime.h>
 
@@ -141,6 +149,7 @@ struct EncWs {
   ChunkEntry* entries;         // [chunks]
   uint32_t* states;            // [chunks * 32]
   uint64_t* offsets;           // [chunks + 1]
+  uint32_t* table_info;        // [3]: the version 4 table's gap order, frequency order and bytes
   uint8_t* scratch;            // [chunks * 3 cv]: words in bytes [0, 2 cv), raw fields in [2 cv, 3 cv)
 };
 
@@ -152,6 +161,7 @@ size_t carve(uint64_t chunks, uint32_t cv, char* base, EncWs* ws) {
   w.entries = c.take<ChunkEntry>(sizeof(ChunkEntry) * chunks);
   w.states = c.take<uint32_t>(4ull * kLanes * chunks);
   w.offsets = c.take<uint64_t>(8 * (chunks + 1));
+  w.table_info = c.take<uint32_t>(4 * 4);
   w.scratch = c.take<uint8_t>(3ull * cv * chunks);
   if (ws) *ws = w;
   return c.off;
@@ -359,16 +369,72 @@ __device__ void normalize_block(const unsigned long long* counts, uint64_t n, in
   }
 }
 
+// The version 4 table of the block's freq[1025] (shared): its orders (table_orders_v4: per order,
+// the block's sum of its codes' bits; the lowest of the cheapest) into kg, kf, and its bytes
+// (table_bytes_v4), in every thread; thread t owns symbol t, thread 0 also the last one.
+__device__ uint32_t table_v4_block(const uint32_t* freq, int* scratch_int, uint32_t* scratch32, uint32_t& kg,
+                                   uint32_t& kf) {
+  const int t = threadIdx.x;
+  const uint32_t f_mine = t < kNumSymbols - 1 ? freq[t] : 0u, f_last = freq[kNumSymbols - 1];
+  int last_present = -1;
+  const int previous = block_exclusive_max_scan(f_mine != 0 ? t : -1, scratch_int, &last_present);
+  const uint32_t gap = uint32_t(t - previous - 1), gap_last = uint32_t(kNumSymbols - 1 - last_present - 1);
+  uint32_t best_g = ~0u, best_f = ~0u;
+  kg = kf = 0;
+  for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
+    uint32_t cg = 0, cf = 0;
+    if (f_mine != 0) cg += eg_bits(gap, k), cf += eg_bits(f_mine - 1, k);
+    if (t == 0 && f_last != 0) cg += eg_bits(gap_last, k), cf += eg_bits(f_last - 1, k);
+    cg = block_sum<uint32_t>(cg, scratch32);
+    cf = block_sum<uint32_t>(cf, scratch32);
+    if (k <= kMaxGapOrder && cg < best_g) best_g = cg, kg = k;
+    if (cf < best_f) best_f = cf, kf = k;
+  }
+  return last_present >= 0 ? 1 + (best_g + best_f + 7) / 8 : 0u;
+}
+
 // One block: the encoder's symbol table, normalised exactly as the host encoder does (11 and 12
-// bits, then prefer_12_bits; all zero for n == 0).
+// bits, then prefer_12_bits; for a blob of one chunk of at most kOneStateMaxValues values,
+// choose_one_state_prob_bits; all zero for n == 0).
 __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t n, uint64_t chunks) {
   __shared__ uint32_t freq[kNumSymbols], freq12[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
+  __shared__ int scratch_int[kMetaThreads / 32];
   __shared__ int64_t diff;
   const int t = threadIdx.x;
   int prob_bits = kProbBits;
-  if (n > 0) {
+  if (n > 0 && chunks == 1 && n <= kOneStateMaxValues) {
+    // choose_one_state_prob_bits, each trial normalised into freq12 and its sums in parallel
+    uint32_t present_mine = 0;
+    for (int s = t; s < kNumSymbols; s += kMetaThreads) present_mine += ws.counts[s] != 0;
+    const uint32_t present = block_sum<uint32_t>(present_mine, scratch32);
+    uint64_t best_cost = ~0ull;
+    prob_bits = kMaxProbBits;
+    for (int pb = one_state_min_prob_bits(present); pb <= kMaxProbBits; ++pb) {
+      normalize_block(ws.counts, n, pb, freq12, scratch32, diff);
+      int too_large = 0;
+      uint64_t cost = 0;
+      for (int s = t; s < kNumSymbols; s += kMetaThreads) {
+        too_large |= freq12[s] > kProbScale;
+        if (freq12[s] != 0) cost += ws.counts[s] * ((uint64_t(pb) << 10) - log2_q10(freq12[s]));
+      }
+      if (__syncthreads_or(too_large)) continue;
+      cost = block_sum<uint64_t>(cost, scratch64);
+      uint32_t kg = 0, kf = 0;
+      cost += uint64_t(8 * table_v4_block(freq12, scratch_int, scratch32, kg, kf)) << 10;
+      if (cost < best_cost) {
+        best_cost = cost;
+        prob_bits = pb;
+        for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = freq12[s];
+      }
+      __syncthreads();  // freq12 is read above before the next trial writes it
+    }
+    if (best_cost == ~0ull) {  // no width qualified: 11 bits
+      normalize_block(ws.counts, n, kProbBits, freq, scratch32, diff);
+      prob_bits = kProbBits;
+    }
+  } else if (n > 0) {
     normalize_block(ws.counts, n, kProbBits, freq, scratch32, diff);
     normalize_block(ws.counts, n, kMaxProbBits, freq12, scratch32, diff);
     // prefer_12_bits, its sums in parallel (integer sums: the same total in any order)
@@ -394,6 +460,13 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
     for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = 0;
   }
   __syncthreads();
+  uint32_t kg = 0, kf = 0;
+  const uint32_t table_bytes = table_v4_block(freq, scratch_int, scratch32, kg, kf);
+  if (t == 0) {
+    ws.table_info[0] = kg;
+    ws.table_info[1] = kf;
+    ws.table_info[2] = table_bytes;
+  }
   // cumulative starts: thread t owns symbol t; thread 0 also owns the last symbol (after the scan)
   uint32_t total = 0;
   const uint32_t start = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &total);
@@ -427,6 +500,20 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
     const uint32_t cn = chunk_values_of(n, cv, c);
     const uint16_t* v = values + c * cv;
     uint16_t* words_end = reinterpret_cast<uint16_t*>(chunk_scratch(ws, cv, c)) + cn;
+    if (chunks == 1 && cn <= kOneStateMaxValues) {  // the blob's only chunk, small: one state (mode 2)
+      if (lane == 0) {
+        ChunkEntry e = ws.entries[c];
+        uint32_t state = kStateLow;
+        e.num_words = rans_encode_one_state(v, cn, ws.syms, state, words_end);
+        e.mode = kModeOneState;
+        ws.states[c * kLanes] = state;
+        if (align4(ws.table_info[2]) + align4(payload_bytes(e, cn)) >= align4(2ull * cn))
+          e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
+        if (ws.entries[c].num_raw == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
+        ws.entries[c] = e;
+      }
+      continue;
+    }
     const uint32_t steps = (cn + kLanes - 1) / kLanes;
     const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
     uint32_t x = kStateLow, nw = 0;
@@ -460,6 +547,7 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
       ChunkEntry e = ws.entries[c];
       e.num_words = nw;
       if (payload_bytes(e, cn) >= 2ull * cn) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
+      if (ws.entries[c].num_raw == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
       ws.entries[c] = e;
     }
   }
@@ -474,42 +562,75 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ int scratch_int[kMetaThreads / 32];
   const int t = threadIdx.x;
+  __shared__ uint32_t table_words[(kMaxTableBytes + 3) / 4 + 2];
   int all_raw = 1;
-  for (uint64_t c = t; c < chunks; c += kMetaThreads) all_raw &= ws.entries[c].mode == kModeRaw;
+  for (uint64_t c = t; c < chunks; c += kMetaThreads)
+    all_raw &= ws.entries[c].mode == kModeRaw || ws.entries[c].mode == kModeZero;
   const bool table = !__syncthreads_and(all_raw);
-  // the version 3 table (write_table_v3), entries in symbol order: thread t owns symbol t, thread 0
+  // the version 4 table (write_table_v4), entries in symbol order: thread t owns symbol t, thread 0
   // also the last one; an entry's gap from the previous present symbol (a block max-scan) and its
-  // place (a block sum-scan of the entries' sizes)
+  // first bit (a block sum-scan of the entries' code lengths); codes added into shared words (the
+  // entries' bits do not overlap: adding is or-ing), then copied out
+  const uint32_t kg = ws.table_info[0], kf = ws.table_info[1];
+  for (uint32_t w = t; w < (kMaxTableBytes + 3) / 4 + 2; w += kMetaThreads) table_words[w] = 0;
   const uint32_t f_mine = t < kNumSymbols - 1 ? ws.syms[t].freq : 0u;
   const uint32_t f_last = ws.syms[kNumSymbols - 1].freq;
   int last_present = -1;
   const int previous = block_exclusive_max_scan(f_mine != 0 ? t : -1, scratch_int, &last_present);
   const uint32_t gap = uint32_t(t - previous - 1), gap_last = uint32_t(kNumSymbols - 1 - last_present - 1);
-  uint32_t seen = 0, mine_bytes = 0;
+  uint32_t seen = 0, mine_bits = 0, code_bits = 0, last_bits = 0;
   block_exclusive_scan<uint32_t>(f_mine != 0 ? 1u : 0u, scratch32, &seen);
-  const uint32_t pos = block_exclusive_scan<uint32_t>(
-      f_mine != 0 ? table_gap_bytes(gap) + table_freq_bytes(f_mine) : 0u, scratch32, &mine_bytes);
+  const uint64_t code = f_mine != 0 ? table_entry_code_v4(gap, f_mine, kg, kf, code_bits) : 0ull;
+  const uint64_t code_last = f_last != 0 ? table_entry_code_v4(gap_last, f_last, kg, kf, last_bits) : 0ull;
+  const uint32_t pos = block_exclusive_scan<uint32_t>(code_bits, scratch32, &mine_bits);
   const uint32_t entries = table ? seen + (f_last != 0 ? 1u : 0u) : 0u;
-  const uint32_t table_bytes =
-      table ? mine_bytes + (f_last != 0 ? table_gap_bytes(gap_last) + table_freq_bytes(f_last) : 0u) : 0u;
+  const uint32_t table_bytes = table ? ws.table_info[2] : 0u;
   const uint32_t prob_bits = table ? ws.syms[0].prob_bits : uint32_t(kProbBits);
-  const uint64_t table_at = table_offset_for(ndim), dir = directory_offset_for(ndim, table_bytes);
-  if (table && f_mine != 0) write_table_entry(out + table_at + pos, gap, f_mine);
-  if (table && t == 0 && f_last != 0) write_table_entry(out + table_at + mine_bytes, gap_last, f_last);
-  for (uint64_t p = table_at + table_bytes + t; p < dir; p += kMetaThreads) out[p] = 0;
-  if (t == 0) store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n, prob_bits, table_bytes);
-  // constant indices: a parameter array indexed by the thread would be copied to local memory
+  // header and shape (shape_bytes; constant indices: a parameter array indexed by a variable would
+  // be copied to local memory)
+  uint64_t table_at = kHeaderBytesV4;
 #pragma unroll
   for (uint32_t d = 0; d < uint32_t(kMaxDims); ++d)
-    if (uint32_t(t) == d && d < ndim) store_le<uint64_t>(out + kHeaderBytes + 8ull * d, shape.dims[d]);
+    if (d < ndim) table_at += dim_bytes_v4(shape.dims[d]);
+  const uint64_t dir = directory_offset_at(table_at, table_bytes);
+  const auto add_code = [&](uint64_t bits_code, uint32_t at) {
+    const uint32_t w = at / 32, sh = at % 32;
+    const uint64_t rest = sh == 0 ? bits_code >> 32 : bits_code >> (32 - sh);
+    atomicAdd(&table_words[w], static_cast<uint32_t>(bits_code << sh));
+    atomicAdd(&table_words[w + 1], static_cast<uint32_t>(rest));
+    atomicAdd(&table_words[w + 2], static_cast<uint32_t>(rest >> 32));
+  };
+  __syncthreads();  // table_words zeroed
+  if (table && f_mine != 0) add_code(code, pos);
+  if (table && t == 0 && f_last != 0) add_code(code_last, mine_bits);
+  __syncthreads();
+  if (table && t == 0) out[table_at] = static_cast<uint8_t>(kg | (kf << 4));
+  for (uint32_t b = t; table && b + 1 < table_bytes; b += kMetaThreads)
+    out[table_at + 1 + b] = static_cast<uint8_t>(table_words[b / 4] >> (8 * (b % 4)));
+  for (uint64_t p = table_at + table_bytes + t; p < dir; p += kMetaThreads) out[p] = 0;
+  if (t == 0) {  // store_header, store_shape
+    store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n, prob_bits, table_bytes);
+    uint8_t* p = out + kHeaderBytesV4;
+#pragma unroll
+    for (uint32_t d = 0; d < uint32_t(kMaxDims); ++d) {
+      if (d >= ndim) continue;
+      uint64_t v = shape.dims[d];
+      while (v >= 128) {
+        *p++ = static_cast<uint8_t>(0x80 | (v & 0x7F));
+        v >>= 7;
+      }
+      *p++ = static_cast<uint8_t>(v);
+    }
+  }
   __syncthreads();  // the metadata bytes are written; the checksum reads them
   uint32_t part = 0;
+  const uint64_t checksum_at = meta_checksum_offset(kVersion);
   for (uint64_t i = t; i < dir; i += kMetaThreads)
-    if (i < kMetaChecksumOffset || i >= kMetaChecksumOffset + 4) part += uint32_t(out[i]) * uint32_t(2 * i + 1);
+    if (i < checksum_at || i >= checksum_at + 4) part += uint32_t(out[i]) * uint32_t(2 * i + 1);
   const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
-  if (t == 0) store_le<uint32_t>(out + kMetaChecksumOffset, checksum);
+  if (t == 0) store_le<uint32_t>(out + checksum_at, checksum);
   // offsets and directory, 1024 chunks per round (thread t: chunk r * 1024 + t, coalesced)
-  uint64_t base = data_offset_for(ndim, table_bytes, static_cast<uint32_t>(chunks));
+  uint64_t base = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(chunks));
   for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
     const uint64_t c = r + t;
     ChunkEntry e{};
@@ -545,7 +666,7 @@ __global__ void pack_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uin
     const ChunkEntry e = ws.entries[c];
     uint8_t* q = out + ws.offsets[c];
     const uint64_t used = payload_bytes(e, cn), padded = ws.offsets[c + 1] - ws.offsets[c];
-    const uint64_t words_at = kStateBytes, raw_at = kStateBytes + 2ull * e.num_words;
+    const uint64_t words_at = state_bytes(e), raw_at = words_at + 2ull * e.num_words;
     const uint8_t* words = chunk_scratch(ws, cv, c) + 2ull * (cn - e.num_words);
     const uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;
     const uint8_t* states = reinterpret_cast<const uint8_t*>(ws.states + c * kLanes);
@@ -596,6 +717,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
                                                                uint64_t max_chunks, DecWs ws, int* status) {
   __shared__ Header h;
   __shared__ int st;
+  __shared__ unsigned long long first_failure;  // the directory's: (chunk << 1) | (0: entry, 1: past the end)
   __shared__ uint32_t freq[kNumSymbols], start[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
@@ -608,16 +730,17 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   // parse_header's loops: the table's zero padding, then the metadata checksum
   if (st == kOk) {
     int bad_pad = 0;
-    for (uint64_t p = h.table_offset + 4ull * h.num_table_entries + t; p < h.directory_offset; p += kMetaThreads)
+    for (uint64_t p = h.table_offset + h.table_bytes + t; p < h.directory_offset; p += kMetaThreads)
       bad_pad |= blob[p] != 0;
     bad_pad = __syncthreads_or(bad_pad);
     uint32_t part = 0;
+    const uint64_t checksum_at = meta_checksum_offset(h.version);
     for (uint64_t i = t; i < h.directory_offset; i += kMetaThreads)
-      if (i < kMetaChecksumOffset || i >= kMetaChecksumOffset + 4) part += uint32_t(blob[i]) * uint32_t(2 * i + 1);
+      if (i < checksum_at || i >= checksum_at + 4) part += uint32_t(blob[i]) * uint32_t(2 * i + 1);
     const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
     if (t == 0) {
       if (bad_pad) st = kErrPadding;
-      else if (checksum != load_le<uint32_t>(blob + kMetaChecksumOffset)) st = kErrHeader;
+      else if (checksum != load_le<uint32_t>(blob + checksum_at)) st = kErrHeader;
       else if (h.num_values != n) st = kErrShape;
       else if (h.num_chunks > max_chunks) st = kErrHeader;
     }
@@ -627,9 +750,10 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = start[s] = 0;
   const int header_status = st;  // read by every thread before thread 0 may write st below
   __syncthreads();
-  if (header_status == kOk && h.version != kOldVersion) {  // version 3: variable-size entries, read in order
+  if (header_status == kOk && h.version != kOldVersion) {  // versions 3 and 4: variable-size entries, read in order
     if (t == 0) {
-      st = read_table_v3(blob + h.table_offset, h, freq);
+      st = h.version == kVersion3 ? read_table_v3(blob + h.table_offset, h, freq)
+                                  : read_table_v4(blob + h.table_offset, h, freq);
       uint32_t fsum = 0;
       for (int s = 0; s < kNumSymbols; ++s) fsum += freq[s];
       if (st == kOk && h.num_table_entries > 0 && fsum != (1u << h.prob_bits)) st = kErrTable;
@@ -662,27 +786,35 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   const uint32_t s0 = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &ftotal);
   if (t < kNumSymbols - 1) start[t] = s0;
   if (t == 0) start[kNumSymbols - 1] = ftotal;
-  // the directory (any entry failing check_entry: kErrDirectory, as the host's first failure),
-  // then the size; offsets by rounds of 1024 chunks (thread t: chunk r * 1024 + t, coalesced)
+  // the directory, as read_directory walks it: the first chunk whose entry fails check_entry
+  // (kErrDirectory) or whose payload ends past the blob (kErrSize), then the total size; offsets by
+  // rounds of 1024 chunks (thread t: chunk r * 1024 + t, coalesced). A failing entry counts 0
+  // bytes: only the chunks before the first failure need exact offsets.
   const uint64_t chunks = h.num_chunks;
-  int dir_bad = 0;
+  if (t == 0) first_failure = kNoError;
+  __syncthreads();
   uint64_t base = h.data_offset;
   for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
     const uint64_t c = r + t;
     uint64_t bytes = 0;
+    bool entry_bad = false;
     if (c < chunks) {
       const ChunkEntry e = read_entry(blob, h, c);
       const uint32_t cn = chunk_count(h, c);
-      if (check_entry(h, e, cn) != kOk) dir_bad = 1;
-      else bytes = align4(payload_bytes(e, cn));
+      entry_bad = check_entry(h, e, cn) != kOk;
+      if (!entry_bad) bytes = align4(payload_bytes(e, cn));
     }
     uint64_t round_total = 0;
     const uint64_t at = base + block_exclusive_scan<uint64_t>(bytes, scratch64, &round_total);
-    if (c < chunks) ws.offsets[c] = at;
+    if (c < chunks) {
+      ws.offsets[c] = at;
+      if (entry_bad || at + bytes > size) atomicMin(&first_failure, (static_cast<unsigned long long>(c) << 1) | (entry_bad ? 0ull : 1ull));
+    }
     base += round_total;
   }
-  if (__syncthreads_or(dir_bad)) {
-    if (t == 0) *status = kErrDirectory;
+  __syncthreads();
+  if (first_failure != kNoError) {
+    if (t == 0) *status = (first_failure & 1) ? kErrSize : kErrDirectory;
     return;
   }
   if (t == 0) ws.offsets[chunks] = base;
@@ -722,6 +854,12 @@ __device__ int decode_raw_warp(const uint8_t* payload, const ChunkEntry& e, uint
     checksum += checksum_term(v, i);
   }
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+
+// A mode 3 chunk: cn values +0.0 (check_entry checked its fields); kOk in every lane.
+__device__ int decode_zero_warp(uint32_t cn, uint16_t* dst, int lane) {
+  for (uint32_t i = lane; i < cn; i += kLanes) dst[i] = 0;
+  return kOk;
 }
 
 // Word w of a chunk's word stream (bytes 2w, 2w + 1 of `words`, 2-byte aligned when Aligned).
@@ -1162,8 +1300,13 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
     for (uint64_t k = used + lane; k < padded; k += kLanes) bad |= payload[k] != 0;
     int st = kErrPadding;
     if (!__any_sync(kFull, bad)) {
-      if (__shfl_sync(kFull, e.mode, 0) == kModeRaw)
+      const uint32_t mode = __shfl_sync(kFull, e.mode, 0);
+      if (mode == kModeRaw)
         st = decode_raw_warp(payload, e, cn, dst, lane);
+      else if (mode == kModeZero)
+        st = decode_zero_warp(cn, dst, lane);
+      else if (mode == kModeOneState)
+        st = __shfl_sync(kFull, lane == 0 ? decode_one_state_chunk(payload, e, cn, table, dst) : 0, 0);
       else if constexpr (Mode == kDecodeStaged)
         st = decode_rans_warp_staged(blob, size, ws.offsets[c], e, cn, table, dst, lane, rings[warp]);
       else if constexpr (EP_LOSSLESS_DEC_WINDOW)

@@ -84,51 +84,81 @@ int chunks_per_claim(int level, uint64_t num_chunks, int threads) {
 // bytes each); payload[k] gets its payload's first byte (payload_bytes(*e[k], n[k]) bytes: in
 // scratch, or v[k] itself for a chunk stored raw) and *e[k] its entry. survey[k] is the chunk's
 // ChunkSurvey from pass 1 (checksum, +0.0 count); `level` picks the passes: kSimdAvx2 or kSimdAvx512
-// (with `simd_tables`, a SimdEncTables), else the portable ones.
+// (with `simd_tables`, a SimdEncTables), else the portable ones. `v4`: version 4's chunk modes (a
+// chunk of +0.0 only as mode 3; with `one_state`, the blob's only chunk coded as mode 2, stored raw
+// unless its payload and the table's padded bytes, `table_bytes`, are smaller than its values).
 void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const EncSym* syms,
-                      const void* simd_tables, const ChunkSurvey* const* survey, int level,
-                      uint8_t* const* scratch, ChunkEntry* const* e, const uint8_t** payload) {
+                      const void* simd_tables, const ChunkSurvey* const* survey, int level, bool v4, bool one_state,
+                      uint64_t table_bytes, uint8_t* const* scratch, ChunkEntry* const* e, const uint8_t** payload) {
+  // the chunks coded with 32 states (mode 0), compacted for the SIMD passes
+  int coded[kMaxChunksPerClaim];
+  const uint16_t* cv_values[kMaxChunksPerClaim];
+  uint32_t cv_n[kMaxChunksPerClaim];
   uint16_t* words_end[kMaxChunksPerClaim];
   uint32_t states[kMaxChunksPerClaim][kLanes];
   uint32_t* state_ptrs[kMaxChunksPerClaim] = {states[0], states[1]};
   uint32_t num_words[kMaxChunksPerClaim];
+  int num_coded = 0;
   for (int k = 0; k < count; ++k) {
-    words_end[k] = reinterpret_cast<uint16_t*>(scratch[k] + kStateBytes) + kSlackWords + n[k];
-    uint8_t* raw = reinterpret_cast<uint8_t*>(words_end[k]);
-    e[k]->mode = kModeRans;
     e[k]->checksum = survey[k]->checksum;
+    if (v4 && n[k] > 0 && survey[k]->zeros == n[k]) {  // +0.0 only: no payload (checksum 0)
+      *e[k] = ChunkEntry{kModeZero, 0, 0, e[k]->checksum};
+      payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
+      continue;
+    }
+    uint16_t* end = reinterpret_cast<uint16_t*>(scratch[k] + kStateBytes) + kSlackWords + n[k];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(end);
+    e[k]->mode = one_state ? kModeOneState : kModeRans;
 #if defined(__x86_64__)
     if (level >= kSimdAvx2) {
       e[k]->num_raw = split_fields_avx2(v[k], n[k], survey[k]->zeros, raw);
+    } else
+#endif
+    {
+      e[k]->num_raw = split_fields_scalar(v[k], n[k], survey[k]->zeros, raw);
+    }
+    if (one_state) {
+      uint32_t state = 0;
+      e[k]->num_words = rans_encode_one_state(v[k], n[k], syms, state, end);
+      uint8_t* p = reinterpret_cast<uint8_t*>(end - e[k]->num_words) - kOneStateBytes;
+      std::memcpy(p, &state, kOneStateBytes);
+      payload[k] = p;
       continue;
     }
-#endif
-    e[k]->num_raw = split_fields_scalar(v[k], n[k], survey[k]->zeros, raw);
+    coded[num_coded] = k;
+    cv_values[num_coded] = v[k];
+    cv_n[num_coded] = n[k];
+    words_end[num_coded++] = end;
   }
 #if defined(__x86_64__)
-  if (level == kSimdAvx512) {
-    rans_encode_chunks_avx512(count, v, n, syms, *static_cast<const SimdEncTables*>(simd_tables), state_ptrs,
-                              words_end, num_words);
+  if (level == kSimdAvx512 && num_coded > 0) {
+    rans_encode_chunks_avx512(num_coded, cv_values, cv_n, syms, *static_cast<const SimdEncTables*>(simd_tables),
+                              state_ptrs, words_end, num_words);
   } else if (level == kSimdAvx2) {
-    for (int k = 0; k < count; ++k)
-      num_words[k] = rans_encode_chunk_avx2(v[k], n[k], syms, *static_cast<const SimdEncTables*>(simd_tables),
-                                            states[k], words_end[k], survey[k]->zeros != 0);
+    for (int j = 0; j < num_coded; ++j)
+      num_words[j] = rans_encode_chunk_avx2(cv_values[j], cv_n[j], syms, *static_cast<const SimdEncTables*>(simd_tables),
+                                            states[j], words_end[j], survey[coded[j]]->zeros != 0);
   } else
 #endif
   {
     (void)simd_tables;  // used above on x86-64 only
-    for (int k = 0; k < count; ++k) num_words[k] = rans_encode_chunk(v[k], n[k], syms, states[k], words_end[k]);
+    for (int j = 0; j < num_coded; ++j) num_words[j] = rans_encode_chunk(cv_values[j], cv_n[j], syms, states[j], words_end[j]);
+  }
+  for (int j = 0; j < num_coded; ++j) {
+    const int k = coded[j];
+    e[k]->num_words = num_words[j];
+    uint8_t* p = reinterpret_cast<uint8_t*>(words_end[j] - num_words[j]) - kStateBytes;
+    std::memcpy(p, states[j], kStateBytes);
+    payload[k] = p;
   }
   for (int k = 0; k < count; ++k) {
-    e[k]->num_words = num_words[k];
-    if (payload_bytes(*e[k], n[k]) >= 2ull * n[k]) {  // rANS does not shrink it: stored raw
+    const bool larger = e[k]->mode == kModeOneState
+                            ? align4(table_bytes) + align4(payload_bytes(*e[k], n[k])) >= align4(2ull * n[k])
+                            : payload_bytes(*e[k], n[k]) >= 2ull * n[k];
+    if (e[k]->mode != kModeZero && larger) {  // coding does not shrink it: raw
       *e[k] = ChunkEntry{kModeRaw, 0, 0, e[k]->checksum};
       payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
-      continue;
     }
-    uint8_t* p = reinterpret_cast<uint8_t*>(words_end[k] - num_words[k]) - kStateBytes;
-    std::memcpy(p, states[k], kStateBytes);
-    payload[k] = p;
   }
 }
 
@@ -140,8 +170,9 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
 // an exact-size copy.
 py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd, int version) {
-  if (version != int(kVersion) && version != int(kOldVersion))
-    throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + " or " + std::to_string(kVersion));
+  if (version != int(kVersion) && version != int(kVersion3) && version != int(kOldVersion))
+    throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + ", " + std::to_string(kVersion3) +
+                                " or " + std::to_string(kVersion));
   const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
@@ -160,6 +191,9 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
   if (num_chunks > 0xFFFFFFFFull) throw std::invalid_argument("too many chunks");
   const int nt = resolve_threads(threads, num_chunks, num_values);
   const uint32_t ndim = static_cast<uint32_t>(shape.size());
+  uint64_t dims[kMaxDims] = {};
+  for (uint32_t d = 0; d < ndim; ++d) dims[d] = static_cast<uint64_t>(shape[d]);
+  const uint64_t table_off = header_bytes(uint32_t(version)) + shape_bytes(dims, ndim, uint32_t(version));
   // the largest blob any table allows; pages past the blob's end are never touched
   const uint64_t capacity = max_blob_bytes(num_values, ndim, cv);
   py::array_t<uint8_t> out = page_backed_array<uint8_t>(capacity);
@@ -167,7 +201,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
 
   uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
   std::vector<EncSym> syms(kNumSymbols);
-  uint32_t entries = 0, table_bytes = 0;
+  uint32_t entries = 0, table_bytes = 0, gap_order = 0, freq_order = 0;
   int prob_bits = kProbBits;
   std::vector<ChunkEntry> dir(num_chunks);
   std::vector<uint64_t> offsets(num_chunks + 1);
@@ -212,7 +246,9 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         for (int w = 0; w < nt; ++w)
           for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(w) * kNumSymbols + s];
         normalize_counts(counts, num_values, freq, kProbBits);
-        if (version != int(kOldVersion)) {  // 12-bit frequencies where they fit and cost less
+        if (version == int(kVersion) && num_chunks == 1 && num_values <= kOneStateMaxValues) {
+          prob_bits = choose_one_state_prob_bits(counts, num_values, freq);  // one one-state chunk
+        } else if (version != int(kOldVersion)) {  // 12-bit frequencies where they fit and cost less
           uint32_t freq12[kNumSymbols];
           normalize_counts(counts, num_values, freq12, kMaxProbBits);
           if (prefer_12_bits(counts, freq, freq12, num_chunks)) {
@@ -227,7 +263,10 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           syms[s] = make_enc_sym(start[s], freq[s], prob_bits);
         }
         entries = present;
-        table_bytes = version == int(kOldVersion) ? 4 * present : table_bytes_v3(freq);
+        if (version == int(kVersion)) table_orders_v4(freq, gap_order, freq_order);
+        table_bytes = version == int(kOldVersion) ? 4 * present
+                      : version == int(kVersion3) ? table_bytes_v3(freq)
+                                                  : table_bytes_v4(freq, gap_order, freq_order);
       } else {
         for (int s = 0; s < kNumSymbols; ++s) syms[s] = make_enc_sym(0, 0, prob_bits);
       }
@@ -245,6 +284,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
     const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
     const int per_claim = chunks_per_claim(level, num_chunks, nt);
+    const bool v4 = version == int(kVersion);
+    const bool one_state = v4 && num_chunks == 1 && num_values <= kOneStateMaxValues;
     // uninitialised (every byte a payload uses is written first)
     ScratchBuffer scratch(scratch_stride * uint64_t(per_claim) * uint64_t(nt));
     uint64_t data_off = 0;
@@ -272,7 +313,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       local_hist.fold_into(h);
       tables_ready.arrive_and_wait([&] {
         build_tables();
-        data_off = data_offset_for(ndim, table_bytes, static_cast<uint32_t>(num_chunks));
+        data_off = data_offset_at(table_off, table_bytes, static_cast<uint32_t>(num_chunks));
       });
       uint8_t* my_scratch[kMaxChunksPerClaim];
       for (int k = 0; k < per_claim; ++k)
@@ -291,8 +332,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           chunk_surveys[k] = &surveys[uint64_t(c)];
           entries_out[k] = &dir[uint64_t(c)];
         }
-        encode_chunks_in(count, values, counts, syms.data(), simd_tables, chunk_surveys, level, my_scratch,
-                         entries_out, payloads);
+        encode_chunks_in(count, values, counts, syms.data(), simd_tables, chunk_surveys, level, v4, one_state,
+                         table_bytes, my_scratch, entries_out, payloads);
         for (int k = 0; k < count; ++k) {
           const int64_t c = first + k;
           uint64_t begin = data_off;
@@ -307,31 +348,32 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     }, [&](int started) { tables_ready.expect(nt, started); });  // fewer threads started: fewer arrive
     offsets[0] = data_off;
     for (uint64_t c = 0; c < num_chunks; ++c) offsets[c + 1] = chunk_end[c].load(std::memory_order_relaxed);
-    // a blob whose chunks are all raw needs no table: the payloads move down by the table's bytes
+    // a blob without a rANS chunk needs no table: the payloads move down by the table's bytes
     bool all_raw = true;
-    for (const ChunkEntry& e : dir) all_raw = all_raw && e.mode == kModeRaw;
+    for (const ChunkEntry& e : dir) all_raw = all_raw && (e.mode == kModeRaw || e.mode == kModeZero);
     if (all_raw && entries > 0) {
       entries = table_bytes = 0;
       prob_bits = kProbBits;
-      const uint64_t new_off = data_offset_for(ndim, 0, static_cast<uint32_t>(num_chunks));
+      const uint64_t new_off = data_offset_at(table_off, 0, static_cast<uint32_t>(num_chunks));
       std::memmove(o + new_off, o + data_off, offsets[num_chunks] - data_off);
       for (uint64_t& off : offsets) off -= data_off - new_off;
     }
     // header, table, directory
-    const uint64_t dir_off = directory_offset_for(ndim, table_bytes);
+    const uint64_t dir_off = directory_offset_at(table_off, table_bytes);
     std::memset(o, 0, offsets[0]);
     store_header(o, ndim, entries, cv, static_cast<uint32_t>(num_chunks), num_values, uint32_t(prob_bits), table_bytes,
                  uint32_t(version));
-    for (uint32_t d = 0; d < ndim; ++d) store_le<uint64_t>(o + kHeaderBytes + 8ull * d, uint64_t(shape[d]));
-    uint64_t p = table_offset_for(ndim);
-    if (version != int(kOldVersion) && entries > 0) write_table_v3(o + p, freq);
+    store_shape(o, dims, ndim, uint32_t(version));
+    uint64_t p = table_off;
+    if (version == int(kVersion3) && entries > 0) write_table_v3(o + p, freq);
+    if (version == int(kVersion) && entries > 0) write_table_v4(o + p, freq, gap_order, freq_order);
     for (int s = 0; s < kNumSymbols && entries > 0 && version == int(kOldVersion); ++s) {
       if (freq[s] == 0) continue;
       store_le<uint16_t>(o + p, static_cast<uint16_t>(s));
       store_le<uint16_t>(o + p + 2, static_cast<uint16_t>(freq[s]));
       p += 4;
     }
-    store_le<uint32_t>(o + kMetaChecksumOffset, meta_checksum(o, dir_off));
+    store_le<uint32_t>(o + meta_checksum_offset(uint32_t(version)), meta_checksum(o, dir_off, uint32_t(version)));
     for (uint64_t c = 0; c < num_chunks; ++c) {
       uint8_t* d = o + dir_off + sizeof(ChunkEntry) * c;
       store_le<uint32_t>(d, dir[c].mode);
@@ -375,7 +417,7 @@ void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
   if (st != kOk) fail(st);
   // the chunk directory must account for exactly the blob's bytes: checked here, before any
   // caller allocates the declared shape. (A valid blob can still declare a large tensor: an
-  // all-zero chunk codes to its 128 state bytes; callers that know the size pass expected_shape.)
+  // all-+0.0 chunk codes to its 16 directory bytes; callers that know the size pass expected_shape.)
   st = read_directory(blob, size, p.h, nullptr, nullptr);
   if (st != kOk) fail(st);
 }
@@ -413,9 +455,9 @@ uint64_t metadata_bytes(const py::buffer& prefix, uint64_t blob_bytes) {
   if (size != expected)
     throw std::invalid_argument("prefix must hold the blob's first " + std::to_string(expected) + " bytes, got " +
                                 std::to_string(size));
-  // every read of parse_header_fields below byte `blob_bytes` is below kHeaderPrefixBytes
+  // parse_header_fields reads only the prefix's bytes (a valid header and shape fit in it)
   Header h;
-  const int st = parse_header_fields(b, blob_bytes, h);
+  const int st = parse_header_fields(b, blob_bytes, h, size);
   if (st != kOk) fail(st);
   return h.data_offset;
 }
@@ -427,17 +469,10 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   py::buffer_info info = metadata.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
-  // parse_header_fields reads the fixed header, then (ndim <= kMaxDims) the shape: bytes below
-  // min(blob_bytes, table_offset_for(ndim))
-  uint64_t fixed = blob_bytes < kHeaderBytes ? blob_bytes : kHeaderBytes;
-  if (size >= kHeaderBytes && b[5] <= kMaxDims && blob_bytes >= kHeaderBytes)
-    fixed = std::min<uint64_t>(blob_bytes, table_offset_for(b[5]));
-  if (size < fixed)
-    throw std::invalid_argument("metadata must hold at least the blob's first " + std::to_string(fixed) +
-                                " bytes, got " + std::to_string(size));
   Header h;
-  // parse reads bytes [0, data_offset) only; data_offset itself comes from the fixed fields
-  int st = parse_header_fields(b, blob_bytes, h);
+  // parse_header_fields reads only the metadata's bytes; parse reads bytes [0, data_offset) only,
+  // data_offset itself coming from the fixed fields
+  int st = parse_header_fields(b, blob_bytes, h, size);
   if (st != kOk) fail(st);
   if (size != h.data_offset)
     throw std::invalid_argument("metadata must hold the blob's first " + std::to_string(h.data_offset) +
@@ -486,6 +521,10 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
         if (st == kOk) {
           if (e.mode == kModeRaw) {
             st = decode_raw_chunk(payload, e, n, dst);
+          } else if (e.mode == kModeZero) {
+            decode_zero_chunk(n, dst);
+          } else if (e.mode == kModeOneState) {
+            st = decode_one_state_chunk(payload, e, n, *table, dst);
           } else if (level >= kSimdAvx2) {
             payloads[num_rans] = payload;
             rans_entries[num_rans] = &e;
@@ -570,7 +609,7 @@ void register_lossless(py::module_& m) {
         "bf16 bit patterns (address of num_values contiguous 2-byte values, kept alive by the caller)\n"
         "and their shape -> self-describing blob (uint8 array);\n"
         "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical);\n"
-        "version: the blob format to write (3, or 2 for comparisons and tests of the older decoder path)");
+        "version: the blob format to write (4, or 3 or 2 for comparisons and tests of the older decoder paths)");
   m.attr("LOSSLESS_FORMAT_VERSION") = kVersion;
   m.def("lossless_shape", &header_shape, py::arg("blob"), py::arg("blob_bytes"),
         "validates a blob's header and table (address and size); returns the encoded tensor's shape");

@@ -2,10 +2,11 @@
 
 Each BF16 value is split into a 10-bit symbol (sign, 8-bit exponent and the first mantissa bit;
 +0.0 is a symbol of its own, so zero runs cost almost nothing), entropy-coded with rANS from one
-frequency table per blob (format version 3: compactly coded, with 11- or 12-bit probabilities,
-whichever codes the blob smaller), and its 6 low mantissa bits, stored raw (packed). Blobs of
-format version 2 still decode. Values are coded in
-independent chunks (one CPU task, one GPU warp each). The blob is self-describing: magic,
+frequency table per blob (format version 4: a bit-coded table, 11- or 12-bit probabilities,
+whichever codes the blob smaller; a 20-byte header), and its 6 low mantissa bits, stored raw
+(packed). Values are coded in independent chunks (one CPU task, one GPU warp each); a blob's only
+chunk of at most 4,096 values is coded with one rANS state (and 6 to 12 probability bits), a chunk
+of +0.0 only takes no payload. Blobs of format versions 2 and 3 still decode. The blob is self-describing: magic,
 version, shape, table, per-chunk sizes and checksums; ``decode`` validates every field before use
 and raises ``ValueError`` on a truncated or corrupted blob. The format is documented in
 ``csrc/codec/lossless_core.h``.
@@ -45,8 +46,8 @@ MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
 # The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h).
-FORMAT_VERSION = 3
-FORMAT_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+FORMAT_VERSIONS = (2, 3, 4)
 
 
 def _is_shape(shape: object) -> bool:
@@ -103,7 +104,7 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: True: the fastest path this CPU has; False: the portable core; or a path of
             :func:`simd_paths` by name. The bytes are the same on every path.
-        version: the blob format, ``FORMAT_VERSION`` (3) or 2 (the older format, for
+        version: the blob format, ``FORMAT_VERSION`` (4), or 3 or 2 (the older formats, for
             comparisons; always coded on the CPU, the blob then moved to ``x``'s device).
 
     Returns:

@@ -81,6 +81,8 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
       for (uint64_t z = offsets[q] + payload_bytes(entries[q], n); z < offsets[q + 1]; ++z) padding_ok = padding_ok && b[z] == 0;
       if (!padding_ok) status[q] = kErrPadding;
       else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst);
+      else if (entries[q].mode == kModeZero) decode_zero_chunk(n, dst);
+      else if (entries[q].mode == kModeOneState) status[q] = decode_one_state_chunk(payload, entries[q], n, *table, dst);
       else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, *table, dst);
       else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, *table, dst);
       else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, *table, dst);

@@ -121,11 +121,15 @@ CASES = {
     "n1": lambda: torch.randn(1, generator=_gen(8)).bfloat16(),
     "n31": lambda: torch.randn(31, generator=_gen(9)).bfloat16(),
     "n33": lambda: torch.randn(33, generator=_gen(10)).bfloat16(),
+    # one chunk of at most 4,096 values: one rANS state (format version 4) when it is the only chunk
+    "one_state": lambda: torch.where(torch.rand(3000, generator=_gen(17)) < 0.2, torch.zeros(()),
+                                     torch.randn(3000, generator=_gen(18)) * 0.02).bfloat16(),
+    "bias": lambda: (torch.randn(384, generator=_gen(19)) * 0.01).bfloat16(),
 }
 CHUNK_VALUES = [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES]
 # (case, chunk values) of the corruption checks
 CORRUPTION_CASES = [("sparse", 1024), ("mixed", 4096), ("normal", 4096), ("zeros", 64), ("n33", 32),
-                    ("wide_exponents", 4096), ("heavy_tails", 65536)]
+                    ("wide_exponents", 4096), ("heavy_tails", 65536), ("one_state", 4096), ("bias", 4096)]
 
 
 def check_blob_is_byte_identical_and_decodes_tensor(lib: ctypes.CDLL, device: str, x: torch.Tensor,
@@ -148,7 +152,7 @@ def check_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, device: str, case
         assert host[6] == 0 and host[7] == 0
     if case == "wide_exponents" and chunk_values >= 4096:  # rANS-coded chunks, as the case means
         assert host.numel() < 2 * x.numel()
-    # format version 3's two table widths are both exercised: 12-bit frequencies where they pay
+    # format version 3 and 4's two table widths are both exercised: 12-bit frequencies where they pay
     # (many rare symbols in few chunks), 11-bit ones where the margin per chunk exceeds the gain
     if (case == "heavy_tails" and chunk_values >= 65536) or (case == "mixed" and chunk_values >= 4096):
         assert prob_bits(host) == 12
@@ -156,30 +160,65 @@ def check_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, device: str, case
         assert prob_bits(host) == 11
 
 
+def blob_layout(blob: torch.Tensor) -> dict[str, int]:
+    """A blob's header fields, read by the format's definition (csrc/codec/lossless_core.h):
+    version, ndim, entries, chunk_values, chunks, num_values, prob_bits, table_at (the table's
+    offset), table_bytes (before padding), directory (the directory's offset). Versions 2 and 3:
+    a 32-byte header and u64 dimensions; version 4: 20 bytes and LEB128 dimensions, the value and
+    chunk counts derived from the shape."""
+    b = blob.numpy().tobytes()
+    version, ndim = b[4], b[5]
+    out = {"version": version, "ndim": ndim, "entries": struct.unpack_from("<H", b, 6)[0],
+           "chunk_values": struct.unpack_from("<I", b, 8)[0]}
+    if version == 4:
+        at, count = 20, 1
+        for _ in range(ndim):
+            dim, shift = 0, 0
+            while True:
+                byte = b[at]
+                at += 1
+                dim |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    break
+            count *= dim
+        last = 16
+        out["num_values"], out["chunks"] = count, -(-count // out["chunk_values"])
+    else:
+        at, last = 32 + 8 * ndim, 28
+        out["chunks"], out["num_values"] = struct.unpack_from("<IQ", b, 12)
+    out["prob_bits"] = b[last] if version >= 3 else 11
+    out["table_bytes"] = struct.unpack_from("<H", b, last + 2)[0] if version >= 3 else 4 * out["entries"]
+    out["table_at"] = at
+    out["directory"] = (at + out["table_bytes"] + 3) // 4 * 4
+    return out
+
+
 def prob_bits(blob: torch.Tensor) -> int:
-    """The probability bits of a format version 3 blob's table (11 for version 2)."""
-    return int(blob[28]) if int(blob[4]) == 3 else 11
+    """The probability bits of a blob's table (11 for version 2)."""
+    return blob_layout(blob)["prob_bits"]
 
 
 def table_bytes(blob: torch.Tensor) -> int:
-    """Bytes of a blob's frequency table before its padding (either format version)."""
-    b = blob.numpy().tobytes()
-    return struct.unpack_from("<H", b, 30)[0] if b[4] == 3 else 4 * struct.unpack_from("<H", b, 6)[0]
+    """Bytes of a blob's frequency table before its padding (any format version)."""
+    return blob_layout(blob)["table_bytes"]
 
 
 def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[int, ...]], list[int]]:
     """Directory offset, entries (mode, num_words, num_raw, checksum) and payload offsets."""
     b = blob.numpy().tobytes()
-    ndim = b[5]
-    cv, chunks = struct.unpack_from("<II", b, 8)
-    directory = (32 + 8 * ndim + table_bytes(blob) + 3) // 4 * 4
+    layout = blob_layout(blob)
+    cv, chunks, directory = layout["chunk_values"], layout["chunks"], layout["directory"]
     ents = [struct.unpack_from("<4I", b, directory + 16 * c) for c in range(chunks)]
     offsets = [directory + 16 * chunks]
     for c, (mode, nw, nr, _) in enumerate(ents):
         n = min(cv, num_values - c * cv)
-        used = 2 * n if mode == 1 else 128 + 2 * nw + (6 * nr + 7) // 8
+        used = 2 * n if mode == 1 else 0 if mode == 3 else STATE_BYTES[mode] + 2 * nw + (6 * nr + 7) // 8
         offsets.append(offsets[-1] + (used + 3) // 4 * 4)
     return directory, ents, offsets
+
+
+STATE_BYTES = {0: 128, 2: 4}  # a chunk's final states by mode (32 states, or one in format version 4)
 
 
 def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: int) -> torch.Tensor:
@@ -191,15 +230,15 @@ def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: 
 
     for c in sorted({rand(len(ents)) for _ in range(chunks)}):
         mode, nw, nr, _ = ents[c]
-        kind = rand(5)
+        kind = rand(5) if offsets[c + 1] > offsets[c] else 4  # a +0.0 chunk has no payload
         if kind == 0:  # a payload bit
             b[offsets[c] + rand(offsets[c + 1] - offsets[c])] ^= 1 << rand(8)
-        elif kind == 1 and mode == 0 and nr * 6 % 8:  # an unused bit of the last raw byte
-            b[offsets[c] + 128 + 2 * nw + nr * 6 // 8] |= 0x80
+        elif kind == 1 and mode in STATE_BYTES and nr * 6 % 8:  # an unused bit of the last raw byte
+            b[offsets[c] + STATE_BYTES[mode] + 2 * nw + nr * 6 // 8] |= 0x80
         elif kind == 2:  # the padding (or the last payload byte)
             b[offsets[c + 1] - 1] ^= 0x01
-        elif kind == 3 and mode == 0:  # a rANS state
-            b[offsets[c] + 4 * rand(32) + rand(4)] ^= 1 << rand(8)
+        elif kind == 3 and mode in STATE_BYTES:  # a rANS state
+            b[offsets[c] + 4 * rand(STATE_BYTES[mode] // 4) + rand(4)] ^= 1 << rand(8)
         else:  # a directory field
             b[directory + 16 * c + rand(16)] ^= 1 << rand(3)
     return b
@@ -214,7 +253,7 @@ def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, c
     blob = lossless.encode(x, chunk_values=chunk_values, version=version)
     gen = _gen(11)
     seen = set()
-    table_at, table_size = 32 + 8 * int(blob[5]), table_bytes(blob)
+    table_at, table_size = blob_layout(blob)["table_at"], table_bytes(blob)
     for trial in range(trials):
         if trial % 10 == 9:
             bad = blob[:int(torch.randint(0, blob.numel(), (1,), generator=gen))].clone()  # truncated
