@@ -15,9 +15,12 @@
 #      and bench/codec_device_api.py (needs the CUDA build);
 #   4. the decoder variants prepared by gpu_prepare.sh: a subset of the GPU tests (CI runs them all
 #      on every variant through the CUDA emulation) and throughput, registers logged;
-#   5. the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
-#   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy, 8 and 16 channels);
-#   7. ncu: DRAM bytes per payload byte of the intranode kernels, then the codec kernels' profile.
+#   5. low-latency dispatch/combine captured in a CUDA graph and replayed (tests/gpu/test_low_latency_graph.py),
+#      then the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
+#   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy, 8 and 16 channels, the ring
+#      and the direct-write intranode kernels: its JSON line names the faster as "normal_copy");
+#   7. ncu: DRAM bytes per payload byte of the intranode kernels (ring, then direct writes), then the
+#      codec kernels' profile.
 # Prepared pieces in .gpu_carry/ (made by bench/gpu_prepare.sh on a machine without a GPU) are used
 # when they match: real tensors for the codec benchmark, the codec kernel library, and the CUDA
 # objects (only when csrc/ and the NVSHMEM wheel's version are those they were built from).
@@ -136,6 +139,15 @@ if [ "$(echo $libs | wc -w)" -gt 1 ]; then
 fi
 if [ "$ONLY" = codec ]; then say "done (codec only)"; exit 0; fi
 
+# low-latency calls on the kernel path captured in a CUDA graph (dispatch + hook + combine, bf16 and
+# FP8; one PE, then two processes on GPU 0), replayed with new inputs against the reference
+if step "low-latency dispatch/combine: CUDA graph capture and replay" 120; then
+  timeout $T $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_low_latency_graph.py -rA $per_test \
+    > "$OUT/ll_graph.log" 2>&1
+  say "low-latency graph capture rc=$?: $(tail -1 "$OUT/ll_graph.log")"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|replay|status|fused|Error" "$OUT/ll_graph.log" | cut -c1-300 >> "$LOG"
+fi
+
 # Triton row kernels of the portable path (ep_comm/row_kernels; Triton only, no CUDA build needed):
 # every result bit-exact against the CPU reference, and GB/s against the device copy
 if step "Triton row kernels: bit-exactness and GB/s vs the device copy" 120; then
@@ -144,16 +156,30 @@ if step "Triton row kernels: bit-exactness and GB/s vs the device copy" 120; the
   cut -c1-400 "$OUT/triton_rows.log" >> "$LOG"
 fi
 
+# the portable backend on the GPU (no CUDA build needed): a one-rank NCCL Buffer(backend="torch")
+# and 2 and 4 gloo ranks on CUDA tensors (host-staged, pinned, chunked), each against the CPU
+# reference; dispatch + combine against a bare all_to_all_single of the same bytes (ratio, target
+# <= 1.3); the staged exchange in 4 MiB chunks against one chunk per message (overlap_speedup)
+if step "portable backend on the GPU: NCCL one rank, gloo ranks on CUDA tensors, vs bare all-to-all" 60; then
+  timeout $T $PY bench/portable_gpu.py --iters 5 --staged-mb 64 --json "$OUT/portable_gpu.json" \
+    > "$OUT/portable_gpu.log" 2>&1
+  say "portable_gpu rc=$?"
+  cut -c1-600 "$OUT/portable_gpu.log" >> "$LOG"
+fi
+
 if step "other GPU tests" 170; then
   timeout $T $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_codec_lossless_gpu.py \
-    --ignore tests/gpu/test_codecs_device.py -rA $per_test > "$OUT/gpu_tests.log" 2>&1
+    --ignore tests/gpu/test_codecs_device.py --ignore tests/gpu/test_low_latency_graph.py -rA $per_test \
+    > "$OUT/gpu_tests.log" 2>&1
   say "GPU tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests.log" | cut -c1-300 >> "$LOG"
 fi
 
 for channels in 8 16; do  # intranode channels: 2 * channels * 8 blocks must be resident at once (2 per SM: 264 on an H200)
-  if step "dispatch/combine benchmark, $channels channels" 40; then
-    timeout $T $PY bench/gpu_bench.py --channels $channels >> "$OUT/gpu_bench.log" 2>&1
+  # ring and direct, each with 1 and 2 warps per peer (ring_w2: 512-thread blocks, refused where the grid
+  # cannot be resident at once: reported under "refused")
+  if step "dispatch/combine benchmark, $channels channels" 60; then
+    timeout $T $PY bench/gpu_bench.py --channels $channels --ring-warps 1,2 --direct-warps 1,2 >> "$OUT/gpu_bench.log" 2>&1
     say "gpu_bench --channels $channels rc=$?"
     tail -1 "$OUT/gpu_bench.log" | cut -c1-2000 >> "$LOG"
   fi
@@ -162,13 +188,17 @@ done
 # DRAM traffic of the intranode kernels per payload byte: ncu's dram__bytes_read/write of one
 # dispatch and one combine launch (after a warm-up call each) against the JSON line's "bytes"
 # (payload bytes received); a ring costs about 3-3.5 bytes per payload byte, a direct write about 2
-if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && step "ncu DRAM bytes of the intranode kernels" 90; then
-  timeout $T ncu --clock-control none -k regex:"dispatch_kernel|combine_kernel_(bf16|f32)" --launch-skip 2 --launch-count 2 \
-    --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-    $PY bench/gpu_bench.py --channels 8 --iters 1 --no-low-latency > "$OUT/ncu_intranode.log" 2>&1
-  say "ncu intranode rc=$?"
-  grep -E "dispatch_kernel|combine_kernel|dram__bytes|gpu__time|^\{" "$OUT/ncu_intranode.log" | cut -c1-300 >> "$LOG"
-fi
+if [ "${EP_GPU_NCU:-1}" = 1 ]; then command -v ncu > /dev/null || say "no ncu on PATH: DRAM bytes per payload byte not measured"; fi
+for copy in ring direct; do
+  if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && step "ncu DRAM bytes of the intranode kernels ($copy)" 60; then
+    timeout $T ncu --clock-control none -k regex:"dispatch(_direct)?_kernel|combine(_direct)?_kernel_(bf16|f32)" \
+      --launch-skip 2 --launch-count 2 --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+      $PY bench/gpu_bench.py --channels 8 --iters 1 --no-low-latency --copy $copy --direct-warps 1 \
+      > "$OUT/ncu_intranode_$copy.log" 2>&1
+    say "ncu intranode $copy rc=$?"
+    grep -E "dispatch.*kernel|combine.*kernel|dram__bytes|gpu__time|^\{" "$OUT/ncu_intranode_$copy.log" | cut -c1-300 >> "$LOG"
+  fi
+done
 
 if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && [ -f $CARRY/tensors.pt ] && step "ncu profile of the codec kernels" 120; then
   timeout $T ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \

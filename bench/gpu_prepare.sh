@@ -6,6 +6,8 @@
 #   ep_comm_cuda/    the CUDA objects of ep_comm._cuda (Python-independent), with the NVSHMEM wheel
 #                    version and a hash of csrc/ they were built from; gpu_check.sh uses them only
 #                    when both match there.
+# The intranode kernels' variants (ring or direct writes, warps per destination rank) are choices
+# at run time within these objects: one bench/gpu_bench.py run in gpu_check.sh times each.
 # usage: bench/gpu_prepare.sh   (then carry .gpu_carry to the GPU machine; keep it git-ignored)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,7 +25,7 @@ ENTRY_POINTS = [
     "dispatch_layout", "intranode_notify", "intranode_dispatch", "intranode_combine",
     "intranode_meta_words", "low_latency_dispatch_send", "low_latency_dispatch_recv",
     "low_latency_combine_send", "low_latency_combine_recv", "nvshmem_built", "nvshmem_unique_id",
-    "nvshmem_init", "nvshmem_malloc", "nvshmem_free", "nvshmem_ptr", "exchange_round",
+    "nvshmem_init", "nvshmem_malloc", "nvshmem_free", "nvshmem_ptr", "exchange_round", "launch_counted_barrier",
 ]
 
 

@@ -9,6 +9,7 @@ as it stands), checked without a GPU (tests/support/sass.py):
   on relaxed loads and acquire once after success;
 - a publish (system-scope release store) is preceded by one system fence, not two;
 - no local memory (``LDL`` / ``STL``: spills, or a kernel-parameter struct copied to the stack);
+- the low-latency combine's weighted sum has no fused multiply-add (the reference rounds twice);
 - every grid the engines launch for the benchmark's configurations fits on an H200 at once
   (the sender and receiver blocks of a launch wait for each other).
 """
@@ -28,6 +29,9 @@ COPY_KERNELS = [
     (INTRANODE, "dispatch_kernel", None),
     (INTRANODE, "combine_kernel_bf16", None),
     (INTRANODE, "combine_kernel_f32", None),
+    (INTRANODE, "dispatch_direct_kernel", None),
+    (INTRANODE, "combine_direct_kernel_bf16", None),
+    (INTRANODE, "combine_direct_kernel_f32", None),
     (LOW_LATENCY, "dispatch_send_kernel", None),
     (LOW_LATENCY, "dispatch_recv_kernel", None),
     (LOW_LATENCY, "combine_send_kernel", None),
@@ -35,6 +39,7 @@ COPY_KERNELS = [
 ]
 SPIN_FILES = [INTRANODE, LOW_LATENCY]
 REDUCE_KERNELS = [(INTRANODE, "combine_kernel_bf16", None), (INTRANODE, "combine_kernel_f32", None),
+                  (INTRANODE, "combine_direct_kernel_bf16", None), (INTRANODE, "combine_direct_kernel_f32", None),
                   (LOW_LATENCY, "combine_recv_kernel", None)]
 MIN_LOADS_IN_FLIGHT = 8
 
@@ -99,6 +104,15 @@ def test_combine_inner_loop_loads_only_rows(cubins, source, name, template_arg):
         assert not other, f"{name}: the inner loop at {lp.header_address:#x} also loads {other}"
 
 
+def test_low_latency_combine_does_not_fuse_multiply_add(cubins):
+    """The weighted sum rounds each product, then each sum, as the reference's float32 operations
+    do: an FFMA (nvcc contracts ``acc += w * x`` by default) would give other bits."""
+    f = _kernel(cubins, LOW_LATENCY, "combine_recv_kernel", None)
+    fused = [str(i) for i in f.instructions if i.opcode.startswith("FFMA")]
+    assert not fused, f"combine_recv_kernel: fused multiply-adds {fused[:4]}"
+    assert any(i.opcode.startswith("FMUL") for i in f.instructions), "combine_recv_kernel: no FMUL found"
+
+
 @pytest.mark.parametrize("source", SPIN_FILES)
 def test_spin_loops_do_not_invalidate_l1(cubins, source):
     seen = 0
@@ -135,21 +149,22 @@ def test_no_local_memory(cubins, source):
 
 
 # The benchmark's intranode launches (bench/gpu_bench.py, bench/gpu_check.sh): 8 virtual ranks on
-# one GPU, 2 * channels blocks per rank of 256 threads (dispatch: max(256, 32 * ranks), at most
-# 256; combine: 8 warps).
+# one GPU, 2 * channels blocks per rank; blocks of 32 * ranks * warps per peer threads, at least 256
+# (combine: its receivers' 8 warps): 256 threads at 8 and 16 channels with a warp per peer, 512 at 8
+# channels with 2 (ring_w2).
 BENCH_RANKS = 8
-BENCH_CHANNELS = (8, 16)
-BLOCK_THREADS = {"dispatch_kernel": 256, "combine_kernel_bf16": 256, "combine_kernel_f32": 256}
+BENCH_LAUNCHES = [(name, threads, channels)
+                  for name in ("dispatch_kernel", "combine_kernel_bf16", "combine_kernel_f32")
+                  for threads, channels in ((256, 8), (256, 16), (512, 8))]
 
 
-@pytest.mark.parametrize("channels", BENCH_CHANNELS)
-@pytest.mark.parametrize("name", sorted(BLOCK_THREADS))
-def test_bench_grids_fit_on_an_h200_at_once(cubins, name, channels):
+@pytest.mark.parametrize("name,threads,channels", BENCH_LAUNCHES)
+def test_bench_grids_fit_on_an_h200_at_once(cubins, name, threads, channels):
     res = next(iter(sass.find(cubins(INTRANODE)["resources"], name).values()))
-    per_sm = sass.blocks_per_sm(res.registers, BLOCK_THREADS[name], res.shared)
+    per_sm = sass.blocks_per_sm(res.registers, threads, res.shared)
     blocks = 2 * channels * BENCH_RANKS
     assert blocks <= per_sm * sass.H200.num_sms, (
-        f"{name}: {res.registers} registers x {BLOCK_THREADS[name]} threads: {per_sm} blocks per SM, "
+        f"{name}: {res.registers} registers x {threads} threads: {per_sm} blocks per SM, "
         f"{per_sm * sass.H200.num_sms} on an H200; {channels} channels x {BENCH_RANKS} ranks launch {blocks}")
 
 

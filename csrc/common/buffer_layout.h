@@ -37,10 +37,14 @@ EP_HD RowLayout make_row_layout(int64_t hidden_bytes, int num_scales, int num_to
 //   int32 arrival[R]                   barrier values written by each peer
 //   int32 channel_counts[R][C]         rows each source sends here per channel (dispatch notify)
 //   int32 expert_counts[R][L]          pairs each source sends to each local expert (L = max local)
-//   int32 ring_tail[C][R]              rows written into ring (c, src) so far (written by src)
-//   int32 ring_head[C][R]              rows consumed from ring (c, src) so far (written here)
+//   int32 ring_tail[C][R][M]           rows written into sub-ring m of ring (c, src) so far (by src)
+//   int32 ring_head[C][R][M]           rows consumed from sub-ring m of ring (c, src) so far (here)
 //   rows  ring[C][R][S][row_bytes]     the ring of (channel c, source src)
+// M = kMaxWarpsPerPeer. With W warps per peer (1 <= W <= M) ring (c, src) is W sub-rings of S / W
+// slots, sub-ring m at slots [m * (S / W), (m + 1) * (S / W)) carrying the ring's rows i = m mod W,
+// each with its own tail and head (W = 1: one ring of S slots).
 // Every region starts 128-byte aligned. Dispatch and combine reuse the same rings.
+constexpr int kMaxWarpsPerPeer = 3;  // warps a ring kernel may give one peer (sub-rings of a ring)
 struct IntranodeLayout {
   int64_t arrival, channel_counts, expert_counts, ring_tail, ring_head, ring, total_bytes;
   int64_t ring_slots, row_bytes;
@@ -56,9 +60,9 @@ EP_HD IntranodeLayout make_intranode_layout(int num_ranks, int num_channels, int
   l.expert_counts = at;
   at = align_up(at + 4LL * num_ranks * max_local_experts, kRegion);
   l.ring_tail = at;
-  at = align_up(at + 4LL * num_channels * num_ranks, kRegion);
+  at = align_up(at + 4LL * num_channels * num_ranks * kMaxWarpsPerPeer, kRegion);
   l.ring_head = at;
-  at = align_up(at + 4LL * num_channels * num_ranks, kRegion);
+  at = align_up(at + 4LL * num_channels * num_ranks * kMaxWarpsPerPeer, kRegion);
   l.ring = at;
   at = align_up(at + static_cast<int64_t>(num_channels) * num_ranks * ring_slots * row_bytes, kRegion);
   l.total_bytes = at;

@@ -7,13 +7,22 @@
 namespace ep_comm {
 
 #if defined(EP_CUDA_EMULATION)
-// The CUDA emulation (csrc/emulation/cuda_runtime.h) runs every block of a launch as fibers of one
-// OS thread: these are the same operations on host memory, and every spin iteration yields so the
-// block (or virtual rank) that sets the flag gets to run.
-__device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+// The CUDA emulation (csrc/emulation/cuda_runtime.h) runs the resident blocks of a launch as fibers
+// of one OS thread: these are the same operations on host memory; every spin iteration yields so
+// the block (or virtual rank) that sets the flag gets to run, a release store lets the other blocks
+// run before the publishing warp's other threads, and an acquire tells the scheduler that a wait
+// succeeded (a grid whose threads only spin has stalled).
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  ::ep_emu::note_acquire();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
 __device__ __forceinline__ int ld_relaxed_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-__device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  ::ep_emu::release_yield();
+}
 __device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* p) {
+  ::ep_emu::note_acquire();
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
 __device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {

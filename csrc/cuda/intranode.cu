@@ -4,12 +4,16 @@
 // Buffers: each rank owns an IntranodeLayout buffer (csrc/common/buffer_layout.h) holding one
 // ring per (channel c, source rank). Tokens are split into C contiguous channels; per rank a
 // launch runs C sender blocks and C receiver blocks (grid.x = 2C, grid.y = virtual rank).
-//  - sender block c, warp r: walks channel c's tokens in order and writes each token for rank r
-//    into ring (c, me) of rank r, publishing the ring tail; waits for space via the ring head.
-//  - receiver block c, warp s: drains ring (c, s) into recv rows ordered by source rank, then
-//    channel (= source token order), renumbering top-k ids to local experts.
+//  - sender block c, W warps per destination r (W = warps_per_peer, 1 to 3): walk channel c's tokens
+//    in order; warp m of them writes the rows i = m mod W of those for rank r into sub-ring m of
+//    ring (c, me) of rank r (buffer_layout.h), publishing its tail; waits for space via its head.
+//  - receiver block c, W warps per source s: warp m drains sub-ring m of ring (c, s) into recv rows
+//    ordered by source rank, then channel (= source token order), renumbering top-k ids to local
+//    experts. Each (sender warp, receiver warp) pair is a ring of its own: no shared counters.
 // The combine runs the rings the other way; its receiver sums, per token, the rows coming back
 // from every rank the token went to. Every wait is bounded (csrc/common/device_sync.h).
+// When one launch runs every rank (virtual ranks), the direct-write kernels below skip the rings:
+// rows go straight into the receivers' outputs, and the combine reads them from the senders' x.
 // Sender and receiver blocks of one launch wait for each other, so the launchers refuse a grid that
 // cannot be resident on the device at once (occupancy checked at launch) instead of spinning until
 // the timeout.
@@ -31,7 +35,7 @@ namespace ep_comm::cuda {
 namespace {
 
 constexpr int kPublishRows = 2;  // a sender publishes its ring tail at least every this many rows
-constexpr int kIntranodeMaxThreads = 256;  // dispatch blocks: a warp per peer, 2 blocks per SM at least
+constexpr int kIntranodeMaxThreads = 512;  // ring blocks: W warps per peer for R ranks, R * W <= 16
 
 template <class T>
 struct RankSet {
@@ -64,7 +68,7 @@ __device__ bool rank_barrier(const IntranodeCommon& c, const IntranodeLayout& la
 }
 
 __device__ void reset_rings(const IntranodeCommon& c, const IntranodeLayout& lay, int me) {
-  for (int i = threadIdx.x; i < c.num_channels * c.num_ranks; i += blockDim.x) {
+  for (int i = threadIdx.x; i < c.num_channels * c.num_ranks * kMaxWarpsPerPeer; i += blockDim.x) {
     *word(c.peers[me], lay.ring_tail, i) = 0;
     *word(c.peers[me], lay.ring_head, i) = 0;
   }
@@ -156,34 +160,48 @@ __device__ __forceinline__ uint8_t* ring_of(uint8_t* base, const IntranodeLayout
   return base + ring_row_offset(lay, num_ranks, channel, src, 0);
 }
 __device__ __forceinline__ int next_slot(int slot, int slots) { return slot + 1 == slots ? 0 : slot + 1; }
+// Word of sub-ring m of ring (channel, src) in the ring_tail or ring_head region at `region`.
+__device__ __forceinline__ int* sub_ring_word(uint8_t* base, int64_t region, int num_ranks, int channel, int src,
+                                              int m) {
+  return word(base, region, (int64_t(channel) * num_ranks + src) * kMaxWarpsPerPeer + m);
+}
+// Rows of a ring's `total` that sub-ring m of W carries (rows i = m mod W).
+__device__ __forceinline__ int sub_ring_rows(int total, int m, int W) { return total > m ? (total - m + W - 1) / W : 0; }
 
 // ---- dispatch ---------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kIntranodeMaxThreads, 2)
+__global__ void __launch_bounds__(kIntranodeMaxThreads, 1)
 dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_bytes, int num_scales) {
   const DispatchRank& p = set.r[blockIdx.y];
   const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const IntranodeLayout lay = layout_of(c);
-  const RowLayout row = make_row_layout(hidden_bytes, num_scales, K, true, p.topk_weights != nullptr, true);
+  // every rank's rows have room for weights, whether or not this rank has any (a rank with no tokens
+  // passes none): the sender writes them when it has them, the receiver reads them when asked to
+  const RowLayout row = make_row_layout(hidden_bytes, num_scales, K, true, true, true);
   const WaitCtx w{p.record, c.timeout_ns, me};
-  const int slots = static_cast<int>(c.ring_slots);
+  const int W = c.warps_per_peer, slots = static_cast<int>(c.ring_slots) / W;  // slots of a sub-ring
   const int64_t row_bytes = lay.row_bytes;
   const bool sender = blockIdx.x < C;
   const int ch = sender ? blockIdx.x : blockIdx.x - C;
-  if (sender) {
-    for (int dst = warp; dst < R; dst += blockDim.x >> 5) {
+  if (sender) {  // warp u: destination u % R, sub-ring u / R (the launcher gives every pair a warp)
+    for (int u = warp; u < R * W; u += blockDim.x >> 5) {
+      const int dst = u % R, m = u / R;
       const Range range = channel_range(p.num_tokens, C, ch);
       uint8_t* const peer = c.peers[dst];
-      int* remote_tail = word(peer, lay.ring_tail, ch * R + me);
-      const int* remote_head = word(peer, lay.ring_head, ch * R + me);
-      uint8_t* const ring = ring_of(peer, lay, R, ch, me);
+      int* remote_tail = sub_ring_word(peer, lay.ring_tail, R, ch, me, m);
+      const int* remote_head = sub_ring_word(peer, lay.ring_head, R, ch, me, m);
+      uint8_t* const ring = ring_of(peer, lay, R, ch, me) + int64_t(m) * slots * row_bytes;
       int tail = 0, head_cache = 0, published = 0, slot = 0;
+      int turn = 0;  // which sub-ring the next row for dst goes to
       for (int base = range.begin; base < range.end; base += 32) {
         const int t = base + lane;
         unsigned hits = __ballot_sync(0xffffffffu, t < range.end && p.is_token_in_rank[int64_t(t) * R + dst]);
         while (hits) {
           const int token = base + __ffs(hits) - 1;
           hits &= hits - 1;
+          const bool mine = turn == m;
+          turn = turn + 1 == W ? 0 : turn + 1;
+          if (!mine) continue;
           if (!wait_ring_space(w, remote_tail, remote_head, tail, published, head_cache, slots, dst,
                                kIntranodeDispatchSend, ch))
             return;
@@ -209,12 +227,13 @@ dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_byt
     return;
   }
   uint8_t* const own = c.peers[me];
-  for (int src = warp; src < R; src += blockDim.x >> 5) {
-    const int count = p.meta[src * C + ch];
-    const int64_t out_base = meta_prefix(p.meta, src * C + ch);
-    const int* tail = word(own, lay.ring_tail, ch * R + src);
-    int* head = word(own, lay.ring_head, ch * R + src);
-    const uint8_t* const ring = ring_of(own, lay, R, ch, src);
+  for (int u = warp; u < R * W; u += blockDim.x >> 5) {  // warp u: source u % R, sub-ring u / R
+    const int src = u % R, m = u / R;
+    const int count = sub_ring_rows(p.meta[src * C + ch], m, W);
+    const int64_t out_base = meta_prefix(p.meta, src * C + ch) + m;  // row i of the sub-ring: + i * W
+    const int* tail = sub_ring_word(own, lay.ring_tail, R, ch, src, m);
+    int* head = sub_ring_word(own, lay.ring_head, R, ch, src, m);
+    const uint8_t* const ring = ring_of(own, lay, R, ch, src) + int64_t(m) * slots * row_bytes;
     int consumed = 0, slot = 0;
     while (consumed < count) {
       const int available = wait_ring_data(w, tail, consumed, src, kIntranodeDispatchRecv, ch);
@@ -222,7 +241,7 @@ dispatch_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_byt
       for (; consumed < available; ++consumed) {
         const uint8_t* in = ring + slot * row_bytes;
         slot = next_slot(slot, slots);
-        const int64_t out = out_base + consumed;
+        const int64_t out = out_base + int64_t(consumed) * W;
         warp_copy16_comm(p.recv_x + out * hidden_bytes, in + row.x_offset, hidden_bytes, lane);
         const auto* scales = reinterpret_cast<const volatile float*>(in + row.scales_offset);
         for (int i = lane; i < num_scales; i += 32) p.recv_scales[out * num_scales + i] = scales[i];
@@ -311,20 +330,22 @@ __device__ __forceinline__ void combine_body(const IntranodeCommon& c, const Com
   const IntranodeLayout lay = layout_of(c);
   const int64_t hidden_bytes = hidden * static_cast<int64_t>(sizeof(T));
   const bool has_weights = p.topk_weights != nullptr;
-  const RowLayout row = make_row_layout(hidden_bytes, 0, K, false, has_weights, false);
+  const RowLayout row = make_row_layout(hidden_bytes, 0, K, false, true, false);  // as dispatch's: room for weights
   const WaitCtx w{p.record, c.timeout_ns, me};
-  const int slots = static_cast<int>(c.ring_slots);
+  const int W = c.warps_per_peer, ring_slots = static_cast<int>(c.ring_slots), slots = ring_slots / W;
   const int64_t row_bytes = lay.row_bytes;
   const bool sender = blockIdx.x < C;
   const int ch = sender ? blockIdx.x : blockIdx.x - C;
-  if (sender) {  // return the rows that arrived from `src` through channel ch, in order
-    for (int src = warp; src < R; src += blockDim.x >> 5) {
-      const int count = p.meta[src * C + ch];
-      const int64_t first = meta_prefix(p.meta, src * C + ch);
+  if (sender) {  // return the rows that arrived from `src` through channel ch, in order; warp u:
+                 // source u % R, sub-ring u / R (rows m, m + W, ...)
+    for (int u = warp; u < R * W; u += blockDim.x >> 5) {
+      const int src = u % R, m = u / R;
+      const int count = sub_ring_rows(p.meta[src * C + ch], m, W);
+      const int64_t first = meta_prefix(p.meta, src * C + ch) + m;  // row i of the sub-ring: + i * W
       uint8_t* const peer = c.peers[src];
-      int* remote_tail = word(peer, lay.ring_tail, ch * R + me);
-      const int* remote_head = word(peer, lay.ring_head, ch * R + me);
-      uint8_t* const ring = ring_of(peer, lay, R, ch, me);
+      int* remote_tail = sub_ring_word(peer, lay.ring_tail, R, ch, me, m);
+      const int* remote_head = sub_ring_word(peer, lay.ring_head, R, ch, me, m);
+      uint8_t* const ring = ring_of(peer, lay, R, ch, me) + int64_t(m) * slots * row_bytes;
       int head_cache = 0, published = 0, slot = 0;
       for (int i = 0; i < count; ++i) {
         if (!wait_ring_space(w, remote_tail, remote_head, i, published, head_cache, slots, src,
@@ -332,16 +353,19 @@ __device__ __forceinline__ void combine_body(const IntranodeCommon& c, const Com
           return;
         uint8_t* out = ring + slot * row_bytes;
         slot = next_slot(slot, slots);
-        warp_copy16_ro(out + row.x_offset, p.x + (first + i) * hidden_bytes, hidden_bytes, lane);
+        const int64_t row_index = first + int64_t(i) * W;
+        warp_copy16_ro(out + row.x_offset, p.x + row_index * hidden_bytes, hidden_bytes, lane);
         if (has_weights && lane < K)
-          reinterpret_cast<float*>(out + row.weights_offset)[lane] = p.topk_weights[(first + i) * K + lane];
+          reinterpret_cast<float*>(out + row.weights_offset)[lane] = p.topk_weights[row_index * K + lane];
         if (i + 1 - published >= kPublishRows) publish_tail(remote_tail, i + 1, published);
       }
       publish_tail(remote_tail, count, published);
     }
     return;
   }
-  // receiver: tokens of channel ch, kCombineWarps at a time, one warp per token
+  // receiver: tokens of channel ch, kCombineWarps at a time, one warp per token (the block's other
+  // warps, there for the senders' W warps per peer, leave)
+  if (warp >= kCombineWarps) return;
   auto& position = sh.position;
   auto& consumed = sh.consumed;
   int& abort_flag = sh.abort_flag;
@@ -364,18 +388,17 @@ __device__ __forceinline__ void combine_body(const IntranodeCommon& c, const Com
     const int token = base + warp;
     if (token < range.end) {
       bool ok = true;
-      for (int r = 0; r < R && ok; ++r) {
-        const int pos = position[warp][r];
-        if (pos >= 0)
-          ok = wait_ring_data(w, word(own, lay.ring_tail, ch * R + r), pos, r, kIntranodeCombineRecv, ch) >= 0;
-      }
-      // the token's sources and their slots, once per token: ring (ch, r) holds slots
-      // [r * S, (r + 1) * S) of the channel's rings, all in rows of row_bytes
+      // the token's sources and their slots, once per token: row `pos` of ring (ch, r) is row
+      // pos / W of its sub-ring pos % W, which holds slots [m * S / W, (m + 1) * S / W) of the ring,
+      // and ring (ch, r) slots [r * S, (r + 1) * S) of the channel's rings, all in rows of row_bytes
       int slot[kMaxRanks];
 #pragma unroll
       for (int r = 0; r < kMaxRanks; ++r) {
         const int pos = r < R ? position[warp][r] : -1;
-        slot[r] = pos >= 0 ? r * slots + pos % slots : -1;
+        const int i = pos / W, m = pos - i * W;
+        slot[r] = pos >= 0 ? r * ring_slots + m * slots + i % slots : -1;
+        if (pos >= 0 && ok)
+          ok = wait_ring_data(w, sub_ring_word(own, lay.ring_tail, R, ch, r, m), i, r, kIntranodeCombineRecv, ch) >= 0;
       }
       const uint8_t* const rows = ring_of(own, lay, R, ch, 0);
       if (!ok) {
@@ -388,7 +411,7 @@ __device__ __forceinline__ void combine_body(const IntranodeCommon& c, const Com
           float sum = 0.0f;
 #pragma unroll
           for (int r = 0; r < kMaxRanks; ++r)
-            if (slot[r] >= 0 && has_weights)
+            if (slot[r] >= 0)
               sum += reinterpret_cast<const volatile float*>(rows + slot[r] * row_bytes + row.weights_offset)[lane];
           p.combined_topk_weights[int64_t(token) * K + lane] = sum;
         }
@@ -401,21 +424,174 @@ __device__ __forceinline__ void combine_body(const IntranodeCommon& c, const Com
       int next = consumed[r];
       for (int j = 0; j < kCombineWarps; ++j) next += position[j][r] >= 0;
       consumed[r] = next;
-      st_release_sys(word(own, lay.ring_head, ch * R + r), next);
+    }
+    __syncthreads();
+    if (threadIdx.x < R * W) {  // sub-ring m of ring (ch, r) has given up its rows < consumed[r]
+      const int r = threadIdx.x % R, m = threadIdx.x / R;
+      st_release_sys(sub_ring_word(own, lay.ring_head, R, ch, r, m), sub_ring_rows(consumed[r], m, W));
     }
     __syncthreads();
   }
 }
 
-__global__ void __launch_bounds__(kCombineWarps * 32, 2)
+__global__ void __launch_bounds__(kIntranodeMaxThreads, 1)
 combine_kernel_bf16(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
   __shared__ CombineShared sh;
   combine_body<__nv_bfloat16>(c, set.r[blockIdx.y], hidden, sh);
 }
-__global__ void __launch_bounds__(kCombineWarps * 32, 2)
+__global__ void __launch_bounds__(kIntranodeMaxThreads, 1)
 combine_kernel_f32(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
   __shared__ CombineShared sh;
   combine_body<float>(c, set.r[blockIdx.y], hidden, sh);
+}
+
+// ---- direct writes: every rank's outputs addressable from this launch (virtual ranks) ------------
+// No ring and no waits: sender block c of rank `me`, warp per destination d, writes each of channel
+// c's rows for d at its final place in d's outputs (the rows from every (source, channel) before
+// (me, c), from d's meta, plus the row's index in the channel), and the combine's
+// receiver reads each source's returned row where that source's x holds it. Each row is read once
+// and written once: about 2 bytes of DRAM traffic per payload byte, where the ring costs 3 to 3.5.
+// The outputs of rank d are set.r[d]'s: every rank of the group is a virtual rank of this launch.
+
+// Rows a rank receives from every (source, channel) before (src, channel): the first `index` =
+// src * C + channel words of its meta (the notify's, or the dispatch handle's for a combine)
+// summed by the warp.
+__device__ __forceinline__ int64_t rows_before(const int32_t* meta, int index, int lane) {
+  int64_t sum = 0;
+  for (int i = lane; i < index; i += 32) sum += meta[i];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  return sum;
+}
+
+constexpr int kDirectMaxThreads = 512;  // 2 warps per destination for 8 ranks, 3 for up to 5
+
+// W = (blockDim.x / 32) / R warps per destination (at least 1): warp w serves destination w % R and
+// copies every W-th of its rows (the j-th row to warp j % W), all W walking the same tokens so each
+// knows every row's place.
+__global__ void __launch_bounds__(kDirectMaxThreads, 1)
+dispatch_direct_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_bytes, int num_scales) {
+  const DispatchRank& p = set.r[blockIdx.y];
+  const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk, ch = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const bool shared = warps >= 2 * R;  // several warps per destination (else a warp per one or more)
+  const int per_dst = shared ? warps / R : 1;
+  if (shared && warp >= per_dst * R) return;
+  const int share = shared ? warp / R : 0;  // which of the destination's warps this is
+  const int first_dst = shared ? warp % R : warp, dst_step = shared ? R : warps;
+  const Range range = channel_range(p.num_tokens, C, ch);
+  for (int dst = first_dst; dst < R; dst += dst_step) {
+    const DispatchRank& q = set.r[dst];
+    uint8_t* const recv_x = q.recv_x;
+    float* const recv_scales = q.recv_scales;
+    int64_t* const recv_topk_idx = q.recv_topk_idx;
+    float* const recv_topk_weights = q.recv_topk_weights;
+    int32_t* const recv_src_idx = q.recv_src_idx;
+    int64_t out = rows_before(q.meta, me * C + ch, lane);
+    int turn = 0;  // which of the destination's warps copies row `out`
+    for (int base = range.begin; base < range.end; base += 32) {
+      const int t = base + lane;
+      unsigned hits = __ballot_sync(0xffffffffu, t < range.end && p.is_token_in_rank[int64_t(t) * R + dst]);
+      for (; hits; hits &= hits - 1, ++out, turn = turn + 1 == per_dst ? 0 : turn + 1) {
+        if (turn != share) continue;
+        const int token = base + __ffs(hits) - 1;
+        warp_copy16_ro(recv_x + out * hidden_bytes, p.x + token * hidden_bytes, hidden_bytes, lane);
+        for (int i = lane; i < num_scales; i += 32)
+          recv_scales[out * num_scales + i] = p.x_scales[int64_t(token) * num_scales + i];
+        if (lane < K) {
+          const int64_t local = localize_entry(p.topk_idx[int64_t(token) * K + lane], dst, c.expert_to_rank,
+                                               c.expert_to_local);
+          recv_topk_idx[out * K + lane] = local;
+          if (recv_topk_weights)
+            recv_topk_weights[out * K + lane] =
+                local >= 0 && p.topk_weights ? p.topk_weights[int64_t(token) * K + lane] : 0.0f;
+        }
+        if (lane == 0) recv_src_idx[out] = token;
+      }
+    }
+  }
+}
+
+// One 16-byte vector of a combined row read straight from the sources' rows (src[r] null: the token
+// did not go to r): every load issued before the sums, in rank order as reduce_vector's.
+template <class T>
+__device__ __forceinline__ int4 reduce_vector_direct(const int4* const (&src)[kMaxRanks], int v) {
+  int4 in[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (src[r] != nullptr) in[r] = ld_nc_na_int4(src[r] + v);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (src[r] != nullptr) add_vec(acc, in[r], static_cast<T*>(nullptr));
+  return pack_vec(acc, static_cast<T*>(nullptr));
+}
+
+// The direct combine's per-block state: where each warp's token's row sits in each source's x.
+struct DirectCombineShared {
+  int64_t row[kCombineWarps][kMaxRanks];  // row of x on rank r, or -1
+  int64_t next[kMaxRanks];                // the next row from rank r for this channel
+};
+
+// Receiver only (grid.x = C): block ch of rank me combines channel ch's tokens, a warp per token.
+template <class T>
+__device__ __forceinline__ void combine_direct_body(const IntranodeCommon& c, const RankSet<CombineRank>& set,
+                                                    int64_t hidden, DirectCombineShared& sh) {
+  const CombineRank& p = set.r[blockIdx.y];
+  const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk, ch = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t hidden_bytes = hidden * static_cast<int64_t>(sizeof(T));
+  const int vectors = static_cast<int>(hidden_bytes / 16);
+  for (int r = warp; r < R; r += blockDim.x >> 5) {  // r's rows from (me, ch) start here in r's x
+    const int64_t first = rows_before(set.r[r].meta, me * C + ch, lane);
+    if (lane == 0) sh.next[r] = first;
+  }
+  __syncthreads();
+  const Range range = channel_range(p.num_tokens, C, ch);
+  for (int base = range.begin; base < range.end; base += kCombineWarps) {
+    if (threadIdx.x < R) {
+      const int r = threadIdx.x;
+      int64_t next = sh.next[r];
+      for (int j = 0; j < kCombineWarps; ++j) {
+        const int t = base + j;
+        sh.row[j][r] = (t < range.end && p.is_token_in_rank[int64_t(t) * R + r]) ? next++ : -1;
+      }
+      sh.next[r] = next;
+    }
+    __syncthreads();
+    const int token = base + warp;
+    if (token < range.end) {
+      const int4* src[kMaxRanks];
+      const float* weights[kMaxRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        const int64_t row = r < R ? sh.row[warp][r] : -1;
+        src[r] = row >= 0 ? reinterpret_cast<const int4*>(set.r[r].x + row * hidden_bytes) : nullptr;
+        weights[r] = row >= 0 && set.r[r].topk_weights ? set.r[r].topk_weights + row * K : nullptr;
+      }
+      int4* out = reinterpret_cast<int4*>(p.combined_x + token * hidden_bytes);
+      for (int v = lane; v < vectors; v += 32) st_int4(out + v, reduce_vector_direct<T>(src, v));
+      if (p.combined_topk_weights && lane < K) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r)
+          if (weights[r] != nullptr) sum += weights[r][lane];
+        p.combined_topk_weights[int64_t(token) * K + lane] = sum;
+      }
+    }
+    __syncthreads();  // every warp has read sh.row before the next tokens' rows replace it
+  }
+}
+
+__global__ void __launch_bounds__(kCombineWarps * 32, 2)
+combine_direct_kernel_bf16(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
+  __shared__ DirectCombineShared sh;
+  combine_direct_body<__nv_bfloat16>(c, set, hidden, sh);
+}
+__global__ void __launch_bounds__(kCombineWarps * 32, 2)
+combine_direct_kernel_f32(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
+  __shared__ DirectCombineShared sh;
+  combine_direct_body<float>(c, set, hidden, sh);
 }
 
 // The launchers' co-residency check: every block of a launch must be resident at once (senders and
@@ -449,10 +625,28 @@ void launch_intranode_notify(const IntranodeCommon& c, const NotifyRank* ranks, 
   EP_LAUNCH(notify_kernel, dim3(1, num_virtual), 256, static_cast<cudaStream_t>(stream))(c, to_set(ranks, num_virtual));
 }
 
+// The ring kernels give every (peer, sub-ring) pair a warp of its own: 32 * R * W threads, at most
+// kIntranodeMaxThreads; and a combine receiver takes kCombineWarps rows of a ring at once, up to
+// ceil(kCombineWarps / W) of them from one sub-ring, which must hold them. Refuses the launch
+// otherwise.
+static bool ring_warps_fit(const IntranodeCommon& c, const char* what) {
+  const int W = c.warps_per_peer;
+  const int64_t min_slots = W >= 1 ? W * int64_t((kCombineWarps + W - 1) / W) : 0;
+  if (W >= 1 && W <= kMaxWarpsPerPeer && 32 * c.num_ranks * W <= kIntranodeMaxThreads && c.ring_slots >= min_slots)
+    return true;
+  refuse_launch(std::string(what) + ": warps_per_peer " + std::to_string(W) + " with " + std::to_string(c.num_ranks) +
+                " ranks needs " + std::to_string(32 * c.num_ranks * W) + " threads per block (at most " +
+                std::to_string(kIntranodeMaxThreads) + ") and at least " + std::to_string(min_slots) +
+                " ring slots (has " + std::to_string(c.ring_slots) + ")");
+  return false;
+}
+
 void launch_intranode_dispatch(const IntranodeCommon& c, const DispatchRank* ranks, int num_virtual,
                                int64_t hidden_bytes, int num_scales, int threads_per_block,
                                void* stream) {
-  int threads = threads_per_block >= 32 * c.num_ranks ? threads_per_block : 32 * c.num_ranks;
+  if (!ring_warps_fit(c, "intranode dispatch")) return;
+  const int needed = 32 * c.num_ranks * c.warps_per_peer;
+  int threads = threads_per_block >= needed ? threads_per_block : needed;
   threads = threads < kIntranodeMaxThreads ? threads : kIntranodeMaxThreads;
   const dim3 grid(2 * c.num_channels, num_virtual);
   if (!fits_at_once(dispatch_kernel, "intranode dispatch", 2 * c.num_channels * num_virtual, threads)) return;
@@ -462,16 +656,53 @@ void launch_intranode_dispatch(const IntranodeCommon& c, const DispatchRank* ran
 
 void launch_intranode_combine(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
                               int64_t hidden, int dtype, void* stream) {
+  if (!ring_warps_fit(c, "intranode combine")) return;
   auto s = static_cast<cudaStream_t>(stream);
   const auto set = to_set(ranks, num_virtual);
   const dim3 grid(2 * c.num_channels, num_virtual);
   const int blocks = 2 * c.num_channels * num_virtual;
-  if (dtype == 0 ? !fits_at_once(combine_kernel_bf16, "intranode combine", blocks, kCombineWarps * 32)
-                 : !fits_at_once(combine_kernel_f32, "intranode combine", blocks, kCombineWarps * 32))
+  // the receivers' kCombineWarps warps, or more for the senders' W warps per peer
+  const int needed = 32 * c.num_ranks * c.warps_per_peer;
+  const int threads = needed > kCombineWarps * 32 ? needed : kCombineWarps * 32;
+  if (dtype == 0 ? !fits_at_once(combine_kernel_bf16, "intranode combine", blocks, threads)
+                 : !fits_at_once(combine_kernel_f32, "intranode combine", blocks, threads))
     return;
   EP_LAUNCH(combine_barrier_kernel, dim3(1, num_virtual), 64, s)(c, set);
-  if (dtype == 0) EP_LAUNCH(combine_kernel_bf16, grid, kCombineWarps * 32, s)(c, set, hidden);
-  else EP_LAUNCH(combine_kernel_f32, grid, kCombineWarps * 32, s)(c, set, hidden);
+  if (dtype == 0) EP_LAUNCH(combine_kernel_bf16, grid, threads, s)(c, set, hidden);
+  else EP_LAUNCH(combine_kernel_f32, grid, threads, s)(c, set, hidden);
+}
+
+// Direct writes need every rank of the group in this launch, each at its own index.
+static bool all_ranks_here(const char* what, int num_ranks, const int* ranks_of, int num_virtual) {
+  bool ok = num_virtual == num_ranks;
+  for (int i = 0; ok && i < num_virtual; ++i) ok = ranks_of[i] == i;
+  if (!ok)
+    refuse_launch(std::string(what) + ": direct writes need every rank of the group in one launch, rank i at "
+                  "index i (virtual ranks); use the ring kernels");
+  return ok;
+}
+
+void launch_intranode_dispatch_direct(const IntranodeCommon& c, const DispatchRank* ranks, int num_virtual,
+                                      int64_t hidden_bytes, int num_scales, int threads_per_block, void* stream) {
+  int rank_of[kMaxRanks];
+  for (int i = 0; i < num_virtual && i < kMaxRanks; ++i) rank_of[i] = ranks[i].rank;
+  if (!all_ranks_here("intranode direct dispatch", c.num_ranks, rank_of, num_virtual)) return;
+  int threads = threads_per_block >= 32 * c.num_ranks ? threads_per_block : 32 * c.num_ranks;
+  threads = threads < kDirectMaxThreads ? threads : kDirectMaxThreads;
+  EP_LAUNCH(dispatch_direct_kernel, dim3(c.num_channels, num_virtual), threads, static_cast<cudaStream_t>(stream))(
+      c, to_set(ranks, num_virtual), hidden_bytes, num_scales);
+}
+
+void launch_intranode_combine_direct(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
+                                     int64_t hidden, int dtype, void* stream) {
+  int rank_of[kMaxRanks];
+  for (int i = 0; i < num_virtual && i < kMaxRanks; ++i) rank_of[i] = ranks[i].rank;
+  if (!all_ranks_here("intranode direct combine", c.num_ranks, rank_of, num_virtual)) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto set = to_set(ranks, num_virtual);
+  const dim3 grid(c.num_channels, num_virtual);
+  if (dtype == 0) EP_LAUNCH(combine_direct_kernel_bf16, grid, kCombineWarps * 32, s)(c, set, hidden);
+  else EP_LAUNCH(combine_direct_kernel_f32, grid, kCombineWarps * 32, s)(c, set, hidden);
 }
 
 }  // namespace ep_comm::cuda

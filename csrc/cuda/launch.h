@@ -9,9 +9,9 @@
 // shared_bytes of dynamic shared memory, which the kernel declares with
 // EP_DYNAMIC_SHARED(type, name) (extern __shared__ type name[] under nvcc).
 #ifdef EP_CUDA_EMULATION
-#define EP_LAUNCH(kernel, grid, threads, stream) ((void)(stream), ::ep_emu::launch(kernel, (grid), (threads)))
+#define EP_LAUNCH(kernel, grid, threads, stream) ::ep_emu::launch(kernel, (grid), (threads), 0, (stream))
 #define EP_LAUNCH_SMEM(kernel, grid, threads, shared_bytes, stream) \
-  ((void)(stream), ::ep_emu::launch(kernel, (grid), (threads), (shared_bytes)))
+  ::ep_emu::launch(kernel, (grid), (threads), (shared_bytes), (stream))
 #define EP_DYNAMIC_SHARED(type, name) type* const name = static_cast<type*>(::ep_emu::dynamic_shared_memory())
 #else
 #define EP_LAUNCH(kernel, grid, threads, stream) kernel<<<(grid), (threads), 0, (stream)>>>

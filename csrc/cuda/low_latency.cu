@@ -291,8 +291,8 @@ __device__ __forceinline__ void combine_token_registers(const uint8_t* base, con
       const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw[k]);
       for (int i = 0; i < 4; ++i) {
         const float2 x = __bfloat1622float2(h[i]);
-        acc[2 * i] += weight[k] * x.x;
-        acc[2 * i + 1] += weight[k] * x.y;
+        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(weight[k], x.x));  // no FMA: the reference's roundings
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(weight[k], x.y));
       }
     }
     int4 packed;
@@ -326,8 +326,8 @@ __device__ __forceinline__ void combine_token_shared(const uint8_t* base, const 
         const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
         for (int i = 0; i < 4; ++i) {
           const float2 x = __bfloat1622float2(h[i]);
-          acc[2 * i] += weights[k0 + u] * x.x;
-          acc[2 * i + 1] += weights[k0 + u] * x.y;
+          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(weights[k0 + u], x.x));
+          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(weights[k0 + u], x.y));
         }
       }
     }

@@ -36,6 +36,7 @@ struct IntranodeCommon {
   int64_t ring_slots, row_bytes;  // the buffer's ring geometry
   unsigned long long timeout_ns;
   int barrier_value;  // monotone across calls: the value every rank writes into arrival[]
+  int warps_per_peer;  // ring kernels: warps per peer and sub-rings per ring, 1 .. kMaxWarpsPerPeer
 };
 // meta (int32, written by notify, read by dispatch/combine and by Python):
 //   [0, R*C)          channel_counts[src][c]: rows from src through channel c
@@ -87,6 +88,14 @@ void launch_intranode_dispatch(const IntranodeCommon& c, const DispatchRank* ran
 // dtype: 0 = bfloat16, 1 = float32. The combine starts with a barrier that resets the rings.
 void launch_intranode_combine(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
                               int64_t hidden, int dtype, void* stream);
+// Direct writes (no ring, no waits), for a launch that runs every rank of the group (virtual ranks,
+// ranks[i].rank == i): the dispatch writes each row into its receiver's outputs after the notify,
+// the combine reads each returned row from its sender's x. Same arguments and results as the ring
+// kernels'; refused (take_launch_error) when not every rank is in the launch.
+void launch_intranode_dispatch_direct(const IntranodeCommon& c, const DispatchRank* ranks, int num_virtual,
+                                      int64_t hidden_bytes, int num_scales, int threads_per_block, void* stream);
+void launch_intranode_combine_direct(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
+                                     int64_t hidden, int dtype, void* stream);
 
 // ---- low_latency.cu -------------------------------------------------------------------------
 struct LowLatencyCommon {
@@ -148,6 +157,12 @@ void nvshmem_barrier_on_stream(void* stream);
 // the launch already failed (record status set), it still tells the peers it arrived but does
 // not wait for them.
 void launch_bounded_barrier(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
+                            unsigned long long timeout_ns, int32_t* record, void* stream);
+// launch_bounded_barrier whose `value` is kept on the device: `*round` (device uint64, zero at
+// first, used by nothing else) counts this PE's barriers on `words` and each launch advances it,
+// so the calls stay correct when captured in a CUDA graph and replayed. Every PE must run the same
+// sequence of counted barriers on `words` (and no other barrier on them).
+void launch_counted_barrier(uint64_t* words, unsigned long long* round, int num_pes, int my_pe,
                             unsigned long long timeout_ns, int32_t* record, void* stream);
 // One round of a byte all-to-all through the symmetric exchange buffer: sends
 // send[send_offsets[r], +send_bytes[r]) to every PE r (send_bytes[r] <= slot_bytes), waits for

@@ -1,19 +1,27 @@
-// CUDA emulation on the CPU: the parts of the CUDA runtime and device language that the codec
-// kernels (csrc/cuda/lossless_kernels.cu, fp8_kernels.cu) use, so that the same source compiles as
+// CUDA emulation on the CPU: the parts of the CUDA runtime and device language that the kernels
+// of csrc/cuda/ use (codec, layout, intranode, low-latency), so that the same source compiles as
 // C++ and runs without a GPU. Found first on the include path (-I csrc/emulation) by
 // `#include <cuda_runtime.h>`; built with -DEP_CUDA_EMULATION (tests/support/emulated_cuda.py builds the
 // libraries). "Device" memory is host memory, launches run to completion before they return
-// (grid blocks one after another, each block's threads as fibers: csrc/emulation/fibers.h),
-// streams are ignored.
+// (streams ignored) unless queued between ep_emu_begin_streams and ep_emu_run_streams, which runs
+// them together, streams at once and each stream's launches in order. A launch's blocks run as interleaved fibers (csrc/emulation/grid.h), as many
+// at once as the emulated device holds (ep_emu_set_device; one at a time unless set), each block's
+// threads as fibers (csrc/emulation/fibers.h) that switch at barriers, warp collectives, spin-wait
+// iterations and release stores; so kernels whose blocks (or virtual ranks) wait for each other's
+// flags run here too.
 // What the emulation checks that the hardware would not: warp collectives with a full mask reached
-// by every live lane (a divergent barrier is a launch failure, reported by cudaGetLastError), and
-// shared memory read before another thread's write without a barrier gives the old value.
-// What it does not model: memory ordering between concurrently running blocks (blocks run one at a
-// time), partial warp masks (every collective here is over the warp's live lanes), timing.
-// __shared__ variables are function-local statics: one copy per kernel, reused by each block and
-// poisoned before it starts; so a process runs one emulated launch at a time (two OS threads
-// launching at once would share those copies). A template kernel's statics escape the poisoning
-// (GCC places them outside the section): keep kernels plain functions (a test checks it).
+// by every live lane (a divergent barrier is a launch failure, reported by cudaGetLastError), shared
+// memory read before another thread's write without a barrier gives the old value, a flag published
+// before the publishing warp's other threads stored what it announces is seen early, and a grid
+// whose blocks spin forever (a flag never released, a grid that cannot be co-resident) is a launch
+// failure whose cudaGetErrorString says which blocks spun.
+// What it does not model: weak memory ordering (every store is visible at once: a relaxed store
+// where a release is needed goes unseen), partial warp masks (every collective here is over the
+// warp's live lanes), timing.
+// __shared__ variables are function-local statics in one section, which holds the running block's
+// copy; so a process runs one emulated launch (or set of queued launches) at a time (two OS threads launching at once would
+// share it). A template kernel's statics escape the section (GCC places them elsewhere): keep
+// kernels plain functions (a test checks it).
 #pragma once
 #ifndef EP_CUDA_EMULATION
 #error "csrc/emulation/cuda_runtime.h is the CUDA emulation: build with -DEP_CUDA_EMULATION"
@@ -23,12 +31,13 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "fibers.h"
 
 // ---- language: qualifiers ----
 #define __global__
@@ -37,12 +46,9 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-// Every __shared__ variable lives in one section, which each block starts with poisoned (shared
-// memory is undefined when a block starts on a GPU; here it would otherwise keep the previous
-// block's values, hiding reads of unwritten shared memory).
+// Every __shared__ variable lives in one section (csrc/emulation/grid.h gives each resident block
+// its own copy of it, poisoned when the block starts: shared memory is undefined then on a GPU).
 #define __shared__ static __attribute__((section("ep_emu_shared")))
-extern "C" char __start_ep_emu_shared[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_ep_emu_shared[] __attribute__((weak, visibility("hidden")));
 
 // ---- runtime types and calls ----
 struct dim3 {
@@ -58,88 +64,114 @@ struct alignas(8) uint2 {
 struct alignas(16) int4 {
   int x, y, z, w;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
 inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 using cudaStream_t = struct CUstream_emulated*;
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorLaunchFailure = 719 };
 enum cudaFuncAttribute { cudaFuncAttributePreferredSharedMemoryCarveout = 9 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+
+#include "grid.h"
 
 namespace ep_emu {
 
-// What the current launch's threads see as blockIdx / blockDim / gridDim; the last error.
+// This OS thread's launches: the schedule order, the emulated device, the last error and why.
 struct LaunchState {
-  dim3 block_idx, block_dim, grid_dim;
   cudaError_t last_error = cudaSuccess;
-  bool reverse_schedule = false;  // FiberBlock::run's order (ep_emu_set_schedule)
-  uint64_t blocks_run = 0;        // picks the poison of the next block's shared memory
-  std::vector<uint64_t> dynamic_shared;  // the launch's dynamic shared memory (8-byte aligned)
+  std::string failure;            // why the last failed launch failed (cudaGetErrorString)
+  bool reverse_schedule = false;  // threads and blocks from the highest index down (ep_emu_set_schedule)
+  bool stall_fails = false;       // a stalled grid fails the launch (ep_emu_set_stall_failure)
+  DeviceModel device;             // ep_emu_set_device / ep_emu_set_resident_limit
+  bool defer_streams = false;     // launches on a non-null stream are queued (ep_emu_begin_streams)
+  std::vector<GridLaunch> queued;
 };
 inline thread_local LaunchState tls_launch;
-// The block runner of this OS thread's launches (one at a time: kernels launch no kernels).
-inline thread_local FiberBlock tls_runner;
+// The grid runner of this OS thread's launches (one at a time: kernels launch no kernels).
+inline thread_local GridRunner tls_runner;
 
-// Fills all shared memory with 0x00 or 0xA5 bytes, alternating from block to block (a zero and a
-// non-zero pattern: a flag or count read before it is written is wrong one way or the other).
-EP_EMU_NO_TSAN inline void poison_shared_memory(uint64_t block_number) {
-  char* const begin = __start_ep_emu_shared;  // null when no kernel declares shared memory
-  char* const end = __stop_ep_emu_shared;
-  if (begin != nullptr && end > begin) std::memset(begin, block_number % 2 ? 0xA5 : 0x00, size_t(end - begin));
-}
-
-inline FiberBlock& block() { return *tls_block; }
+inline FiberBlock& block() { return tls_resident->fibers; }
 
 // %globaltimer of the emulation: a virtual clock of this OS thread that advances 1 microsecond per
 // read, so a bounded wait (csrc/common/device_sync.h) that nothing releases runs out after a number
 // of spins set by its timeout instead of hanging; timeouts in emulated tests are virtual time.
 inline thread_local unsigned long long tls_virtual_ns = 0;
 inline unsigned long long global_timer_ns() { return tls_virtual_ns += 1000; }
-// One iteration of a spin-wait: the other threads of the block run before the spinner resumes.
-inline void spin_yield() { tls_block->spin_yield(); }
+// One iteration of a spin-wait: every other runnable thread of the launch runs before the spinner
+// resumes.
+inline void spin_yield() { tls_resident->fibers.spin_yield(); }
+// After a release store to memory other blocks (or virtual ranks) read: they run first.
+inline void release_yield() { tls_resident->fibers.release_yield(); }
+// An acquire load: the spin-wait that made it has succeeded.
+inline void note_acquire() { tls_resident->fibers.note_acquire(); }
 
-// Runs kernel(args...) on a grid of `grid` blocks of `threads` threads; a deadlocked block stops
-// the launch with cudaErrorLaunchFailure. Each thread gets its own copy of the arguments.
-// The current launch's dynamic shared memory (EP_DYNAMIC_SHARED): poisoned before each block, as
-// the static kind is.
-inline void* dynamic_shared_memory() { return tls_launch.dynamic_shared.data(); }
+// The current block's dynamic shared memory (EP_DYNAMIC_SHARED): poisoned when the block starts,
+// as the static kind is.
+inline void* dynamic_shared_memory() { return tls_resident->dynamic.data(); }
 
+// Runs kernel(args...) on a grid of `grid` blocks of `threads` threads, as many blocks resident at
+// once as the emulated device holds (grid.h); a deadlock stops the launch with
+// cudaErrorLaunchFailure and cudaGetErrorString says why. Each thread gets its own copy of the
+// arguments. Between ep_emu_begin_streams and ep_emu_run_streams a launch on a non-null stream is
+// queued instead, its arguments kept, and runs with the others queued (run_queued_launches).
 template <typename... Params>
 class Launch {
  public:
-  Launch(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared_bytes = 0)
-      : kernel_(kernel), grid_(grid), threads_(threads), shared_bytes_(shared_bytes) {}
+  Launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t shared_bytes = 0,
+         const void* stream = nullptr)
+      : kernel_(kernel), grid_(grid), threads_(threads), shared_bytes_(shared_bytes), stream_(stream) {}
   template <typename... Args>
   void operator()(Args&&... args) const {
-    const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-    if (grid_ == 0 || threads_ == 0 || threads_ > 1024) {
-      tls_launch.last_error = cudaErrorInvalidValue;
+    auto params = std::make_shared<const std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+    LaunchState& s = tls_launch;
+    if (grid_.x == 0 || grid_.y == 0 || grid_.z == 0 || threads_ == 0 || threads_ > 1024) {
+      s.last_error = cudaErrorInvalidValue;
       return;
     }
-    LaunchState& s = tls_launch;
-    s.grid_dim = dim3(grid_);
-    s.block_dim = dim3(threads_);
-    s.dynamic_shared.assign((shared_bytes_ + 7) / 8, 0);
-    FiberBlock& runner = tls_runner;  // its fiber stacks are kept from launch to launch
-    const std::function<void()> body = [&] { std::apply(kernel_, params); };
-    for (unsigned b = 0; b < grid_; ++b) {
-      s.block_idx = dim3(b);
-      if (!s.dynamic_shared.empty())
-        std::memset(s.dynamic_shared.data(), s.blocks_run % 2 ? 0xA5 : 0x00, 8 * s.dynamic_shared.size());
-      poison_shared_memory(s.blocks_run++);
-      if (!runner.run(threads_, body, s.reverse_schedule)) {
-        s.last_error = cudaErrorLaunchFailure;
-        return;
-      }
+    void (*kernel)(Params...) = kernel_;
+    GridLaunch l{grid_, threads_, shared_bytes_, resident_blocks(s.device, threads_), stream_,
+                 [kernel, params] { std::apply(kernel, *params); }};
+    if (s.defer_streams && stream_ != nullptr) {
+      s.queued.push_back(std::move(l));
+      return;
+    }
+    std::string failure;
+    if (!tls_runner.run({std::move(l)}, s.reverse_schedule, s.stall_fails, tls_virtual_ns, failure)) {
+      s.last_error = cudaErrorLaunchFailure;
+      s.failure = "unspecified launch failure (CUDA emulation: " + failure + ")";
     }
   }
 
  private:
   void (*kernel_)(Params...);
-  unsigned grid_, threads_;
+  dim3 grid_;
+  unsigned threads_;
   size_t shared_bytes_;
+  const void* stream_;
 };
 
 template <typename... Params>
-Launch<Params...> launch(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared_bytes = 0) {
-  return Launch<Params...>(kernel, grid, threads, shared_bytes);
+Launch<Params...> launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t shared_bytes = 0,
+                         const void* stream = nullptr) {
+  return Launch<Params...>(kernel, grid, threads, shared_bytes, stream);
+}
+
+// Runs the launches queued since ep_emu_begin_streams together (grid.h: streams at once, each
+// stream's launches in order) and stops queueing: false, with the failure set, on a deadlock.
+inline bool run_queued_launches() {
+  LaunchState& s = tls_launch;
+  std::vector<GridLaunch> launches;
+  launches.swap(s.queued);
+  s.defer_streams = false;
+  std::string failure;
+  if (!tls_runner.run(launches, s.reverse_schedule, s.stall_fails, tls_virtual_ns, failure)) {
+    s.last_error = cudaErrorLaunchFailure;
+    s.failure = "unspecified launch failure (CUDA emulation: " + failure + ")";
+    return false;
+  }
+  return true;
 }
 
 template <typename T>
@@ -159,14 +191,43 @@ T from_bits(uint64_t bits) {
 }  // namespace ep_emu
 
 #define threadIdx (::dim3(::ep_emu::block().thread_index()))
-#define blockIdx (::ep_emu::tls_launch.block_idx)
-#define blockDim (::ep_emu::tls_launch.block_dim)
-#define gridDim (::ep_emu::tls_launch.grid_dim)
+#define blockIdx (::ep_emu::tls_resident->index)
+#define blockDim (::ep_emu::tls_resident->block_dim)
+#define gridDim (::ep_emu::tls_resident->grid_dim)
 
 // The order in which this OS thread's later launches resume their threads: 0 from thread 0 up,
 // 1 from the highest down (tests run kernels both ways). Exported from every emulated library.
 extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_schedule(int reverse) {
   ep_emu::tls_launch.reverse_schedule = reverse != 0;
+}
+// The emulated device of this OS thread's later launches: `sms` multiprocessors of at most
+// `blocks_per_sm` blocks each (grid.h's DeviceModel; 1 x 1 unless set: blocks one at a time).
+extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_device(int sms, int blocks_per_sm) {
+  ep_emu::tls_launch.device.sms = sms > 0 ? unsigned(sms) : 1u;
+  ep_emu::tls_launch.device.blocks_per_sm = blocks_per_sm > 0 ? unsigned(blocks_per_sm) : 1u;
+}
+// 1: a later launch whose resident blocks stall (grid.h) fails with a description of the stall,
+// even when the bounded waits' timeouts end it; 0 (the default): the timeouts end it, as on a GPU.
+extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_stall_failure(int fail) {
+  ep_emu::tls_launch.stall_fails = fail != 0;
+}
+// At most `blocks` blocks of a later launch resident at once, whatever the occupancy reports (0:
+// no cap): a grid the launch check accepts but the device cannot hold.
+extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_resident_limit(int blocks) {
+  ep_emu::tls_launch.device.resident_limit = blocks > 0 ? unsigned(blocks) : 0u;
+}
+
+// From here on, this OS thread's launches on a non-null stream are queued, not run, until
+// ep_emu_run_streams: then they all run at once, each stream's launches in order and each stream on
+// an emulated device of its own (as ranks' streams on their GPUs in a job of several processes),
+// so that a kernel waiting for another stream's flags runs while the other stream sets them.
+extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_begin_streams() {
+  ep_emu::tls_launch.defer_streams = true;
+}
+// Runs what ep_emu_begin_streams queued and stops queueing: 0, or -1 when the launches failed
+// (cudaGetLastError then reports it, cudaGetErrorString says why).
+extern "C" __attribute__((used, visibility("default"))) inline int ep_emu_run_streams() {
+  return ep_emu::run_queued_launches() ? 0 : -1;
 }
 
 inline cudaError_t cudaGetLastError() {
@@ -175,7 +236,23 @@ inline cudaError_t cudaGetLastError() {
   return e;
 }
 inline const char* cudaGetErrorString(cudaError_t e) {
+  if (e == cudaErrorLaunchFailure && !ep_emu::tls_launch.failure.empty()) return ep_emu::tls_launch.failure.c_str();
   return e == cudaSuccess ? "no error" : e == cudaErrorInvalidValue ? "invalid argument" : "unspecified launch failure";
+}
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  if (attr != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
+  *value = static_cast<int>(ep_emu::tls_launch.device.sms);
+  return cudaSuccess;
+}
+// The emulated device's blocks per SM for `threads`-thread blocks (grid.h's occupancy_per_sm).
+template <typename F>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F, int threads, size_t) {
+  *blocks = static_cast<int>(ep_emu::occupancy_per_sm(ep_emu::tls_launch.device, static_cast<unsigned>(threads)));
+  return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
   std::memset(p, value, bytes);
@@ -261,6 +338,17 @@ inline int atomicCAS_system(int* p, int expected, int desired) {
 }
 inline int atomicExch_system(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline float __int_as_float(int v) { return ep_emu::from_bits<float>(static_cast<unsigned>(v)); }
+inline int __float_as_int(float v) { return static_cast<int>(ep_emu::to_bits(v)); }
+// Round-to-nearest float add and multiply, never contracted into an FMA (as nvcc's intrinsics)
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}
+inline float __fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // Atomics (relaxed, as CUDA's): fibers switch only at synchronisation points, so a plain

@@ -1,6 +1,9 @@
 // A thread block of the CUDA emulation (csrc/emulation/cuda_runtime.h) as fibers: every CUDA
 // thread is a fiber with its own stack, all on the calling OS thread, switched only at the
-// block's and warps' synchronisation points (__syncthreads, __syncwarp, the warp collectives).
+// block's and warps' synchronisation points (__syncthreads, __syncwarp, the warp collectives), at
+// each iteration of a spin-wait and after each release store. A FiberBlock advances step by step
+// (step(): each runnable fiber once), so a launch interleaves the steps of its resident blocks
+// (csrc/emulation/grid.h).
 // So the kernels' CUDA source runs unchanged on the CPU, deterministically: a thread runs until
 // it must wait for others, which is where the real hardware's threads could also be anywhere.
 // A thread that reads shared memory another thread writes without a barrier between them sees
@@ -57,8 +60,8 @@ constexpr unsigned kWarpSize = 32;
 // reports two CUDA threads of a block that touch the same memory (one of them writing) with no
 // barrier between them: the barriers release before arriving and acquire after passing, the
 // emulated atomics are atomic, and the scheduler's own bookkeeping is not instrumented (NO_TSAN).
-// Blocks are ordered one after another (their shared memory is one reused copy), so races between
-// two blocks are not reported.
+// Race checks run one block at a time (grid.h), each block's start and end ordering it after the
+// one before, so races between two blocks are not reported.
 #if defined(__SANITIZE_THREAD__)
 #define EP_EMU_NO_TSAN __attribute__((no_sanitize_thread, noinline))
 inline void tsan_release(const void* sync) { __tsan_release(const_cast<void*>(sync)); }
@@ -107,12 +110,9 @@ class FiberBlock {
 #endif
   }
 
-  // Runs `body` once in each of `threads` fibers (thread indices 0 .. threads - 1) until every
-  // fiber has returned. Returns false if they deadlocked (some wait at a barrier that the others
-  // cannot reach); the waiting fibers are then abandoned. `reverse`: the runnable fibers are
-  // resumed from the highest thread index down (else from 0 up), so that a thread reading what a
-  // lower thread writes without a barrier between them runs first and reads the old value.
-  EP_EMU_NO_TSAN bool run(unsigned threads, const std::function<void()>& body, bool reverse = false) {
+  // Starts `body` in each of `threads` fibers (thread indices 0 .. threads - 1); none runs until
+  // step().
+  EP_EMU_NO_TSAN void start(unsigned threads, const std::function<void()>& body) {
     while (stacks_.size() < threads) stacks_.emplace_back(new FiberStack());
     fibers_.assign(threads, Fiber{});
     warps_.assign((threads + kWarpSize - 1) / kWarpSize, Warp{});
@@ -123,34 +123,76 @@ class FiberBlock {
     }
     alive_ = threads;
     block_arrived_ = 0;
+    cursor_ = 0;
     body_ = &body;
+    for (unsigned t = 0; t < threads; ++t) start_fiber(t);
+    tsan_release(&tsan_start_);
+  }
+
+  // What one step() did. progressed: some fiber did more than fail one iteration of the spin-wait
+  // it was already in (a spin iteration that ends in an acquire, a barrier, a publish, an exit all
+  // count); released: the step stopped right after a fiber's release store (st_release_sys), the
+  // fibers after it not yet resumed; finished: every fiber has returned; stuck: fibers are left
+  // and all of them wait at barriers that the others cannot reach.
+  struct Step {
+    bool progressed = false, released = false, finished = false, stuck = false;
+  };
+
+  // Resumes each runnable fiber once, from thread 0 up (`reverse`: from the highest down), each
+  // until it waits at a barrier, spins, publishes or returns; a pass cut short by a publish goes on
+  // from the next fiber at the next step.
+  EP_EMU_NO_TSAN Step step(bool reverse) {
+    Step s;
     FiberBlock* outer = tls_block;
     tls_block = this;
-    for (unsigned t = 0; t < threads; ++t) start_fiber(t);
 #if defined(__SANITIZE_THREAD__)
     scheduler_tsan_ = __tsan_get_current_fiber();
 #endif
-    tsan_release(&tsan_start_);
-    bool ok = true;
-    while (alive_ > 0) {
-      bool progressed = false;
-      for (unsigned k = 0; k < threads; ++k) {
-        const unsigned t = reverse ? threads - 1 - k : k;
-        Fiber& f = fibers_[t];
-        if (f.done || (f.wait_gen != nullptr && *f.wait_gen == f.wait_value)) continue;
-        f.wait_gen = nullptr;
-        current_ = t;
-        to_fiber(f);
-        progressed = true;
-      }
-      if (!progressed) {
-        ok = false;
+    const unsigned n = static_cast<unsigned>(fibers_.size());
+    bool resumed = false;
+    for (; cursor_ < n && alive_ > 0; ++cursor_) {
+      const unsigned t = reverse ? n - 1 - cursor_ : cursor_;
+      Fiber& f = fibers_[t];
+      if (f.done || (f.wait_gen != nullptr && *f.wait_gen == f.wait_value)) continue;
+      f.wait_gen = nullptr;
+      current_ = t;
+      acquired_ = false;
+      last_yield_ = YieldKind::kWait;
+      to_fiber(f);
+      resumed = true;
+      const bool idle = f.spinning && last_yield_ == YieldKind::kSpin && !acquired_;
+      f.spinning = last_yield_ == YieldKind::kSpin;
+      s.progressed |= !idle;
+      if (last_yield_ == YieldKind::kRelease) {
+        s.released = true;
+        ++cursor_;
         break;
       }
     }
-    tsan_acquire(&tsan_end_);
+    if (!s.released) cursor_ = 0;
+    s.finished = alive_ == 0;
+    if (s.finished) tsan_acquire(&tsan_end_);
+    s.stuck = !s.finished && !resumed && !s.released && !any_runnable();
     tls_block = outer;
-    return ok;
+    return s;
+  }
+
+  // Runs the fibers started by start() until every one has returned: true, or false if they
+  // deadlocked at barriers (the waiting fibers are then abandoned).
+  EP_EMU_NO_TSAN bool run_to_end(bool reverse) {
+    for (;;) {
+      const Step s = step(reverse);
+      if (s.finished) return true;
+      if (s.stuck) return false;
+    }
+  }
+
+  // start() and run_to_end() in one: `reverse` resumes the runnable fibers from the highest thread
+  // index down, so that a thread reading what a lower thread writes without a barrier between
+  // them runs first and reads the old value.
+  EP_EMU_NO_TSAN bool run(unsigned threads, const std::function<void()>& body, bool reverse = false) {
+    start(threads, body);
+    return run_to_end(reverse);
   }
 
   EP_EMU_NO_TSAN unsigned thread_index() const { return current_; }
@@ -200,13 +242,27 @@ class FiberBlock {
   EP_EMU_NO_TSAN void sync_warp() { warp_barrier(warps_[current_ / kWarpSize]); }
   // A spin-wait iteration: the calling thread stays runnable and the others of the block run
   // first (so a thread that waits for a flag another thread of the block sets lets it be set).
-  EP_EMU_NO_TSAN void spin_yield() { yield(); }
+  EP_EMU_NO_TSAN void spin_yield() {
+    last_yield_ = YieldKind::kSpin;
+    to_scheduler(&fibers_[current_].sp);
+  }
+  // After a release store: back to the scheduler, which runs the other blocks before this one's
+  // remaining threads (a missing __syncwarp before a publish then shows as a reader that sees the
+  // flag before the rows).
+  EP_EMU_NO_TSAN void release_yield() {
+    last_yield_ = YieldKind::kRelease;
+    to_scheduler(&fibers_[current_].sp);
+  }
+  // An acquire load by the running fiber: a spin-wait that ends in one made progress.
+  EP_EMU_NO_TSAN void note_acquire() { acquired_ = true; }
 
  private:
+  enum class YieldKind { kWait, kSpin, kRelease };
   struct Fiber {
     void* sp = nullptr;
     void* tsan = nullptr;  // its TSan fiber (TSan builds)
     bool done = false;
+    bool spinning = false;  // its last resume ended in a spin-wait iteration
     const uint64_t* wait_gen = nullptr;  // runnable again once *wait_gen != wait_value
     uint64_t wait_value = 0;
   };
@@ -274,6 +330,12 @@ class FiberBlock {
     ep_emu_switch_stack(&scheduler_sp_, f.sp);
   }
 
+  EP_EMU_NO_TSAN bool any_runnable() const {
+    for (const Fiber& f : fibers_)
+      if (!f.done && (f.wait_gen == nullptr || *f.wait_gen != f.wait_value)) return true;
+    return false;
+  }
+
   EP_EMU_NO_TSAN void wait_while_unchanged(const uint64_t& gen) {
     Fiber& f = fibers_[current_];
     f.wait_gen = &gen;
@@ -314,6 +376,9 @@ class FiberBlock {
   std::vector<void*> tsan_fibers_;  // TSan fiber of each stack (TSan builds)
   char tsan_start_ = 0, tsan_end_ = 0;  // TSan sync objects: the launcher -> the threads -> the launcher
   unsigned current_ = 0, alive_ = 0, block_arrived_ = 0;
+  unsigned cursor_ = 0;  // the next fiber (in the step's order) that step() resumes
+  bool acquired_ = false;  // the running fiber made an acquire load since it was resumed
+  YieldKind last_yield_ = YieldKind::kWait;
   uint64_t block_gen_ = 0;
   char block_sync_[2] = {};  // TSan sync objects of even and odd block barrier generations
   int vote_any_ = 0, vote_all_ = 1, vote_count_ = 0;

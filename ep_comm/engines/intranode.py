@@ -4,6 +4,7 @@ tests), fused into the kernels of ``csrc/cuda/layout.cu`` and ``intranode.cu``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,17 @@ def _group_size(group: dist.ProcessGroup | None, num_ranks: int) -> int:
     return num_ranks if group is None else dist.get_world_size(group)
 
 
+class HostTimer:
+    """Wall-clock time of launches that run on the host (the CUDA emulation): ``ms`` after the block."""
+
+    def __enter__(self) -> "HostTimer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ms = (time.perf_counter() - self.start) * 1e3
+
+
 # ---- normal mode through peer buffers -----------------------------------------------------------
 @dataclass(frozen=True)
 class IntranodeHandle:
@@ -89,21 +101,56 @@ class IntranodeEngine:
     calls: the notify and the combine start with a barrier across the ranks that every rank joins
     only after its previous kernels finished (stream order), and a rank resets only its own rings.
     Lists passed to the calls hold one entry per rank in ``local_ranks``.
+
+    ``copy``: ``"direct"`` (the default for virtual ranks, which address each other's outputs) has
+    each sender write every row at its final place in the receiver's outputs and the combine read
+    each returned row from its sender's tensor: no ring, no waits, a row crosses memory once each
+    way. ``"ring"`` (the only choice with a group) streams rows through the peer buffers' rings.
+
+    ``warps_per_peer`` (1, 2 or 3; ring copy): warps of a ring kernel's block per peer, each with a
+    sub-ring of its own (rows i = m mod W of the ring go to its warp m): more rows in flight per
+    peer, blocks of 32 * ranks * warps_per_peer threads (at most 512), and ring_slots of at least
+    ``warps_per_peer * ceil(8 / warps_per_peer)``.
+
+    ``kernels``: the bindings to launch instead of ``ep_comm._cuda``'s (the same functions); with
+    the kernels built through the CUDA emulation (tests/support/emulated_cuda.py) ``device`` may be
+    the CPU, the virtual ranks' buffers then in host memory.
     """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
                  num_topk: int, max_hidden_bytes: int, num_channels: int = 4, ring_slots: int = 64,
                  timeout_s: float = 60.0, max_scales: int = 0,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, kernels=None, copy: str | None = None,
+                 warps_per_peer: int = 1) -> None:
         num_ranks = _group_size(group, num_ranks)
+        copy = copy or ("direct" if group is None else "ring")
+        if copy not in ("ring", "direct"):
+            raise ValueError(f"copy must be 'ring' or 'direct', got {copy!r}")
+        if copy == "direct" and group is not None:
+            raise ValueError("copy='direct' writes into the receivers' output tensors: virtual ranks only "
+                             "(group=None); processes of a group exchange rows through the rings")
+        self.copy = copy
         if not 1 <= num_ranks <= 8:
             raise ValueError(f"the intranode engine runs 1..8 ranks, got {num_ranks}")
         if ring_slots < 8:
             raise ValueError("ring_slots must be >= 8")
+        if warps_per_peer not in (1, 2, 3):
+            raise ValueError(f"warps_per_peer must be 1, 2 or 3, got {warps_per_peer!r}")
+        if 32 * num_ranks * warps_per_peer > 512:
+            raise ValueError(f"warps_per_peer={warps_per_peer} with {num_ranks} ranks needs "
+                             f"{32 * num_ranks * warps_per_peer} threads per block; at most 512")
+        if ring_slots < warps_per_peer * -(-8 // warps_per_peer):
+            raise ValueError(f"ring_slots must be >= {warps_per_peer * -(-8 // warps_per_peer)} with "
+                             f"warps_per_peer={warps_per_peer}, got {ring_slots}")
+        self.warps_per_peer = warps_per_peer
         if not 1 <= num_topk <= 32:
             raise ValueError(f"num_topk must be in [1, 32], got {num_topk}")
-        self.cuda, host = cuda_module(), host_module()
-        self.num_ranks, self.placement, self.device = num_ranks, placement, torch.device(device)
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and (kernels is None or group is not None):
+            raise ValueError(f"device must be a CUDA device, got {self.device} (a CPU device runs the kernels "
+                             "built through the CUDA emulation: pass them as kernels=, virtual ranks only)")
+        self.cuda, host = (cuda_module() if kernels is None else kernels), host_module()
+        self.num_ranks, self.placement = num_ranks, placement
         self.num_topk, self.num_channels, self.timeout_ns = num_topk, num_channels, int(timeout_s * 1e9)
         self.max_local = int(placement.num_local_experts.max())
         dispatch_row = host.routing_row_layout(max_hidden_bytes, max_scales, num_topk, True, True, True)
@@ -132,10 +179,18 @@ class IntranodeEngine:
                 "num_channels": self.num_channels, "max_local_experts": self.max_local,
                 "num_experts": self.placement.num_experts, "num_topk": self.num_topk,
                 "ring_slots": self.ring_slots, "row_bytes": self.row_bytes,
-                "timeout_ns": self.timeout_ns, "barrier_value": self.barrier_value}
+                "timeout_ns": self.timeout_ns, "barrier_value": self.barrier_value,
+                "warps_per_peer": self.warps_per_peer}
+
+    def _stream(self) -> int:
+        return stream_handle(self.device) if self.device.type == "cuda" else 0
+
+    def _timer(self):
+        return KernelTimer(self.device) if self.device.type == "cuda" else HostTimer()
 
     def _finish(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         for record in self.records:
             record.check()
 
@@ -159,7 +214,7 @@ class IntranodeEngine:
                                    "num_tokens_per_rank": ptr_or_none(per_rank),
                                    "num_tokens_per_rdma_rank": ptr_or_none(per_node),
                                    "num_tokens_per_expert": ptr_or_none(per_expert),
-                                   "is_token_in_rank": ptr_or_none(mask)}, stream_handle(self.device))
+                                   "is_token_in_rank": ptr_or_none(mask)}, self._stream())
         return per_rank, per_node, per_expert, mask
 
     def dispatch(self, xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
@@ -188,7 +243,7 @@ class IntranodeEngine:
             {"rank": rank, "num_tokens": topk_idx[i].shape[0], "is_token_in_rank": ptr_or_none(layouts[i][3]),
              "num_tokens_per_expert": ptr_or_none(layouts[i][2]), "meta": ptr_or_none(metas[i]),
              "record": self.records[i].ptr} for i, rank in enumerate(self.local_ranks)],
-            stream_handle(self.device))
+            self._stream())
         self._finish()
         metas_cpu = [m.cpu() for m in metas]
         outs, ranks = [], []
@@ -221,9 +276,9 @@ class IntranodeEngine:
                           "recv_topk_idx": ptr_or_none(out["recv_topk_idx"]),
                           "recv_topk_weights": ptr_or_none(out["recv_topk_weights"]),
                           "recv_src_idx": ptr_or_none(out["recv_src_idx"]), "record": self.records[i].ptr})
-        with KernelTimer(self.device) as timer:
-            self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads,
-                                         stream_handle(self.device))
+        with self._timer() as timer:
+            launch = self.cuda.intranode_dispatch_direct if self.copy == "direct" else self.cuda.intranode_dispatch
+            launch(self._common(), ranks, hidden_bytes, num_scales, threads, self._stream())
         self._finish()
         self.last_kernel_ms = timer.ms
         for out in outs:
@@ -258,9 +313,9 @@ class IntranodeEngine:
                           "record": self.records[i].ptr})
         for rec in self.records:
             rec.reset()
-        with KernelTimer(self.device) as timer:
-            self.cuda.intranode_combine(self._common(), ranks, hidden,
-                                        0 if dtype == torch.bfloat16 else 1, stream_handle(self.device))
+        with self._timer() as timer:
+            launch = self.cuda.intranode_combine_direct if self.copy == "direct" else self.cuda.intranode_combine
+            launch(self._common(), ranks, hidden, 0 if dtype == torch.bfloat16 else 1, self._stream())
         self._finish()
         self.last_kernel_ms = timer.ms
         return outs

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from .native import CSRC, ROOT, extension_path, import_extension, python_includes, require_compiler, run_compiler
@@ -22,7 +26,7 @@ def build(source: str | list[str], out: Path, defines: tuple[str, ...] = ()) -> 
     library ``out``; raises CalledProcessError with the compiler's output if it fails."""
     cxx = require_compiler()
     sources = [source] if isinstance(source, str) else list(source)
-    cmd = [cxx, "-std=c++17", "-O2", "-g0", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
+    cmd = [cxx, "-std=c++17", "-O2", "-g0", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
            "-x", "c++", "-DEP_CUDA_EMULATION", *(f"-D{d}" for d in defines),
            f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", *(str(ROOT / s) for s in sources),
            "-o", str(out)]
@@ -42,6 +46,78 @@ def build_racecheck(out: Path, defines: tuple[str, ...] = ()) -> Path:
            "-o", str(out)]
     run_compiler(cmd)
     return out
+
+
+def _build_module(out_dir: Path, sources: tuple[str, ...], name: str) -> Path:
+    """Compiles ``sources`` through the CUDA emulation (the bindings with the host compiler as they
+    are) and links them into the extension module ``name`` in ``out_dir``; returns its path.
+    Objects compile two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cxx = require_compiler()
+    includes = [f"-I{CSRC / 'emulation'}", f"-I{CSRC}", f"-I{CSRC / 'cuda'}", f"-I{CSRC / 'cuda_bindings'}",
+                *python_includes()]
+
+    # -fno-strict-aliasing: kernels read and write 16-byte vectors through other types (an int4 as
+    # bfloat16 pairs), which nvcc compiles as meant and GCC's aliasing rules would not
+    def compile_one(source: str) -> str:
+        obj = out_dir / (Path(source).name + ".o")
+        run_compiler([cxx, "-std=c++17", "-O2", "-g0", "-fno-strict-aliasing", "-fPIC", "-fvisibility=hidden", "-Wall",
+                      "-Wno-unknown-pragmas", "-DEP_CUDA_EMULATION", *includes, "-c", "-x", "c++",
+                      str(ROOT / source), "-o", str(obj)])
+        return str(obj)
+
+    with ThreadPoolExecutor(2) as pool:
+        objects = list(pool.map(compile_one, sources))
+    module = extension_path(out_dir, name)
+    run_compiler([cxx, "-shared", *objects, "-o", str(module)])
+    return module
+
+
+PEER_MODULE = "ep_emulated_peer"
+PEER_SOURCES = ("csrc/cuda/layout.cu", "csrc/cuda/intranode.cu", "csrc/cuda/low_latency.cu",
+                "csrc/cuda_bindings/peer_kernels.cpp", "tests/native/emulated_peer_module.cpp")
+
+
+def build_peer_module(out_dir: Path) -> Path:
+    """ep_comm._cuda's peer-buffer bindings (csrc/cuda_bindings/peer_kernels.cpp, unchanged) over the
+    emulated layout, intranode and low-latency kernels, built into ``out_dir``: the path of an
+    extension module (import it with :func:`import_peer_module`) with the binding functions
+    ``dispatch_layout``, ``intranode_notify`` ... ``low_latency_combine_recv`` taking host pointers,
+    and the emulation's controls ``set_schedule``, ``set_device``, ``set_resident_limit`` and
+    ``set_stall_failure`` (tests/native/emulated_peer_module.cpp)."""
+    return _build_module(out_dir, PEER_SOURCES, PEER_MODULE)
+
+
+def import_peer_module(path: Path):
+    """The module :func:`build_peer_module` built at ``path``, imported."""
+    return import_extension(path, PEER_MODULE)
+
+
+def cached_peer_module(cache_dir: Path):
+    """:func:`build_peer_module`'s module, imported: built into ``cache_dir`` under a key of its
+    sources, the headers they can include and this file, so later pytest runs reuse it until one
+    changes."""
+    digest = hashlib.sha256()
+    headers = [p for d in ("common", "emulation", "cuda", "cuda_bindings", "codec")
+               for p in sorted((CSRC / d).glob("*.h"))]
+    for path in [Path(__file__), *(ROOT / s for s in PEER_SOURCES), *headers]:
+        if path.is_file():
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    key = digest.hexdigest()[:16]
+    module = extension_path(cache_dir / key, PEER_MODULE)
+    if not module.exists():
+        staging = Path(tempfile.mkdtemp(dir=cache_dir))
+        try:
+            built = build_peer_module(staging)
+            module.parent.mkdir(exist_ok=True)
+            os.replace(built, module)  # atomic: a concurrent pytest run sees no half-written file
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        for old in cache_dir.iterdir():  # earlier keys' builds (not another run's staging)
+            if len(old.name) == len(key) and old.name != key and not old.name.startswith("tmp"):
+                shutil.rmtree(old, ignore_errors=True)
+    return import_peer_module(module)
 
 
 def build_codec_module(out_dir: Path) -> Path:
