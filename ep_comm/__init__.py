@@ -1,8 +1,8 @@
 """ep_comm: Mixture-of-Experts expert-parallel dispatch/combine with DeepEP's V1 API.
 
 Public API (see docs/design.md): ``Buffer``, ``DispatchHandle``, ``LowLatencyHandle``, ``CommStats``,
-``CommTimeoutError`` (and its ``StoreLostError``), ``BufferStateError``, ``EventOverlap``, ``Config``, the differentiable ``dispatch`` / ``combine``,
-and ``build_info()``.
+``CommTimeoutError`` (and its ``StoreLostError``), ``BufferStateError``, ``EventOverlap``, ``Config``,
+the differentiable ``dispatch`` / ``combine``, and ``build_info()``.
 """
 from ._build import build_info
 from .autograd import combine, dispatch

@@ -13,6 +13,7 @@
 #include "../common/buffer_layout.h"
 #include "../common/device_sync.h"
 #include "../cuda_bindings/launchers.h"
+#include "launch.h"
 
 #if defined(EP_COMM_WITH_NVSHMEM)
 #include <nvshmem.h>
@@ -115,14 +116,14 @@ __global__ void counted_barrier_kernel(uint64_t* words, unsigned long long* roun
 
 void launch_bounded_barrier(uint64_t* words, int num_pes, int my_pe, unsigned long long value,
                             unsigned long long timeout_ns, int32_t* record, void* stream) {
-  bounded_barrier_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(words, num_pes, my_pe, value,
-                                                                           timeout_ns, record);
+  EP_LAUNCH(bounded_barrier_kernel, 1, 128, static_cast<cudaStream_t>(stream))(words, num_pes, my_pe, value,
+                                                                               timeout_ns, record);
 }
 
 void launch_counted_barrier(uint64_t* words, unsigned long long* round, int num_pes, int my_pe,
                             unsigned long long timeout_ns, int32_t* record, void* stream) {
-  counted_barrier_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(words, round, num_pes, my_pe,
-                                                                           timeout_ns, record);
+  EP_LAUNCH(counted_barrier_kernel, 1, 128, static_cast<cudaStream_t>(stream))(words, round, num_pes, my_pe,
+                                                                               timeout_ns, record);
 }
 
 bool nvshmem_built() { return true; }
@@ -165,10 +166,10 @@ void launch_exchange_round(uint8_t* symmetric, int64_t slot_bytes, const uint8_t
                            int my_pe, unsigned long long round_value,
                            unsigned long long timeout_ns, int32_t* record, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  exchange_put_kernel<<<num_ranks, 128, 0, s>>>(symmetric, slot_bytes, send, send_offsets,
-                                                send_bytes, my_pe, round_value);
-  exchange_wait_kernel<<<num_ranks, 256, 0, s>>>(symmetric, slot_bytes, recv, recv_offsets,
-                                                 recv_bytes, my_pe, round_value, timeout_ns, record);
+  EP_LAUNCH(exchange_put_kernel, num_ranks, 128, s)(symmetric, slot_bytes, send, send_offsets, send_bytes, my_pe,
+                                                    round_value);
+  EP_LAUNCH(exchange_wait_kernel, num_ranks, 256, s)(symmetric, slot_bytes, recv, recv_offsets, recv_bytes, my_pe,
+                                                     round_value, timeout_ns, record);
   // every PE copied its stage out before the next round; bounded, so that a PE that never came
   // (its wait above timed out) leaves this PE with a CommTimeoutError instead of a hang
   const ExchangeLayout l = make_exchange_layout(num_ranks, slot_bytes);

@@ -17,6 +17,7 @@
 // ranks the three launches run in stream order, so every wait is already satisfied when it starts.
 #include <cuda_runtime.h>
 
+#include "launch.h"
 #include "two_hop_device.h"
 
 #if defined(EP_COMM_WITH_NVSHMEM)
@@ -115,9 +116,9 @@ void launch_two_hop_dispatch(const TwoHopCommon& c, const TwoHopDispatchRank* ra
   int64_t most = 0;
   for (int i = 0; i < num_virtual; ++i) most = ranks[i].num_recv_rows > most ? ranks[i].num_recv_rows : most;
   const int blocks = static_cast<int>(most / 8 + 1 < 132 ? most / 8 + 1 : 132);
-  rail_put_kernel<<<dim3(G, num_virtual), 128, 0, s>>>(c, set);
-  forward_kernel<<<dim3(G, num_virtual), 256, 0, s>>>(c, set);
-  node_gather_kernel<<<dim3(blocks, num_virtual), 256, 0, s>>>(c, set);
+  EP_LAUNCH(rail_put_kernel, dim3(G, num_virtual), 128, s)(c, set);
+  EP_LAUNCH(forward_kernel, dim3(G, num_virtual), 256, s)(c, set);
+  EP_LAUNCH(node_gather_kernel, dim3(blocks, num_virtual), 256, s)(c, set);
   two_hop_end_barrier(c, ranks[0].record, s);
 }
 

@@ -20,6 +20,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "launch.h"
 #include "two_hop_device.h"
 
 #if defined(EP_COMM_WITH_NVSHMEM)
@@ -158,9 +159,9 @@ void launch_two_hop_combine(const TwoHopCommon& c, const TwoHopCombineFormat& f,
   int64_t most = 0;
   for (int i = 0; i < num_virtual; ++i) most = ranks[i].num_tokens > most ? ranks[i].num_tokens : most;
   const int blocks = static_cast<int>(most / 8 + 1 < 132 ? most / 8 + 1 : 132);
-  node_return_kernel<<<dim3(c.ranks_per_node * G, num_virtual), 256, 0, s>>>(c, set);
-  rail_reduce_kernel<<<dim3(G, num_virtual), 512, 0, s>>>(c, f, set);
-  source_reduce_kernel<<<dim3(blocks, num_virtual), 256, 0, s>>>(c, f, set);
+  EP_LAUNCH(node_return_kernel, dim3(c.ranks_per_node * G, num_virtual), 256, s)(c, set);
+  EP_LAUNCH(rail_reduce_kernel, dim3(G, num_virtual), 512, s)(c, f, set);
+  EP_LAUNCH(source_reduce_kernel, dim3(blocks, num_virtual), 256, s)(c, f, set);
   two_hop_end_barrier(c, ranks[0].record, s);
 }
 

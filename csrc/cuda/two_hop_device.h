@@ -2,7 +2,7 @@
 // where a rank's buffer is (one PE per rank, or virtual ranks of one PE: see two_hop_launch.h),
 // row copies and the rail put (the bounded wait on a 64-bit signal is device_sync.h's wait_signal).
 #pragma once
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(EP_CUDA_EMULATION)
 #include "../common/device_sync.h"
 #include "../common/hierarchy.h"
 #include "../cuda_bindings/two_hop_launch.h"
@@ -75,4 +75,4 @@ __device__ __forceinline__ void copy_row(uint8_t* dst, const uint8_t* src, int64
 }
 
 }  // namespace ep_comm::cuda
-#endif  // __CUDACC__
+#endif  // __CUDACC__ || EP_CUDA_EMULATION

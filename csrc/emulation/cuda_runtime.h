@@ -1,5 +1,6 @@
 // CUDA emulation on the CPU: the parts of the CUDA runtime and device language that the kernels
-// of csrc/cuda/ use (codec, layout, intranode, low-latency), so that the same source compiles as
+// of csrc/cuda/ use (codec, layout, intranode, low-latency; internode and two-hop with the emulated
+// NVSHMEM of nvshmem.h), so that the same source compiles as
 // C++ and runs without a GPU. Found first on the include path (-I csrc/emulation) by
 // `#include <cuda_runtime.h>`; built with -DEP_CUDA_EMULATION (tests/support/emulated_cuda.py builds the
 // libraries). "Device" memory is host memory, launches run to completion before they return
@@ -258,6 +259,9 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_
   std::memset(p, value, bytes);
   return cudaSuccess;
 }
+inline cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes); }
+// Launches outside ep_emu_begin_streams ... ep_emu_run_streams have finished when they return.
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 template <typename F>
 cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
   return cudaSuccess;

@@ -102,6 +102,7 @@ class GridRunner {
   // spinning on the flag sees it before the publishing warp goes on, and a block that never waits
   // does not hold the publisher back until it has finished.
   static constexpr unsigned kPublishRounds = 16;
+  static constexpr size_t kKeptBlocks = 4;  // resident blocks (with their fiber stacks) kept between runs
 
   // Runs every launch of `launches` (GridLaunch: streams in parallel, each stream's launches in
   // order), each block of a launch admitted when its stream's earlier launches have finished and
@@ -236,6 +237,9 @@ class GridRunner {
     if (holder_ != nullptr) save(holder_, section);
     holder_ = nullptr;
     tls_resident = outer;
+    // a few blocks' fiber stacks are kept for the next run; the rest are unmapped (each stack is
+    // two mappings, and every emulated module in a process draws on vm.max_map_count)
+    if (pool_.size() > kKeptBlocks) pool_.resize(kKeptBlocks);
     return ok;
   }
 

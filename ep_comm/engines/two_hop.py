@@ -197,15 +197,21 @@ class TwoHopEngine:
     Capacity: every rank dispatches at most ``max_tokens`` tokens of at most ``max_x_bytes`` bytes
     with ``num_topk`` ids, so a rail stage holds ``max_tokens`` rows and a node stage
     ``G * max_tokens``.
+
+    ``kernels``: the bindings to launch instead of ``ep_comm._cuda``'s (the same functions, with
+    ``nvshmem_malloc`` / ``nvshmem_free``); with the kernels built through the CUDA emulation over
+    its one-PE NVSHMEM (tests/support/emulated_cuda.py) ``device`` may be the CPU and ``group``
+    None: virtual ranks in host memory.
     """
 
     def __init__(self, num_ranks: int, ranks_per_node: int, placement: ExpertPlacement,
-                 device: torch.device, group: dist.ProcessGroup, max_tokens: int, max_x_bytes: int,
-                 num_topk: int, timeout_s: float = 60.0, settings: NvshmemSettings | None = None) -> None:
+                 device: torch.device, group: dist.ProcessGroup | None, max_tokens: int, max_x_bytes: int,
+                 num_topk: int, timeout_s: float = 60.0, settings: NvshmemSettings | None = None,
+                 kernels=None) -> None:
         if not 1 <= ranks_per_node <= MAX_NODE_RANKS or num_ranks <= 0 or num_ranks % ranks_per_node:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be in [1, {MAX_NODE_RANKS}] and divide "
                              f"num_ranks={num_ranks}")
-        world = dist.get_world_size(group)
+        world = 1 if group is None and kernels is not None else dist.get_world_size(group)
         self.per_process = world > 1
         if not self.per_process and num_ranks > 8:
             raise ValueError(f"num_ranks={num_ranks}: one launch runs at most 8 virtual ranks")
@@ -217,7 +223,10 @@ class TwoHopEngine:
         if max_tokens <= 0 or max_x_bytes <= 0 or num_topk <= 0:
             raise ValueError(f"max_tokens ({max_tokens}), max_x_bytes ({max_x_bytes}) and num_topk "
                              f"({num_topk}) must be positive")
-        self.cuda, host = cuda_module(), host_module()
+        if torch.device(device).type != "cuda" and (kernels is None or group is not None):
+            raise ValueError(f"device must be a CUDA device, got {device} (a CPU device runs the kernels "
+                             "built through the CUDA emulation: pass them as kernels=, group=None)")
+        self.cuda, host = (cuda_module() if kernels is None else kernels), host_module()
         self.num_ranks, self.ranks_per_node = num_ranks, ranks_per_node
         self.num_nodes = num_ranks // ranks_per_node
         self.placement, self.device = placement, torch.device(device)
@@ -225,7 +234,7 @@ class TwoHopEngine:
         self.row_bytes = TwoHopRows(max_x_bytes, num_topk).payload_bytes
         self.layout = host.hier_two_hop_layout(num_ranks, ranks_per_node, max_tokens,
                                                self.num_nodes * max_tokens, self.row_bytes)
-        self.pe, n_pes = init_nvshmem(group, settings)
+        self.pe, n_pes = init_nvshmem(group, settings) if kernels is None else (0, 1)
         self.stride = int(self.layout["total_bytes"])
         self.timeout_ns = int(timeout_s * 1e9)
         self.round_value = 0
@@ -254,7 +263,7 @@ class TwoHopEngine:
 
     def close(self) -> None:
         """Frees the symmetric buffers (collective with one PE per process)."""
-        if self.symmetric or self.staging:
+        if (self.symmetric or self.staging) and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for name in ("staging", "symmetric"):
             if getattr(self, name):
@@ -275,8 +284,12 @@ class TwoHopEngine:
                 "row_bytes": self.row_bytes, "payload_bytes": payload_bytes,
                 "round_value": self.round_value, "timeout_ns": self.timeout_ns}
 
+    def _stream(self) -> int:
+        return stream_handle(self.device) if self.device.type == "cuda" else 0
+
     def _finish(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         for record in self.records:
             record.check()
 
@@ -379,7 +392,7 @@ class TwoHopEngine:
                    for r in range(self.num_ranks)]
         for record in self.records:
             record.reset()
-        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [e[0] for e in entries], stream_handle(self.device))
+        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [e[0] for e in entries], self._stream())
         self._finish()
         return [self._unpack(r, keep[1], fmt, handle, dtype, hidden, topk_weights[r] is not None)
                 for r, (_, handle, keep) in enumerate(entries)]
@@ -407,7 +420,7 @@ class TwoHopEngine:
         send = self._staging_rows(int(plan.rail_plan.token_index.numel()), fmt.payload_bytes)
         args, handle, keep = self._dispatch_entry(self.rank, plan, x, topk_idx, topk_weights, fmt, send)
         self.records[0].reset()
-        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [args], stream_handle(self.device))
+        self.cuda.two_hop_dispatch(self._common(fmt.payload_bytes), [args], self._stream())
         self._finish()
         return self._unpack(self.rank, keep[1], fmt, handle, x.dtype, x.shape[1], topk_weights is not None)
 
@@ -454,7 +467,7 @@ class TwoHopEngine:
             record.reset()
         fmt = {"hidden": x.shape[1], "dtype": 0 if x.dtype == torch.bfloat16 else 1, "num_weights": num_w,
                "weights_offset": layout[1]}
-        self.cuda.two_hop_combine(self._common(layout[2]), fmt, args, stream_handle(self.device))
+        self.cuda.two_hop_combine(self._common(layout[2]), fmt, args, self._stream())
         self._finish()
 
     def combine(self, xs: list[torch.Tensor], handles: list[TwoHopHandle],

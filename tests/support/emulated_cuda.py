@@ -12,12 +12,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from .native import CSRC, ROOT, extension_path, import_extension, python_includes, require_compiler, run_compiler
+from .native import (
+    CSRC,
+    ROOT,
+    cached_extension,
+    extension_path,
+    import_extension,
+    python_includes,
+    require_compiler,
+    run_compiler,
+)
 
 
 def build(source: str | list[str], out: Path, defines: tuple[str, ...] = ()) -> Path:
@@ -48,10 +54,10 @@ def build_racecheck(out: Path, defines: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def _build_module(out_dir: Path, sources: tuple[str, ...], name: str) -> Path:
+def _build_module(out_dir: Path, sources: tuple[str, ...], name: str, defines: tuple[str, ...] = ()) -> Path:
     """Compiles ``sources`` through the CUDA emulation (the bindings with the host compiler as they
-    are) and links them into the extension module ``name`` in ``out_dir``; returns its path.
-    Objects compile two at a time."""
+    are) with ``defines`` and links them into the extension module ``name`` in ``out_dir``; returns
+    its path. Objects compile two at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     cxx = require_compiler()
@@ -63,7 +69,8 @@ def _build_module(out_dir: Path, sources: tuple[str, ...], name: str) -> Path:
     def compile_one(source: str) -> str:
         obj = out_dir / (Path(source).name + ".o")
         run_compiler([cxx, "-std=c++17", "-O2", "-g0", "-fno-strict-aliasing", "-fPIC", "-fvisibility=hidden", "-Wall",
-                      "-Wno-unknown-pragmas", "-DEP_CUDA_EMULATION", *includes, "-c", "-x", "c++",
+                      "-Wno-unknown-pragmas", "-DEP_CUDA_EMULATION", *(f"-D{d}" for d in defines), *includes,
+                      "-c", "-x", "c++",
                       str(ROOT / source), "-o", str(obj)])
         return str(obj)
 
@@ -98,26 +105,39 @@ def cached_peer_module(cache_dir: Path):
     """:func:`build_peer_module`'s module, imported: built into ``cache_dir`` under a key of its
     sources, the headers they can include and this file, so later pytest runs reuse it until one
     changes."""
+    return _cached_module(cache_dir, PEER_SOURCES, PEER_MODULE, build_peer_module)
+
+
+TWO_HOP_MODULE = "ep_emulated_two_hop"
+TWO_HOP_SOURCES = ("csrc/cuda/layout.cu", "csrc/cuda/internode.cu", "csrc/cuda/internode_two_hop.cu",
+                   "csrc/cuda/internode_two_hop_combine.cu", "csrc/cuda_bindings/two_hop.cpp",
+                   "tests/native/emulated_two_hop_module.cpp")
+
+
+def build_two_hop_module(out_dir: Path) -> Path:
+    """ep_comm._cuda's two-hop bindings (csrc/cuda_bindings/two_hop.cpp, unchanged) over the emulated
+    two-hop kernels and the emulated NVSHMEM of one PE (csrc/emulation/nvshmem.h), built into
+    ``out_dir``: the path of an extension module with ``two_hop_dispatch``, ``two_hop_combine``,
+    ``nvshmem_malloc`` / ``nvshmem_free`` / ``nvshmem_ptr`` (host memory) and the emulation's
+    controls (tests/native/emulated_two_hop_module.cpp)."""
+    return _build_module(out_dir, TWO_HOP_SOURCES, TWO_HOP_MODULE, ("EP_COMM_WITH_NVSHMEM",))
+
+
+def cached_two_hop_module(cache_dir: Path):
+    """:func:`build_two_hop_module`'s module, imported, cached as :func:`cached_peer_module`'s."""
+    return _cached_module(cache_dir, TWO_HOP_SOURCES, TWO_HOP_MODULE, build_two_hop_module)
+
+
+def _cached_module(cache_dir: Path, sources: tuple[str, ...], name: str, build_into):
+    """The module ``build_into(dir)`` builds from ``sources``, imported: built into ``cache_dir``
+    under a key of its sources, the headers they can include and this file."""
     digest = hashlib.sha256()
     headers = [p for d in ("common", "emulation", "cuda", "cuda_bindings", "codec")
                for p in sorted((CSRC / d).glob("*.h"))]
-    for path in [Path(__file__), *(ROOT / s for s in PEER_SOURCES), *headers]:
+    for path in [Path(__file__), *(ROOT / s for s in sources), *headers]:
         if path.is_file():
             digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    key = digest.hexdigest()[:16]
-    module = extension_path(cache_dir / key, PEER_MODULE)
-    if not module.exists():
-        staging = Path(tempfile.mkdtemp(dir=cache_dir))
-        try:
-            built = build_peer_module(staging)
-            module.parent.mkdir(exist_ok=True)
-            os.replace(built, module)  # atomic: a concurrent pytest run sees no half-written file
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        for old in cache_dir.iterdir():  # earlier keys' builds (not another run's staging)
-            if len(old.name) == len(key) and old.name != key and not old.name.startswith("tmp"):
-                shutil.rmtree(old, ignore_errors=True)
-    return import_peer_module(module)
+    return cached_extension(cache_dir, digest.hexdigest()[:16], name, build_into)
 
 
 def build_codec_module(out_dir: Path) -> Path:

@@ -83,12 +83,18 @@ def cached_host_test_module(cache_dir: Path) -> ModuleType:
     digest = hashlib.sha256(" ".join(_host_test_command(Path("out"))).encode())
     for path in [HOST_TEST_SOURCE, *sorted(CSRC.rglob("*.h"))]:
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    key = digest.hexdigest()[:16]
-    module = extension_path(cache_dir / key, HOST_TEST_MODULE)
+    return cached_extension(cache_dir, digest.hexdigest()[:16], HOST_TEST_MODULE, build_host_test_module)
+
+
+def cached_extension(cache_dir: Path, key: str, name: str, build_into) -> ModuleType:
+    """The extension module ``name`` that ``build_into(dir)`` builds (returning its path),
+    imported: built once into ``cache_dir/key`` and reused while ``key`` (a digest of what it is
+    built from) is unchanged; other keys' builds are removed."""
+    module = extension_path(cache_dir / key, name)
     if not module.exists():
         staging = Path(tempfile.mkdtemp(dir=cache_dir))
         try:
-            built = build_host_test_module(staging)
+            built = build_into(staging)
             module.parent.mkdir(exist_ok=True)
             os.replace(built, module)  # atomic: a concurrent pytest run sees no half-written file
         finally:
@@ -96,4 +102,4 @@ def cached_host_test_module(cache_dir: Path) -> ModuleType:
         for old in cache_dir.iterdir():  # earlier keys' builds (not another run's staging)
             if len(old.name) == len(key) and old.name != key and not old.name.startswith("tmp"):
                 shutil.rmtree(old, ignore_errors=True)
-    return import_extension(module, HOST_TEST_MODULE)
+    return import_extension(module, name)
