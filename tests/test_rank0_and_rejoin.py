@@ -48,9 +48,11 @@ def _steps(buf, rank, seed):
                 count=count.tolist(), ll_y=ll_y.clone(), ll_combined=ll_combined, ll_dropped=ll_dropped)
 
 
-def _survivor(rank, world, group, victim):
-    buf = ep_comm.Buffer(group, timeout_s=TIMEOUT_S, low_latency_mode=True)
-    out = dict(before=_steps(buf, rank, 1), pid=os.getpid())
+
+def _lose_and_mask(buf, rank: int, victim: int) -> dict:
+    """Step 1 on every rank; ``victim`` then exits; the survivors' step 2 names it (``peers``, and
+    ``detect_s`` the seconds it took), they mask it and run step 3 (``masked``)."""
+    out = dict(before=_steps(buf, rank, 1))
     if rank == victim:
         os._exit(3)
     started = time.monotonic()
@@ -60,6 +62,12 @@ def _survivor(rank, world, group, victim):
         out["peers"], out["detect_s"] = error.peers, time.monotonic() - started
     buf.mask_ranks(out["peers"])
     out["masked"] = _steps(buf, rank, 3)
+    return out
+
+def _survivor(rank, world, group, victim):
+    buf = ep_comm.Buffer(group, timeout_s=TIMEOUT_S, low_latency_mode=True)
+    out = _lose_and_mask(buf, rank, victim)
+    out["pid"] = os.getpid()
     polls, deadline = 0, time.monotonic() + 90
     while not (back := buf.rejoining_ranks()) and time.monotonic() < deadline:
         polls += 1
@@ -139,17 +147,7 @@ def test_a_dead_rank_is_named_masked_and_its_restarted_process_rejoins(world, vi
 def _own_store_survives_rank0(rank, world, group, port):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     buf = ep_comm.Buffer(group, timeout_s=TIMEOUT_S, low_latency_mode=True, store=store)
-    out = dict(before=_steps(buf, rank, 1))
-    if rank == 0:
-        os._exit(3)
-    started = time.monotonic()
-    try:
-        _steps(buf, rank, 2)
-    except ep_comm.CommTimeoutError as error:
-        out["peers"], out["detect_s"] = error.peers, time.monotonic() - started
-    buf.mask_ranks(out["peers"])
-    out["masked"] = _steps(buf, rank, 3)
-    return out
+    return _lose_and_mask(buf, rank, 0)
 
 
 def test_a_store_given_to_the_buffer_survives_rank0_under_the_default_launch():

@@ -78,6 +78,15 @@ def _engine(kernels, placement, num_ranks: int, topk: int, hidden: int, channels
                            warps_per_peer=warps_per_peer)
 
 
+def _assert_dispatched(outs: list[dict], want: list) -> None:
+    """Each virtual rank's dispatch outputs equal the reference's, bit for bit."""
+    for rank, (out, ref) in enumerate(zip(outs, want)):
+        assert torch.equal(out["recv_x"], ref.x), rank
+        assert torch.equal(out["recv_topk_idx"], ref.topk_idx), rank
+        assert torch.equal(out["recv_topk_weights"], ref.topk_weights), rank
+        assert torch.equal(out["recv_src_idx"].long(), ref.src_idx), rank
+
+
 @pytest.mark.parametrize("copy", ["ring", "direct"])
 @pytest.mark.parametrize("reverse", [0, 1])
 @pytest.mark.parametrize("num_ranks,tokens,hidden,topk,channels,slots", [
@@ -93,11 +102,8 @@ def test_dispatch_and_combine_match_the_reference(kernels, copy, reverse, num_ra
     engine = _engine(kernels, placement, num_ranks, topk, hidden, channels, slots, copy=copy)
     outs = engine.dispatch(xs, idxs, ws, threads=32 * num_ranks)
     want = reference.dispatch(xs, idxs, ws, placement)
+    _assert_dispatched(outs, want)
     for rank, (out, ref) in enumerate(zip(outs, want)):
-        assert torch.equal(out["recv_x"], ref.x), rank
-        assert torch.equal(out["recv_topk_idx"], ref.topk_idx), rank
-        assert torch.equal(out["recv_topk_weights"], ref.topk_weights), rank
-        assert torch.equal(out["recv_src_idx"].long(), ref.src_idx), rank
         assert out["num_recv_tokens_per_expert"] == ref.counts_per_expert, rank
     # expert outputs: each received row scaled by its rank, so a row summed into the wrong token shows
     ys = [(o["recv_x"].float() * (1 + r)).to(torch.bfloat16) for r, o in enumerate(outs)]
@@ -125,11 +131,7 @@ def test_ring_kernels_with_several_warps_per_peer(kernels, reverse, warps_per_pe
     engine = _engine(kernels, placement, num_ranks, topk, hidden, channels, slots, warps_per_peer=warps_per_peer)
     outs = engine.dispatch(xs, idxs, ws, threads=32 * num_ranks)
     want = reference.dispatch(xs, idxs, ws, placement)
-    for rank, (out, ref) in enumerate(zip(outs, want)):
-        assert torch.equal(out["recv_x"], ref.x), rank
-        assert torch.equal(out["recv_topk_idx"], ref.topk_idx), rank
-        assert torch.equal(out["recv_topk_weights"], ref.topk_weights), rank
-        assert torch.equal(out["recv_src_idx"].long(), ref.src_idx), rank
+    _assert_dispatched(outs, want)
     ys = [(o["recv_x"].float() * (1 + r)).to(torch.bfloat16) for r, o in enumerate(outs)]
     combined = engine.combine(ys, [o["handle"] for o in outs], [o["recv_topk_weights"] for o in outs])
     want_x = reference.combine(ys, want, [x.shape[0] for x in xs])
