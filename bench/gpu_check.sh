@@ -4,6 +4,7 @@
 #
 #   bench/gpu_check.sh            # OUT=dir for the logs (default bench/out), PYTHON=... to pick python
 #   bench/gpu_check.sh codec      # only the codec steps (1 without the CUDA build, and 2)
+#   bench/gpu_check.sh kernels    # every step but the codec ones (2-4): a second command of a lease
 #
 # Order (most wanted first; each step has its own time limit, a failing step does not stop the rest,
 # and the whole run keeps to DEADLINE seconds, default 540, under the device tool's 600 s per
@@ -26,6 +27,7 @@
 # objects (only when csrc/ and the NVSHMEM wheel's version are those they were built from).
 set -u
 cd "$(dirname "$0")/.."
+case "${1:-all}" in all | codec | kernels) ;; *) echo "usage: bench/gpu_check.sh [codec | kernels]" >&2; exit 2 ;; esac
 start=$(date +%s)
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
@@ -89,8 +91,10 @@ codec_tests() {  # $1: library ("" = build one here); $2: optional pytest -k exp
     -rfE -x --maxfail=3 ${2:+-k "$2"} >> "$OUT/codec_tests.log" 2>&1
   say "codec tests ${1##*/} rc=$?: $(tail -1 "$OUT/codec_tests.log")"
 }
-if step "lossless codec: GPU tests (default build)" 90; then codec_tests "$lib"; fi
-if [ -f $CARRY/tensors.pt ]; then
+want() { [ "$ONLY" = all ] || [ "$ONLY" = "$1" ]; }  # a step of the part ONLY names
+if want codec && step "lossless codec: GPU tests (default build)" 90; then codec_tests "$lib"; fi
+if ! want codec; then :
+elif [ -f $CARRY/tensors.pt ]; then
   if step "lossless codec: GPU throughput (default build)" 100; then
     timeout $T $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --chunk-values 65536,8192 \
       --json "$OUT/codec_gpu.json" >> "$LOG" 2>&1
@@ -107,13 +111,13 @@ if [ "$ONLY" != codec ]; then
   timeout 60 $PY -c "import json, ep_comm._build as b; print(json.dumps(b.build_info()))" >> "$LOG" 2>&1 || tail -30 "$OUT/build.log" >> "$LOG"
   export EP_COMM_GPU_REPORT="$OUT/report.txt"; rm -f "$EP_COMM_GPU_REPORT"
   per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 100"
-  if step "codecs through the public API on CUDA tensors: tests" 90; then
+  if want codec && step "codecs through the public API on CUDA tensors: tests" 90; then
     timeout $T $PY -m pytest -q -p no:cacheprovider tests/gpu/test_codecs_device.py -rA $per_test \
       > "$OUT/codecs_device_tests.log" 2>&1
     say "codecs device tests rc=$?: $(tail -1 "$OUT/codecs_device_tests.log")"
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/codecs_device_tests.log" | cut -c1-300 >> "$LOG"
   fi
-  if step "codecs through the public API on CUDA tensors: per-message cost" 60; then
+  if want codec && step "codecs through the public API on CUDA tensors: per-message cost" 60; then
     tensors_arg=""; [ -f $CARRY/tensors.pt ] && tensors_arg="--tensors $CARRY/tensors.pt"
     timeout $T $PY bench/codec_device_api.py $tensors_arg --json "$OUT/codec_device_api.json" \
       > "$OUT/codec_device_api.log" 2>&1
@@ -123,7 +127,7 @@ if [ "$ONLY" != codec ]; then
 fi
 
 # decoder variants: registers and spills as ptxas reported them (gpu_prepare.sh), tests, throughput
-if [ "$(echo $libs | wc -w)" -gt 1 ]; then
+if want codec && [ "$(echo $libs | wc -w)" -gt 1 ]; then
   cat $CARRY/*.ptxas.txt >> "$LOG" 2>/dev/null
   # every variant's logic is tested in CI through the CUDA emulation (tests/test_codec_kernels_emulated.py):
   # here a subset per variant (the real device's memory and scheduling), to leave time for throughput
@@ -200,7 +204,7 @@ for copy in ring direct; do
   fi
 done
 
-if [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && [ -f $CARRY/tensors.pt ] && step "ncu profile of the codec kernels" 120; then
+if want codec && [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && [ -f $CARRY/tensors.pt ] && step "ncu profile of the codec kernels" 120; then
   timeout $T ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --once --gpu-mb 256 \
