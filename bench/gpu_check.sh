@@ -17,6 +17,7 @@
 #   4. the decoder variants prepared by gpu_prepare.sh: a subset of the GPU tests (CI runs them all
 #      on every variant through the CUDA emulation) and throughput, registers logged;
 #   5. low-latency dispatch/combine captured in a CUDA graph and replayed (tests/gpu/test_low_latency_graph.py),
+#      the Triton row kernels and the portable backend (bench/triton_rows.py, bench/portable_gpu.py),
 #      then the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
 #   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy, 8 and 16 channels, the ring
 #      and the direct-write intranode kernels: its JSON line names the faster as "normal_copy");
