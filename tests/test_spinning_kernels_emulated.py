@@ -87,6 +87,18 @@ def _assert_dispatched(outs: list[dict], want: list) -> None:
         assert torch.equal(out["recv_src_idx"].long(), ref.src_idx), rank
 
 
+def _assert_combined(engine, outs: list[dict], want: list, xs: list[torch.Tensor]) -> None:
+    """The engine's combine of the dispatched rows equals the reference's, bit for bit. Expert
+    outputs: each received row scaled by its rank, so a row summed into the wrong token shows."""
+    ys = [(o["recv_x"].float() * (1 + r)).to(torch.bfloat16) for r, o in enumerate(outs)]
+    combined = engine.combine(ys, [o["handle"] for o in outs], [o["recv_topk_weights"] for o in outs])
+    want_x = reference.combine(ys, want, [x.shape[0] for x in xs])
+    want_w = reference.combine([ref.topk_weights for ref in want], want, [x.shape[0] for x in xs])
+    for rank in range(len(outs)):
+        assert torch.equal(combined[rank][0], want_x[rank]), rank
+        assert torch.equal(combined[rank][1], want_w[rank]), rank
+
+
 @pytest.mark.parametrize("copy", ["ring", "direct"])
 @pytest.mark.parametrize("reverse", [0, 1])
 @pytest.mark.parametrize("num_ranks,tokens,hidden,topk,channels,slots", [
@@ -105,14 +117,7 @@ def test_dispatch_and_combine_match_the_reference(kernels, copy, reverse, num_ra
     _assert_dispatched(outs, want)
     for rank, (out, ref) in enumerate(zip(outs, want)):
         assert out["num_recv_tokens_per_expert"] == ref.counts_per_expert, rank
-    # expert outputs: each received row scaled by its rank, so a row summed into the wrong token shows
-    ys = [(o["recv_x"].float() * (1 + r)).to(torch.bfloat16) for r, o in enumerate(outs)]
-    combined = engine.combine(ys, [o["handle"] for o in outs], [o["recv_topk_weights"] for o in outs])
-    want_x = reference.combine(ys, want, [x.shape[0] for x in xs])
-    want_w = reference.combine([ref.topk_weights for ref in want], want, [x.shape[0] for x in xs])
-    for rank in range(num_ranks):
-        assert torch.equal(combined[rank][0], want_x[rank]), rank
-        assert torch.equal(combined[rank][1], want_w[rank]), rank
+    _assert_combined(engine, outs, want, xs)
 
 
 @pytest.mark.parametrize("reverse", [0, 1])
@@ -132,13 +137,7 @@ def test_ring_kernels_with_several_warps_per_peer(kernels, reverse, warps_per_pe
     outs = engine.dispatch(xs, idxs, ws, threads=32 * num_ranks)
     want = reference.dispatch(xs, idxs, ws, placement)
     _assert_dispatched(outs, want)
-    ys = [(o["recv_x"].float() * (1 + r)).to(torch.bfloat16) for r, o in enumerate(outs)]
-    combined = engine.combine(ys, [o["handle"] for o in outs], [o["recv_topk_weights"] for o in outs])
-    want_x = reference.combine(ys, want, [x.shape[0] for x in xs])
-    want_w = reference.combine([ref.topk_weights for ref in want], want, [x.shape[0] for x in xs])
-    for rank in range(num_ranks):
-        assert torch.equal(combined[rank][0], want_x[rank]), rank
-        assert torch.equal(combined[rank][1], want_w[rank]), rank
+    _assert_combined(engine, outs, want, xs)
 
 
 def test_warps_per_peer_is_checked(kernels):
