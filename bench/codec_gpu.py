@@ -217,6 +217,69 @@ def measure(data: dict[str, torch.Tensor], reps: int = 10,
     return rows
 
 
+MESSAGE_SHAPE = (64, 7168)  # one dispatch message: 64 tokens of a 7,168-wide hidden state
+
+
+@dataclass
+class MessageRow:
+    """One kind's 64x7168 message at one chunk size: the latency of one call, alone on the GPU."""
+
+    kind: str
+    chunk_values: int
+    chunks: int
+    ratio: float              # blob bytes / raw bytes
+    enc_us: float             # median of isolated encode calls (CUDA events around each call)
+    dec_us: float             # median of isolated decode calls
+    exact: bool               # decode bit-exact, status 0
+    identical_to_host: bool   # device blob == host encoder's blob
+
+
+def isolated_us(fn: Callable[[], None], reps: int) -> float:
+    """Median microseconds of ``reps`` single calls of ``fn``, each timed alone (events around
+    it, the device idle before it): what one message waits, launch gaps included."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_message(lib: ctypes.CDLL, kind: str, values: torch.Tensor, chunk_values: int,
+                    reps: int) -> MessageRow:
+    """values: [n] bf16 CPU tensor of one kind's real values; the message is its first 64x7168
+    values (tiled when fewer)."""
+    n = MESSAGE_SHAPE[0] * MESSAGE_SHAPE[1]
+    x = tile(values, 2 * n)[:n].contiguous()
+    codec = DeviceCodec(lib, x.cuda(), chunk_values)
+    codec.encode()
+    blob = codec.blob_bytes()
+    identical = bool(torch.equal(codec.out[:blob].cpu(), lossless.encode(x, chunk_values=chunk_values)))
+    enc_us = isolated_us(codec.encode, reps)
+    dec_us = isolated_us(codec.decode, reps)
+    exact = int(codec.status.item()) == 0 and bool(torch.equal(codec.y.view(torch.int16), codec.x.view(torch.int16)))
+    return MessageRow(kind, chunk_values, -(-n // chunk_values), blob / (2 * n), enc_us, dec_us, exact, identical)
+
+
+def print_message_rows(rows: list[MessageRow], device: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"one {MESSAGE_SHAPE[0]}x{MESSAGE_SHAPE[1]} bf16 message on the GPU: {device} "
+                        "(target: encode and decode < 20 us each)")
+    for col in ("kind", "chunk", "chunks", "ratio", "encode us", "decode us", "== host", "exact"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.kind, str(r.chunk_values), str(r.chunks), f"{r.ratio:.4f}", f"{r.enc_us:.1f}",
+                      f"{r.dec_us:.1f}", str(r.identical_to_host), str(r.exact))
+    Console(width=160).print(table)
+
+
 def print_rows(rows: list[GpuRow], device: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -256,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--message", action="store_true",
+                        help="latency of one 64x7168 message per kind and chunk size (isolated calls), "
+                             "instead of the throughput of --gpu-mb calls")
     parser.add_argument("--once", action="store_true",
                         help="one encode and one decode of the first kind, nothing timed (for a profiler such as ncu)")
     args = parser.parse_args(argv)
@@ -277,6 +343,17 @@ def main(argv: list[str] | None = None) -> int:
         codec.decode()
         torch.cuda.synchronize()
         print(f"once: status {int(codec.status.item())}")
+        return 0
+    if args.message:
+        messages = {}
+        for lib in args.lib or [None]:
+            name = Path(lib).name if lib else "built now"
+            library = gpu_library(lib)
+            rows = [measure_message(library, kind, data[kind], cv, max(args.reps, 50)) for cv in cvs for kind in data]
+            print_message_rows(rows, f"{torch.cuda.get_device_name()}, {name}")
+            messages[name] = [asdict(r) for r in rows]
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "messages": messages}, indent=2))
         return 0
     results = {}
     for lib in args.lib or [None]:

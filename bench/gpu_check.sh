@@ -101,6 +101,11 @@ elif [ -f $CARRY/tensors.pt ]; then
       --json "$OUT/codec_gpu.json" >> "$LOG" 2>&1
     say "codec bench rc=$?"
   fi
+  if step "lossless codec: one 64x7168 message's latency per chunk size (target < 20 us each)" 40; then
+    timeout $T $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --message \
+      --chunk-values 65536,16384,4096,2048 --reps 50 --json "$OUT/codec_message.json" >> "$LOG" 2>&1
+    say "codec message latency rc=$?"
+  fi
 else
   say "no $CARRY/tensors.pt (bench/gpu_prepare.sh makes it): codec throughput skipped"
 fi
