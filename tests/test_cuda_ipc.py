@@ -14,6 +14,7 @@ from ep_comm.engines.cuda_ipc import (
     IPC_HANDLE_BYTES,
     IpcPeerBuffers,
     IpcRecord,
+    IpcTensorExchange,
     check_cuda,
     validate_records,
 )
@@ -64,8 +65,8 @@ class _FakeIpc:
     """Memory 'allocations' are addresses; a handle is (pid, address) padded to 64 bytes; opening
     it yields a per-(pid, address) mapped address, as a real import gives a new address."""
 
-    def __init__(self, fail_open: bool = False) -> None:
-        self.fail_open = fail_open
+    def __init__(self, fail_open: bool = False, fail_export: bool = False) -> None:
+        self.fail_open, self.fail_export = fail_open, fail_export
         self.allocated: set[int] = set()
         self.opened: dict[int, tuple[int, int]] = {}
         self.next = 0x10000
@@ -104,6 +105,12 @@ class _FakeIpc:
 
     def device_uuid(self) -> str:
         return "fake-gpu"
+
+    def export(self, ptr: int) -> tuple[bytes, int]:
+        """Allocations of 64 KiB: the handle of the one holding ``ptr`` and the offset in it."""
+        if self.fail_export:
+            raise RuntimeError("cudaIpcGetMemHandle failed: cudaErrorInvalidValue (1)")
+        return self.get_handle(ptr & ~0xFFFF), ptr & 0xFFFF
 
 
 def _exchange(rank, world, group):
@@ -183,3 +190,49 @@ def test_runtime_errors_name_the_call_without_a_gpu() -> None:
 
     with pytest.raises(RuntimeError, match=r"^cudaSetDevice failed: cudaError"):
         CudaRuntimeIpc(0).malloc_zeroed(1024)
+
+
+# -- the per-call exchange of tensors (IpcTensorExchange) over gloo --------------------------------
+def _tensor_exchange(rank, world, group, kinds, fail_export_rank):
+    api = _FakeIpc(fail_export=(rank == fail_export_rank))
+    exchange = IpcTensorExchange(group, api, torch.device("cpu"))
+    tensors = [torch.zeros(40000, dtype=torch.uint8), None, torch.zeros(0)]
+    mine = [(os.getpid(), int(tensors[0].data_ptr()))]
+    try:
+        table = exchange.exchange(kinds[rank], tensors)
+    except ValueError as error:
+        return {"error": str(error)}
+    exchange.close()
+    return {"table": table, "me": mine, "left_open": len(api.opened), "opens": exchange.imports.opens,
+            "refusal": exchange.last_refusal}
+
+
+def test_tensor_exchange_maps_every_peer_tensor(ranks) -> None:
+    results = ranks(2, _tensor_exchange, (1, 1), -1)
+    for rank, res in enumerate(results):
+        table = res["table"]
+        assert table[rank][1:] == [0, 0] and table[rank][0] == res["me"][0][1]
+        peer = 1 - rank
+        pid, address = results[peer]["me"][0]
+        assert table[peer] == [_FakeIpc.mapped(pid, address & ~0xFFFF) + (address & 0xFFFF), 0, 0]
+        assert res["opens"] == 1 and res["left_open"] == 0
+
+
+def test_tensor_exchange_is_none_everywhere_when_a_rank_cannot_export(ranks) -> None:
+    results = ranks(2, _tensor_exchange, (1, 1), 1)
+    assert [res["table"] for res in results] == [None, None]
+    assert results[0]["refusal"] == "" and "cudaIpcGetMemHandle failed" in results[1]["refusal"]
+
+
+def test_tensor_exchange_names_ranks_that_disagree_on_the_call(ranks) -> None:
+    for res in ranks(2, _tensor_exchange, (1, 2), -1):
+        assert "ranks disagree on the call" in res["error"] and "[1, 2]" in res["error"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path without a GPU")
+def test_export_names_the_failed_call_without_a_gpu() -> None:
+    pytest.importorskip("cuda.bindings.driver")
+    from ep_comm.engines.cuda_ipc import CudaRuntimeIpc
+
+    with pytest.raises(RuntimeError, match=r"^cudaSetDevice failed: cudaError"):
+        CudaRuntimeIpc(0).export(0x10000)

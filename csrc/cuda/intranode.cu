@@ -12,7 +12,8 @@
 //    experts. Each (sender warp, receiver warp) pair is a ring of its own: no shared counters.
 // The combine runs the rings the other way; its receiver sums, per token, the rows coming back
 // from every rank the token went to. Every wait is bounded (csrc/common/device_sync.h).
-// When one launch runs every rank (virtual ranks), the direct-write kernels below skip the rings:
+// When a launch can address every rank's outputs (virtual ranks, or processes that mapped each
+// other's tensors through CUDA IPC for the call), the direct-write kernels below skip the rings:
 // rows go straight into the receivers' outputs, and the combine reads them from the senders' x.
 // Sender and receiver blocks of one launch wait for each other, so the launchers refuse a grid that
 // cannot be resident on the device at once (occupancy checked at launch) instead of spinning until
@@ -445,13 +446,17 @@ combine_kernel_f32(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) 
   combine_body<float>(c, set.r[blockIdx.y], hidden, sh);
 }
 
-// ---- direct writes: every rank's outputs addressable from this launch (virtual ranks) ------------
+// ---- direct writes: every rank's outputs addressable from this launch -----------------------------
 // No ring and no waits: sender block c of rank `me`, warp per destination d, writes each of channel
 // c's rows for d at its final place in d's outputs (the rows from every (source, channel) before
 // (me, c), from d's meta, plus the row's index in the channel), and the combine's
 // receiver reads each source's returned row where that source's x holds it. Each row is read once
 // and written once: about 2 bytes of DRAM traffic per payload byte, where the ring costs 3 to 3.5.
-// The outputs of rank d are set.r[d]'s: every rank of the group is a virtual rank of this launch.
+// set.r[d] is rank d's entry for every rank d of the group; grid.y runs the entries local_begin ..
+// local_begin + gridDim.y - 1 (every rank for virtual ranks; this process's one rank with a group,
+// the others' entries then holding their tensors as mapped here through CUDA IPC). The kernels do
+// not wait for anything: the caller orders them after the peers' outputs exist (dispatch) or their
+// x is complete (combine), and orders the peers' later use of this rank's memory after them.
 
 // Rows a rank receives from every (source, channel) before (src, channel): the first `index` =
 // src * C + channel words of its meta (the notify's, or the dispatch handle's for a combine)
@@ -470,8 +475,9 @@ constexpr int kDirectMaxThreads = 512;  // 2 warps per destination for 8 ranks, 
 // copies every W-th of its rows (the j-th row to warp j % W), all W walking the same tokens so each
 // knows every row's place.
 __global__ void __launch_bounds__(kDirectMaxThreads, 1)
-dispatch_direct_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int64_t hidden_bytes, int num_scales) {
-  const DispatchRank& p = set.r[blockIdx.y];
+dispatch_direct_kernel(IntranodeCommon c, RankSet<DispatchRank> set, int local_begin, int64_t hidden_bytes,
+                       int num_scales) {
+  const DispatchRank& p = set.r[local_begin + blockIdx.y];
   const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk, ch = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const bool shared = warps >= 2 * R;  // several warps per destination (else a warp per one or more)
@@ -536,8 +542,8 @@ struct DirectCombineShared {
 // Receiver only (grid.x = C): block ch of rank me combines channel ch's tokens, a warp per token.
 template <class T>
 __device__ __forceinline__ void combine_direct_body(const IntranodeCommon& c, const RankSet<CombineRank>& set,
-                                                    int64_t hidden, DirectCombineShared& sh) {
-  const CombineRank& p = set.r[blockIdx.y];
+                                                    int local_begin, int64_t hidden, DirectCombineShared& sh) {
+  const CombineRank& p = set.r[local_begin + blockIdx.y];
   const int me = p.rank, R = c.num_ranks, C = c.num_channels, K = c.num_topk, ch = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t hidden_bytes = hidden * static_cast<int64_t>(sizeof(T));
@@ -584,14 +590,14 @@ __device__ __forceinline__ void combine_direct_body(const IntranodeCommon& c, co
 }
 
 __global__ void __launch_bounds__(kCombineWarps * 32, 2)
-combine_direct_kernel_bf16(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
+combine_direct_kernel_bf16(IntranodeCommon c, RankSet<CombineRank> set, int local_begin, int64_t hidden) {
   __shared__ DirectCombineShared sh;
-  combine_direct_body<__nv_bfloat16>(c, set, hidden, sh);
+  combine_direct_body<__nv_bfloat16>(c, set, local_begin, hidden, sh);
 }
 __global__ void __launch_bounds__(kCombineWarps * 32, 2)
-combine_direct_kernel_f32(IntranodeCommon c, RankSet<CombineRank> set, int64_t hidden) {
+combine_direct_kernel_f32(IntranodeCommon c, RankSet<CombineRank> set, int local_begin, int64_t hidden) {
   __shared__ DirectCombineShared sh;
-  combine_direct_body<float>(c, set, hidden, sh);
+  combine_direct_body<float>(c, set, local_begin, hidden, sh);
 }
 
 // The launchers' co-residency check: every block of a launch must be resident at once (senders and
@@ -672,37 +678,49 @@ void launch_intranode_combine(const IntranodeCommon& c, const CombineRank* ranks
   else EP_LAUNCH(combine_kernel_f32, grid, threads, s)(c, set, hidden);
 }
 
-// Direct writes need every rank of the group in this launch, each at its own index.
-static bool all_ranks_here(const char* what, int num_ranks, const int* ranks_of, int num_virtual) {
-  bool ok = num_virtual == num_ranks;
-  for (int i = 0; ok && i < num_virtual; ++i) ok = ranks_of[i] == i;
-  if (!ok)
-    refuse_launch(std::string(what) + ": direct writes need every rank of the group in one launch, rank i at "
-                  "index i (virtual ranks); use the ring kernels");
-  return ok;
+// Direct writes need an entry for every rank of the group, rank i at index i, and run the entries
+// [local_begin, local_begin + num_local) of them.
+static bool all_ranks_here(const char* what, int num_ranks, const int* ranks_of, int num_entries, int local_begin,
+                           int num_local) {
+  bool ok = num_entries == num_ranks;
+  for (int i = 0; ok && i < num_entries; ++i) ok = ranks_of[i] == i;
+  if (!ok) {
+    refuse_launch(std::string(what) + ": direct writes need an entry for every rank of the group, rank i at "
+                  "index i (" + std::to_string(num_entries) + " entries for " + std::to_string(num_ranks) +
+                  " ranks); use the ring kernels");
+    return false;
+  }
+  if (local_begin < 0 || num_local < 1 || local_begin + num_local > num_entries) {
+    refuse_launch(std::string(what) + ": the launched entries [" + std::to_string(local_begin) + ", " +
+                  std::to_string(local_begin + num_local) + ") are not within the " + std::to_string(num_entries) +
+                  " ranks");
+    return false;
+  }
+  return true;
 }
 
-void launch_intranode_dispatch_direct(const IntranodeCommon& c, const DispatchRank* ranks, int num_virtual,
-                                      int64_t hidden_bytes, int num_scales, int threads_per_block, void* stream) {
+void launch_intranode_dispatch_direct(const IntranodeCommon& c, const DispatchRank* ranks, int num_entries,
+                                      int local_begin, int num_local, int64_t hidden_bytes, int num_scales,
+                                      int threads_per_block, void* stream) {
   int rank_of[kMaxRanks];
-  for (int i = 0; i < num_virtual && i < kMaxRanks; ++i) rank_of[i] = ranks[i].rank;
-  if (!all_ranks_here("intranode direct dispatch", c.num_ranks, rank_of, num_virtual)) return;
+  for (int i = 0; i < num_entries && i < kMaxRanks; ++i) rank_of[i] = ranks[i].rank;
+  if (!all_ranks_here("intranode direct dispatch", c.num_ranks, rank_of, num_entries, local_begin, num_local)) return;
   int threads = threads_per_block >= 32 * c.num_ranks ? threads_per_block : 32 * c.num_ranks;
   threads = threads < kDirectMaxThreads ? threads : kDirectMaxThreads;
-  EP_LAUNCH(dispatch_direct_kernel, dim3(c.num_channels, num_virtual), threads, static_cast<cudaStream_t>(stream))(
-      c, to_set(ranks, num_virtual), hidden_bytes, num_scales);
+  EP_LAUNCH(dispatch_direct_kernel, dim3(c.num_channels, num_local), threads, static_cast<cudaStream_t>(stream))(
+      c, to_set(ranks, num_entries), local_begin, hidden_bytes, num_scales);
 }
 
-void launch_intranode_combine_direct(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
-                                     int64_t hidden, int dtype, void* stream) {
+void launch_intranode_combine_direct(const IntranodeCommon& c, const CombineRank* ranks, int num_entries,
+                                     int local_begin, int num_local, int64_t hidden, int dtype, void* stream) {
   int rank_of[kMaxRanks];
-  for (int i = 0; i < num_virtual && i < kMaxRanks; ++i) rank_of[i] = ranks[i].rank;
-  if (!all_ranks_here("intranode direct combine", c.num_ranks, rank_of, num_virtual)) return;
+  for (int i = 0; i < num_entries && i < kMaxRanks; ++i) rank_of[i] = ranks[i].rank;
+  if (!all_ranks_here("intranode direct combine", c.num_ranks, rank_of, num_entries, local_begin, num_local)) return;
   auto s = static_cast<cudaStream_t>(stream);
-  const auto set = to_set(ranks, num_virtual);
-  const dim3 grid(c.num_channels, num_virtual);
-  if (dtype == 0) EP_LAUNCH(combine_direct_kernel_bf16, grid, kCombineWarps * 32, s)(c, set, hidden);
-  else EP_LAUNCH(combine_direct_kernel_f32, grid, kCombineWarps * 32, s)(c, set, hidden);
+  const auto set = to_set(ranks, num_entries);
+  const dim3 grid(c.num_channels, num_local);
+  if (dtype == 0) EP_LAUNCH(combine_direct_kernel_bf16, grid, kCombineWarps * 32, s)(c, set, local_begin, hidden);
+  else EP_LAUNCH(combine_direct_kernel_f32, grid, kCombineWarps * 32, s)(c, set, local_begin, hidden);
 }
 
 }  // namespace ep_comm::cuda

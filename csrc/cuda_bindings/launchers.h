@@ -88,14 +88,18 @@ void launch_intranode_dispatch(const IntranodeCommon& c, const DispatchRank* ran
 // dtype: 0 = bfloat16, 1 = float32. The combine starts with a barrier that resets the rings.
 void launch_intranode_combine(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
                               int64_t hidden, int dtype, void* stream);
-// Direct writes (no ring, no waits), for a launch that runs every rank of the group (virtual ranks,
-// ranks[i].rank == i): the dispatch writes each row into its receiver's outputs after the notify,
-// the combine reads each returned row from its sender's x. Same arguments and results as the ring
-// kernels'; refused (take_launch_error) when not every rank is in the launch.
-void launch_intranode_dispatch_direct(const IntranodeCommon& c, const DispatchRank* ranks, int num_virtual,
-                                      int64_t hidden_bytes, int num_scales, int threads_per_block, void* stream);
-void launch_intranode_combine_direct(const IntranodeCommon& c, const CombineRank* ranks, int num_virtual,
-                                     int64_t hidden, int dtype, void* stream);
+// Direct writes (no ring, no waits): the dispatch writes each row into its receiver's outputs after
+// the notify, the combine reads each returned row from its sender's x. `ranks` holds an entry for
+// every rank of the group (ranks[i].rank == i, num_entries == c.num_ranks) as this process addresses
+// its tensors; the launch runs entries [local_begin, local_begin + num_local) (all of them for virtual
+// ranks, this process's rank with a group). Of the other entries the kernels read only the dispatch
+// outputs and meta (dispatch) or x, topk_weights and meta (combine). Same results as the ring
+// kernels'; refused (take_launch_error) when an entry is missing or out of place.
+void launch_intranode_dispatch_direct(const IntranodeCommon& c, const DispatchRank* ranks, int num_entries,
+                                      int local_begin, int num_local, int64_t hidden_bytes, int num_scales,
+                                      int threads_per_block, void* stream);
+void launch_intranode_combine_direct(const IntranodeCommon& c, const CombineRank* ranks, int num_entries,
+                                     int local_begin, int num_local, int64_t hidden, int dtype, void* stream);
 
 // ---- low_latency.cu -------------------------------------------------------------------------
 struct LowLatencyCommon {

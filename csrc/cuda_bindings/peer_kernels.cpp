@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -93,41 +94,72 @@ std::vector<LowLatencyRank> low_latency_ranks(const std::vector<py::dict>& list)
   return out;
 }
 
-std::vector<DispatchRank> dispatch_ranks(const std::vector<py::dict>& list) {
+// The entries [local_begin, local_end) of a launch run on this process and hold every field; the
+// others (a direct launch's remote ranks) hold only what the kernels read from another rank: "rank",
+// "meta" and the "recv_*" outputs of a dispatch; "rank", "meta", "x" and "topk_weights" of a combine.
+struct LocalEntries {
+  size_t begin = 0, end = SIZE_MAX;
+  bool local(size_t i) const { return i >= begin && i < end; }
+};
+
+// The direct launchers' local range from the bindings' (local_begin, num_local); num_local < 0: every
+// entry from local_begin on.
+LocalEntries local_entries(size_t n, int local_begin, int num_local) {
+  if (local_begin < 0 || static_cast<size_t>(local_begin) >= n)
+    throw std::invalid_argument("local_begin " + std::to_string(local_begin) + " is not an entry of the " +
+                                std::to_string(n) + " ranks");
+  const size_t count = num_local < 0 ? n - local_begin : static_cast<size_t>(num_local);
+  if (count == 0 || local_begin + count > n)
+    throw std::invalid_argument("num_local " + std::to_string(num_local) + " from local_begin " +
+                                std::to_string(local_begin) + " is not within the " + std::to_string(n) + " ranks");
+  return LocalEntries{static_cast<size_t>(local_begin), local_begin + count};
+}
+
+std::vector<DispatchRank> dispatch_ranks(const std::vector<py::dict>& list, LocalEntries locals = {}) {
   check_ranks(list.size());
   std::vector<DispatchRank> ranks;
-  for (const auto& d : list) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    const py::dict& d = list[i];
     DispatchRank r{};
     r.rank = num<int>(d, "rank");
-    r.num_tokens = num<int>(d, "num_tokens");
-    r.x = ptr<const uint8_t>(d, "x");
-    r.x_scales = ptr<const float>(d, "x_scales");
-    r.topk_idx = ptr<const int64_t>(d, "topk_idx");
-    r.topk_weights = ptr<const float>(d, "topk_weights");
-    r.is_token_in_rank = ptr<const bool>(d, "is_token_in_rank");
     r.meta = ptr<const int32_t>(d, "meta");
     r.recv_x = ptr<uint8_t>(d, "recv_x");
     r.recv_scales = ptr<float>(d, "recv_scales");
     r.recv_topk_idx = ptr<int64_t>(d, "recv_topk_idx");
     r.recv_topk_weights = ptr<float>(d, "recv_topk_weights");
     r.recv_src_idx = ptr<int32_t>(d, "recv_src_idx");
+    if (!locals.local(i)) {
+      ranks.push_back(r);
+      continue;
+    }
+    r.num_tokens = num<int>(d, "num_tokens");
+    r.x = ptr<const uint8_t>(d, "x");
+    r.x_scales = ptr<const float>(d, "x_scales");
+    r.topk_idx = ptr<const int64_t>(d, "topk_idx");
+    r.topk_weights = ptr<const float>(d, "topk_weights");
+    r.is_token_in_rank = ptr<const bool>(d, "is_token_in_rank");
     r.record = ptr<int32_t>(d, "record");
     ranks.push_back(r);
   }
   return ranks;
 }
 
-std::vector<CombineRank> combine_ranks(const std::vector<py::dict>& list) {
+std::vector<CombineRank> combine_ranks(const std::vector<py::dict>& list, LocalEntries locals = {}) {
   check_ranks(list.size());
   std::vector<CombineRank> ranks;
-  for (const auto& d : list) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    const py::dict& d = list[i];
     CombineRank r{};
     r.rank = num<int>(d, "rank");
-    r.num_tokens = num<int>(d, "num_tokens");
     r.x = ptr<const uint8_t>(d, "x");
     r.topk_weights = ptr<const float>(d, "topk_weights");
-    r.is_token_in_rank = ptr<const bool>(d, "is_token_in_rank");
     r.meta = ptr<const int32_t>(d, "meta");
+    if (!locals.local(i)) {
+      ranks.push_back(r);
+      continue;
+    }
+    r.num_tokens = num<int>(d, "num_tokens");
+    r.is_token_in_rank = ptr<const bool>(d, "is_token_in_rank");
     r.combined_x = ptr<uint8_t>(d, "combined_x");
     r.combined_topk_weights = ptr<float>(d, "combined_topk_weights");
     r.record = ptr<int32_t>(d, "record");
@@ -187,13 +219,19 @@ void register_peer_kernels(py::module_& m) {
      py::arg("threads"), py::arg("stream"));
 
   m.def("intranode_dispatch_direct", [](const py::dict& common, const std::vector<py::dict>& list,
-                                        int64_t hidden_bytes, int num_scales, int threads, uintptr_t stream) {
-    auto ranks = dispatch_ranks(list);
+                                        int64_t hidden_bytes, int num_scales, int threads, uintptr_t stream,
+                                        int local_begin, int num_local) {
+    const LocalEntries locals = local_entries(list.size(), local_begin, num_local);
+    auto ranks = dispatch_ranks(list, locals);
     launch_intranode_dispatch_direct(intranode_common(common), ranks.data(), static_cast<int>(ranks.size()),
+                                     static_cast<int>(locals.begin), static_cast<int>(locals.end - locals.begin),
                                      hidden_bytes, num_scales, threads, stream_of(stream));
     check_launch("intranode_dispatch_direct");
   }, py::arg("common"), py::arg("ranks"), py::arg("hidden_bytes"), py::arg("num_scales"),
-     py::arg("threads"), py::arg("stream"), "intranode_dispatch writing rows straight into the receivers' outputs.");
+     py::arg("threads"), py::arg("stream"), py::arg("local_begin") = 0, py::arg("num_local") = -1,
+     "intranode_dispatch writing rows straight into the receivers' outputs. `ranks` holds every rank's "
+     "entry; the launch runs entries [local_begin, local_begin + num_local) (num_local -1: to the end), the "
+     "others need only rank, meta and the recv_* outputs.");
 
   m.def("intranode_combine", [](const py::dict& common, const std::vector<py::dict>& list,
                                 int64_t hidden, int dtype, uintptr_t stream) {
@@ -204,13 +242,18 @@ void register_peer_kernels(py::module_& m) {
   }, py::arg("common"), py::arg("ranks"), py::arg("hidden"), py::arg("dtype"), py::arg("stream"));
 
   m.def("intranode_combine_direct", [](const py::dict& common, const std::vector<py::dict>& list,
-                                       int64_t hidden, int dtype, uintptr_t stream) {
-    auto ranks = combine_ranks(list);
+                                       int64_t hidden, int dtype, uintptr_t stream, int local_begin, int num_local) {
+    const LocalEntries locals = local_entries(list.size(), local_begin, num_local);
+    auto ranks = combine_ranks(list, locals);
     launch_intranode_combine_direct(intranode_common(common), ranks.data(), static_cast<int>(ranks.size()),
+                                    static_cast<int>(locals.begin), static_cast<int>(locals.end - locals.begin),
                                     hidden, dtype, stream_of(stream));
     check_launch("intranode_combine_direct");
   }, py::arg("common"), py::arg("ranks"), py::arg("hidden"), py::arg("dtype"), py::arg("stream"),
-     "intranode_combine reading each returned row from its sender's x.");
+     py::arg("local_begin") = 0, py::arg("num_local") = -1,
+     "intranode_combine reading each returned row from its sender's x. `ranks` holds every rank's entry; the "
+     "launch runs entries [local_begin, local_begin + num_local), the others need only rank, meta, x and "
+     "topk_weights.");
 
   auto flags = [](bool fp8, bool round_scale, bool ue8m0) { return LowLatencyFlags{fp8, round_scale, ue8m0}; };
   m.def("low_latency_dispatch_send", [flags](const py::dict& common, const std::vector<py::dict>& list,

@@ -24,12 +24,19 @@
 // `stall_fails` the launch also fails, its `failure` saying which blocks spun and whether blocks of
 // the grid were still waiting to become resident (a grid that cannot be co-resident). Threads that
 // still only spin after the jump (a wait without a timeout) are a deadlock: the launch fails.
+//
+// External peers (ep_emu_set_external_peers, off by default): ranks in other processes share memory
+// with this one (a test's stand-in for CUDA IPC), so a flag may still be set from outside the
+// emulation. An idle grid then sleeps briefly in real time and resumes spinning instead of stalling,
+// and falls back to the stall handling above only after `seconds` of real time without progress.
 #pragma once
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fibers.h"
@@ -94,6 +101,10 @@ struct ResidentBlock {
 // The block whose threads run now (blockIdx, blockDim, gridDim, dynamic shared memory).
 inline thread_local ResidentBlock* tls_resident = nullptr;
 
+// Seconds of real time an idle grid of this OS thread's later launches waits for another process to
+// set a flag before it counts as stalled (0: no wait; ep_emu_set_external_peers).
+inline thread_local double tls_external_peers_s = 0.0;
+
 class GridRunner {
  public:
   static constexpr unsigned kIdleRounds = 4096;  // > 256: waits check for another's failure every 256 spins
@@ -103,6 +114,8 @@ class GridRunner {
   // does not hold the publisher back until it has finished.
   static constexpr unsigned kPublishRounds = 16;
   static constexpr size_t kKeptBlocks = 4;  // resident blocks (with their fiber stacks) kept between runs
+  // External peers: an idle grid sleeps this long before it spins another kIdleRounds rounds.
+  static constexpr std::chrono::microseconds kExternalSleep{200};
 
   // Runs every launch of `launches` (GridLaunch: streams in parallel, each stream's launches in
   // order), each block of a launch admitted when its stream's earlier launches have finished and
@@ -124,6 +137,20 @@ class GridRunner {
     std::vector<ResidentBlock*> slots;
     unsigned idle_rounds = 0;
     std::string stall;  // the first stall's description
+    // external peers: when the grid went idle (only its first stall waits for them)
+    bool idle_timed = false;
+    std::chrono::steady_clock::time_point idle_since;
+    auto wait_for_external_peers = [&] {
+      if (tls_external_peers_s <= 0.0 || !stall.empty()) return false;
+      const auto now = std::chrono::steady_clock::now();
+      if (!idle_timed) {
+        idle_timed = true;
+        idle_since = now;
+      }
+      if (std::chrono::duration<double>(now - idle_since).count() >= tls_external_peers_s) return false;
+      std::this_thread::sleep_for(kExternalSleep);
+      return true;
+    };
     holder_ = nullptr;
     // launch i may start: every earlier launch on its stream has finished
     auto ready = [&](unsigned i) {
@@ -211,6 +238,7 @@ class GridRunner {
         }
         if (++idle_rounds >= kIdleRounds) {
           idle_rounds = 0;
+          if (wait_for_external_peers()) continue;
           if (!stall.empty()) {
             failure = stall + "; they still spun once every wait's timeout had passed";
             ok = false;
@@ -228,6 +256,7 @@ class GridRunner {
         }
       } else {
         idle_rounds = 0;
+        idle_timed = false;
       }
     }
     if (ok && !stall.empty() && stall_fails) {
@@ -302,3 +331,10 @@ class GridRunner {
 };
 
 }  // namespace ep_emu
+
+// `seconds` > 0: ranks in other processes share memory with this OS thread's later launches (a
+// stand-in for CUDA IPC), so an idle grid sleeps and spins again for up to `seconds` of real time
+// before it counts as stalled; 0 (the default): an idle grid has stalled at once (grid.h).
+extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_external_peers(double seconds) {
+  ep_emu::tls_external_peers_s = seconds > 0.0 ? seconds : 0.0;
+}

@@ -11,6 +11,11 @@ raise together instead of some of them hanging in a kernel later.
 
 Same-process peers (virtual ranks of one GPU test) do not come here: they use plain tensors
 (``ep_comm.engines.intranode.PeerBuffers`` with ``group=None``).
+
+Per call, the intranode engine's direct copy also maps the peers' tensors of that call: each rank
+``export``s the allocations holding them (handle and offset), the records are all-gathered, and
+``IpcImportCache`` maps each handle once and keeps the most recent mappings for later calls (torch's
+caching allocator hands out tensors from the same few allocations, so later calls mostly hit).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import contextlib
 import ctypes
 import os
 import socket
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +61,8 @@ class IpcApi(Protocol):
     def open_handle(self, handle: bytes) -> int: ...
     def close_handle(self, ptr: int) -> None: ...
     def device_uuid(self) -> str: ...
+    def export(self, ptr: int) -> tuple[bytes, int]: ...
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 class CudaRuntimeIpc:
@@ -119,6 +127,73 @@ class CudaRuntimeIpc:
     def device_uuid(self) -> str:
         return str(torch.cuda.get_device_properties(self.index).uuid)
 
+    def export(self, ptr: int) -> tuple[bytes, int]:
+        """The IPC handle of the allocation holding device address ``ptr`` (e.g. a segment of torch's
+        caching allocator) and ``ptr``'s offset in it. ``RuntimeError`` naming the call when the
+        driver cannot say or export it (e.g. memory of torch's expandable segments, which
+        ``cudaIpcGetMemHandle`` refuses)."""
+        try:
+            from cuda.bindings import driver
+        except ImportError as error:
+            raise RuntimeError(f"exporting a tensor needs cuda-python's driver bindings: {error}") from error
+        self._use_device()
+        base, _size = check_cuda(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        base = int(base)
+        return self.get_handle(base), int(ptr) - base
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on this device (torch's allocator; ``export`` finds its allocation)."""
+        return torch.empty(shape, dtype=dtype, device=torch.device("cuda", self.index))
+
+
+class IpcImportCache:
+    """Peers' allocations mapped into this process, by handle: ``address(handle, offset)`` opens a
+    handle once (``api.open_handle``) and keeps the ``capacity`` most recently used mappings,
+    closing (``api.close_handle``) the least recent one beyond that. A handle names one allocation
+    (a new allocation at a reused address has a new handle), so a cached mapping never aliases
+    another allocation. ``opens`` counts the handles opened so far.
+
+    One call's mappings must all stay open while its kernels run: ``capacity`` is at least the
+    tensors a call imports (6 per peer for a dispatch, 8 ranks)."""
+
+    MIN_CAPACITY = 6 * 8
+
+    def __init__(self, api: IpcApi, capacity: int = 64) -> None:
+        if capacity < self.MIN_CAPACITY:
+            raise ValueError(f"capacity must be >= {self.MIN_CAPACITY} (one call's imports), got {capacity}")
+        self.api, self.capacity = api, capacity
+        self._mapped: OrderedDict[bytes, int] = OrderedDict()
+        self.opens = 0
+
+    def __len__(self) -> int:
+        return len(self._mapped)
+
+    def address(self, handle: bytes, offset: int) -> int:
+        """This process's address of byte ``offset`` of the allocation ``handle`` names."""
+        base = self._mapped.get(handle)
+        if base is None:
+            base = self.api.open_handle(handle)
+            self.opens += 1
+            self._mapped[handle] = base
+            while len(self._mapped) > self.capacity:
+                _, evicted = self._mapped.popitem(last=False)
+                self.api.close_handle(evicted)
+        else:
+            self._mapped.move_to_end(handle)
+        return base + offset
+
+    def close(self) -> None:
+        """Closes every mapping (``RuntimeError`` listing the failures, after trying them all)."""
+        errors = []
+        while self._mapped:
+            _, base = self._mapped.popitem(last=False)
+            try:
+                self.api.close_handle(base)
+            except RuntimeError as error:
+                errors.append(str(error))
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
 
 @dataclass(frozen=True)
 class IpcRecord:
@@ -179,6 +254,7 @@ class IpcPeerBuffers:
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device,
                  api: IpcApi | None = None) -> None:
+        """``api``: the CUDA calls (``CudaRuntimeIpc`` on ``device`` when None; tests pass stand-ins)."""
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         self.group, self.device, self.nbytes = group, torch.device(device), nbytes
@@ -264,3 +340,104 @@ def _all_gather(obj: object, group: dist.ProcessGroup, size: int) -> list[object
     out: list[object] = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+# ---- per-call exchange of tensors ------------------------------------------------------------------
+EXCHANGE_SLOTS = 6
+"""Tensors one rank names per exchange (the dispatch's meta and five outputs; the combine uses 3)."""
+_SLOT_BYTES = 1 + IPC_HANDLE_BYTES + 8  # present flag, handle, little-endian int64 offset
+_RECORD_BYTES = 2 + EXCHANGE_SLOTS * _SLOT_BYTES  # kind, exported, slots
+
+
+class IpcTensorExchange:
+    """Maps the tensors of one call of every rank of ``group`` into this process.
+
+    ``exchange(kind, tensors)`` exports each tensor's allocation (``api.export``), all-gathers one
+    fixed-size record per rank (a uint8 tensor, on the CPU for gloo, on ``device`` for NCCL) and
+    imports every peer's (``IpcImportCache``): per rank, the address of each of its tensors as this
+    process addresses them (0 for None or an empty tensor). When any rank could not export, it
+    returns None on every rank (the decision is taken from the gathered records, the same on each).
+    ``finish(failure)`` is the closing barrier of the call: every rank joins it once its kernel has
+    finished, and all raise together when any failed. Collective: every rank makes the same calls.
+    ``last_refusal`` says why this rank's last export failed ("" when it did not).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, api: IpcApi, device: torch.device, capacity: int = 64) -> None:
+        self.group, self.api = group, api
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.wire = torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self.imports = IpcImportCache(api, capacity)
+        self.last_refusal = ""
+
+    def _gather(self, payload: bytes) -> list[bytes]:
+        mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.wire)
+        out = torch.empty(self.num_ranks * len(payload), dtype=torch.uint8, device=self.wire)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=self.group)
+        raw = out.cpu().numpy().tobytes()
+        return [raw[r * len(payload): (r + 1) * len(payload)] for r in range(self.num_ranks)]
+
+    def _record(self, kind: int, tensors: list[torch.Tensor | None]) -> bytes:
+        record = bytearray(_RECORD_BYTES)
+        record[0] = kind
+        try:
+            for i, t in enumerate(tensors):
+                if t is None or t.numel() == 0:
+                    continue
+                handle, offset = self.api.export(int(t.data_ptr()))
+                at = 2 + i * _SLOT_BYTES
+                record[at] = 1
+                record[at + 1: at + 1 + IPC_HANDLE_BYTES] = handle
+                record[at + 1 + IPC_HANDLE_BYTES: at + _SLOT_BYTES] = int(offset).to_bytes(8, "little", signed=True)
+        except RuntimeError as error:
+            self.last_refusal = str(error)
+            return bytes([kind, 0]) + bytes(_RECORD_BYTES - 2)
+        self.last_refusal = ""
+        record[1] = 1
+        return bytes(record)
+
+    def exchange(self, kind: int, tensors: list[torch.Tensor | None]) -> list[list[int]] | None:
+        """Every rank's ``tensors`` (at most ``EXCHANGE_SLOTS``; ``kind`` 1..255 names the call, the same
+        on every rank) as addresses here: ``[R][len(tensors)]``, this rank's own pointers at its index.
+        None on every rank when a rank could not export. ``ValueError`` naming the ranks when they
+        disagree on ``kind``; ``RuntimeError`` when an import fails here (the caller still joins
+        ``finish``, so that the peers raise too instead of waiting)."""
+        if len(tensors) > EXCHANGE_SLOTS or not 1 <= kind <= 255:
+            raise ValueError(f"an exchange names 1..255 as its kind and at most {EXCHANGE_SLOTS} tensors")
+        records = self._gather(self._record(kind, tensors))
+        kinds = [rec[0] for rec in records]
+        if len(set(kinds)) > 1:
+            raise ValueError(f"ranks disagree on the call: rank {self.rank} made call kind {kind}, the kinds by "
+                             f"rank are {kinds}; every rank must make the same sequence of calls")
+        if not all(rec[1] for rec in records):
+            return None
+        out = []
+        for r, rec in enumerate(records):
+            if r == self.rank:
+                out.append([0 if t is None or t.numel() == 0 else int(t.data_ptr()) for t in tensors])
+                continue
+            row = []
+            for i in range(len(tensors)):
+                at = 2 + i * _SLOT_BYTES
+                if not rec[at]:
+                    row.append(0)
+                    continue
+                handle = rec[at + 1: at + 1 + IPC_HANDLE_BYTES]
+                offset = int.from_bytes(rec[at + 1 + IPC_HANDLE_BYTES: at + _SLOT_BYTES], "little", signed=True)
+                row.append(self.imports.address(handle, offset))
+            out.append(row)
+        return out
+
+    def finish(self, failure: str = "") -> None:
+        """The barrier that ends a call: returns once every rank has joined it (each after its kernel
+        finished and its stream was synchronised); ``RuntimeError`` on every rank naming the ranks
+        whose ``failure`` was not empty."""
+        flags = self._gather(b"\x01" if failure else b"\x00")
+        failed = [r for r, flag in enumerate(flags) if flag[0]]
+        if failed:
+            mine = f"; rank {self.rank}: {failure}" if failure else ""
+            raise RuntimeError(f"the direct copy failed on rank(s) {failed}{mine}")
+
+    def close(self) -> None:
+        """Closes this process's mappings of the peers' tensors."""
+        self.imports.close()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import ExpertPlacement
-from .cuda_ipc import IpcPeerBuffers
+from .cuda_ipc import IpcApi, IpcPeerBuffers, IpcTensorExchange
 from .runtime import (
     KernelTimer,
     NvshmemSettings,
@@ -79,6 +79,9 @@ class HostTimer:
 
 
 # ---- normal mode through peer buffers -----------------------------------------------------------
+_DISPATCH, _COMBINE = 1, 2  # the kinds of IpcTensorExchange.exchange's calls
+
+
 @dataclass(frozen=True)
 class IntranodeHandle:
     """What the combine needs from a dispatch, per rank: its meta, mask and token count."""
@@ -105,7 +108,12 @@ class IntranodeEngine:
     ``copy``: ``"direct"`` (the default for virtual ranks, which address each other's outputs) has
     each sender write every row at its final place in the receiver's outputs and the combine read
     each returned row from its sender's tensor: no ring, no waits, a row crosses memory once each
-    way. ``"ring"`` (the only choice with a group) streams rows through the peer buffers' rings.
+    way. ``"ring"`` streams rows through the peer buffers' rings; it is the default with a group
+    until a GPU run has compared the two there (docs/gpu.md). With a group, ``"direct"`` maps the
+    tensors of each call into the peers' processes (``cuda_ipc.IpcTensorExchange``: an all-gather of
+    IPC handles over the group before the kernel and a barrier after it); when a rank cannot export
+    one of its tensors (e.g. torch's expandable segments), every rank runs that call through the
+    rings. ``last_copy`` says which copy the last dispatch or combine used.
 
     ``warps_per_peer`` (1, 2 or 3; ring copy): warps of a ring kernel's block per peer, each with a
     sub-ring of its own (rows i = m mod W of the ring go to its warp m): more rows in flight per
@@ -114,22 +122,24 @@ class IntranodeEngine:
 
     ``kernels``: the bindings to launch instead of ``ep_comm._cuda``'s (the same functions); with
     the kernels built through the CUDA emulation (tests/support/emulated_cuda.py) ``device`` may be
-    the CPU, the virtual ranks' buffers then in host memory.
+    the CPU, the virtual ranks' buffers then in host memory. ``ipc_api``: with a group, the CUDA IPC
+    calls (``cuda_ipc.IpcApi``; ``CudaRuntimeIpc`` when None) and the allocator of the tensors the
+    peers address (outputs, meta); a host-memory stand-in lets a CPU ``device`` run a group.
     """
 
     def __init__(self, num_ranks: int, placement: ExpertPlacement, device: torch.device,
                  num_topk: int, max_hidden_bytes: int, num_channels: int = 4, ring_slots: int = 64,
                  timeout_s: float = 60.0, max_scales: int = 0,
                  group: dist.ProcessGroup | None = None, kernels=None, copy: str | None = None,
-                 warps_per_peer: int = 1) -> None:
+                 warps_per_peer: int = 1, ipc_api: IpcApi | None = None) -> None:
         num_ranks = _group_size(group, num_ranks)
         copy = copy or ("direct" if group is None else "ring")
         if copy not in ("ring", "direct"):
             raise ValueError(f"copy must be 'ring' or 'direct', got {copy!r}")
-        if copy == "direct" and group is not None:
-            raise ValueError("copy='direct' writes into the receivers' output tensors: virtual ranks only "
-                             "(group=None); processes of a group exchange rows through the rings")
+        if ipc_api is not None and group is None:
+            raise ValueError("ipc_api maps buffers between the processes of a group: pass group= too")
         self.copy = copy
+        self.last_copy: str | None = None
         if not 1 <= num_ranks <= 8:
             raise ValueError(f"the intranode engine runs 1..8 ranks, got {num_ranks}")
         if ring_slots < 8:
@@ -146,9 +156,10 @@ class IntranodeEngine:
         if not 1 <= num_topk <= 32:
             raise ValueError(f"num_topk must be in [1, 32], got {num_topk}")
         self.device = torch.device(device)
-        if self.device.type != "cuda" and (kernels is None or group is not None):
+        if self.device.type != "cuda" and (kernels is None or (group is not None and ipc_api is None)):
             raise ValueError(f"device must be a CUDA device, got {self.device} (a CPU device runs the kernels "
-                             "built through the CUDA emulation: pass them as kernels=, virtual ranks only)")
+                             "built through the CUDA emulation: pass them as kernels=, and with a group an "
+                             "ipc_api mapping host memory between the processes)")
         self.cuda, host = (cuda_module() if kernels is None else kernels), host_module()
         self.num_ranks, self.placement = num_ranks, placement
         self.num_topk, self.num_channels, self.timeout_ns = num_topk, num_channels, int(timeout_s * 1e9)
@@ -160,11 +171,16 @@ class IntranodeEngine:
         self.ring_slots = ring_slots
         lay = host.routing_intranode_layout(num_ranks, num_channels, self.max_local, ring_slots,
                                             self.row_bytes)
+        self.exchange: IpcTensorExchange | None = None
         if group is None:
             self.buffers: PeerBuffers | IpcPeerBuffers = PeerBuffers(lay["total_bytes"], num_ranks,
                                                                      self.device, None, None)
+            self._empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=self.device)
         else:
-            self.buffers = IpcPeerBuffers(int(lay["total_bytes"]), group, self.device)
+            self.buffers = IpcPeerBuffers(int(lay["total_bytes"]), group, self.device, api=ipc_api)
+            self._empty = self.buffers.api.empty
+            if copy == "direct":
+                self.exchange = IpcTensorExchange(group, self.buffers.api, self.device)
         self.local_ranks = self.buffers.local_ranks
         self.e2r = placement.expert_to_rank.to(self.device, torch.int32)
         self.e2l = placement.expert_to_local.to(self.device, torch.int32)
@@ -195,8 +211,65 @@ class IntranodeEngine:
             record.check()
 
     def close(self) -> None:
-        """Releases the peer buffers (collective with a group: see ``IpcPeerBuffers.close``)."""
+        """Releases the peer buffers and the mappings of the peers' tensors (collective with a
+        group: see ``IpcPeerBuffers.close``)."""
+        if self.exchange is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.exchange.close()
+            self.exchange = None
         self.buffers.close()
+
+    def _owned(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` as a contiguous ``dtype`` tensor: itself when it is one, else a copy the engine's
+        allocator holds (which a peer can map)."""
+        if t.dtype == dtype and t.is_contiguous():
+            return t
+        out = self._empty(tuple(t.shape), dtype)
+        out.copy_(t)
+        return out
+
+    def _launch_direct(self, launch, entries: list[dict], peer_keys: tuple[str, ...],
+                       local_tensors: list[torch.Tensor | None], kind: int, *args) -> bool:
+        """Runs a direct kernel: ``entries`` are the local ranks' (every rank for virtual ranks). With
+        a group the peers' entries come from the per-call exchange of ``local_tensors`` (the tensors
+        named by ``peer_keys``, in order); returns False, having launched nothing, when a rank could
+        not export them (every rank then takes the rings for this call)."""
+        if self.exchange is None:
+            with self._timer() as timer:
+                launch(self._common(), entries, *args, self._stream(), 0, len(entries))
+            self._finish()
+            self.last_kernel_ms = timer.ms
+            return True
+        (local,) = entries
+        me = local["rank"]
+        # the peers address these tensors from the exchange on: each is complete (the caller
+        # synchronised this rank's stream), and the peers' ones are too once the exchange returns
+        failure = ""
+        try:
+            peers = self.exchange.exchange(kind, local_tensors)
+        except RuntimeError as error:  # an import failed here: the peers learn it at the barrier
+            peers, failure = [], f"mapping the peers' tensors: {error}"
+        if peers is None:
+            return False
+        common = self._common()
+        if not failure:
+            try:
+                full = [local if r == me else {"rank": r, **dict(zip(peer_keys, addresses))}
+                        for r, addresses in enumerate(peers)]
+                with self._timer() as timer:
+                    launch(common, full, *args, self._stream(), me, 1)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                self.last_kernel_ms = timer.ms
+            except RuntimeError as error:
+                failure = str(error)
+        # every rank joins this barrier after its kernel finished: once it returns, no peer writes
+        # this rank's outputs (dispatch) or reads its x, weights or meta (combine) any more, so the
+        # caller may read, free or reuse them
+        self.exchange.finish(failure)
+        self._finish()
+        return True
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, ranks_per_node: int = 8
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -234,8 +307,8 @@ class IntranodeEngine:
         if num_scales > self.max_scales:
             raise ValueError(f"x_scales has {num_scales} columns, the engine was sized for {self.max_scales}")
         layouts = [self.get_dispatch_layout(t) for t in topk_idx]
-        metas = [torch.empty(self.cuda.intranode_meta_words(r, c, self.max_local), dtype=torch.int32,
-                             device=self.device) for _ in self.local_ranks]
+        metas = [self._empty((self.cuda.intranode_meta_words(r, c, self.max_local),), torch.int32)
+                 for _ in self.local_ranks]
         for rec in self.records:
             rec.reset()
         common = self._common()
@@ -244,19 +317,20 @@ class IntranodeEngine:
              "num_tokens_per_expert": ptr_or_none(layouts[i][2]), "meta": ptr_or_none(metas[i]),
              "record": self.records[i].ptr} for i, rank in enumerate(self.local_ranks)],
             self._stream())
+        # stream synchronised: the outputs allocated below are memory no kernel of this rank still
+        # uses, so peers (direct copy) may write them as soon as they have their addresses
         self._finish()
         metas_cpu = [m.cpu() for m in metas]
         outs, ranks = [], []
         for i, rank in enumerate(self.local_ranks):
             m = int(metas_cpu[i][-1])
             x = xs[i].contiguous()
-            out = {"recv_x": torch.empty(m, *x.shape[1:], dtype=x.dtype, device=self.device),
-                   "recv_scales": (torch.empty(m, num_scales, dtype=torch.float32, device=self.device)
-                                   if num_scales else None),
-                   "recv_topk_idx": torch.empty(m, k, dtype=torch.int64, device=self.device),
-                   "recv_topk_weights": (torch.empty(m, k, dtype=torch.float32, device=self.device)
+            out = {"recv_x": self._empty((m, *x.shape[1:]), x.dtype),
+                   "recv_scales": self._empty((m, num_scales), torch.float32) if num_scales else None,
+                   "recv_topk_idx": self._empty((m, k), torch.int64),
+                   "recv_topk_weights": (self._empty((m, k), torch.float32)
                                          if topk_weights[i] is not None else None),
-                   "recv_src_idx": torch.empty(m, dtype=torch.int32, device=self.device)}
+                   "recv_src_idx": self._empty((m,), torch.int32)}
             local = self.placement.num_local_experts[rank]
             out["num_recv_tokens_per_expert"] = metas_cpu[i][r * c: r * c + int(local)].tolist()
             out["recv_counts"] = metas_cpu[i][: r * c].view(r, c).sum(1, dtype=torch.int64)
@@ -276,11 +350,18 @@ class IntranodeEngine:
                           "recv_topk_idx": ptr_or_none(out["recv_topk_idx"]),
                           "recv_topk_weights": ptr_or_none(out["recv_topk_weights"]),
                           "recv_src_idx": ptr_or_none(out["recv_src_idx"]), "record": self.records[i].ptr})
-        with self._timer() as timer:
-            launch = self.cuda.intranode_dispatch_direct if self.copy == "direct" else self.cuda.intranode_dispatch
-            launch(self._common(), ranks, hidden_bytes, num_scales, threads, self._stream())
-        self._finish()
-        self.last_kernel_ms = timer.ms
+        self.last_copy = "ring"
+        if self.copy == "direct":
+            keys = ("meta", "recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+            mine = [metas[0]] + [outs[0][key] for key in keys[1:]]
+            if self._launch_direct(self.cuda.intranode_dispatch_direct, ranks, keys, mine, _DISPATCH,
+                                   hidden_bytes, num_scales, threads):
+                self.last_copy = "direct"
+        if self.last_copy == "ring":
+            with self._timer() as timer:
+                self.cuda.intranode_dispatch(self._common(), ranks, hidden_bytes, num_scales, threads, self._stream())
+            self._finish()
+            self.last_kernel_ms = timer.ms
         for out in outs:
             out.pop("_keep")
         return outs
@@ -299,8 +380,8 @@ class IntranodeEngine:
         weights = topk_weights or [None] * len(self.local_ranks)
         outs, ranks, keep = [], [], []
         for i, (rank, h) in enumerate(zip(self.local_ranks, handles)):
-            x = xs[i].contiguous()
-            w = None if weights[i] is None else weights[i].to(torch.float32).contiguous()
+            x = self._owned(xs[i], xs[i].dtype)
+            w = None if weights[i] is None else self._owned(weights[i], torch.float32)
             cx = torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device)
             cw = None if w is None else torch.empty(h.num_tokens, self.num_topk, dtype=torch.float32,
                                                     device=self.device)
@@ -313,11 +394,21 @@ class IntranodeEngine:
                           "record": self.records[i].ptr})
         for rec in self.records:
             rec.reset()
-        with self._timer() as timer:
-            launch = self.cuda.intranode_combine_direct if self.copy == "direct" else self.cuda.intranode_combine
-            launch(self._common(), ranks, hidden, 0 if dtype == torch.bfloat16 else 1, self._stream())
-        self._finish()
-        self.last_kernel_ms = timer.ms
+        code = 0 if dtype == torch.bfloat16 else 1
+        self.last_copy = "ring"
+        if self.copy == "direct":
+            if self.exchange is not None and self.device.type == "cuda":
+                # x and the weights are complete before their addresses go to the peers
+                torch.cuda.current_stream(self.device).synchronize()
+            mine = [keep[0][0], keep[0][1], handles[0].meta]
+            if self._launch_direct(self.cuda.intranode_combine_direct, ranks, ("x", "topk_weights", "meta"),
+                                   mine, _COMBINE, hidden, code):
+                self.last_copy = "direct"
+        if self.last_copy == "ring":
+            with self._timer() as timer:
+                self.cuda.intranode_combine(self._common(), ranks, hidden, code, self._stream())
+            self._finish()
+            self.last_kernel_ms = timer.ms
         return outs
 
 

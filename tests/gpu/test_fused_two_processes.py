@@ -1,4 +1,6 @@
-"""One process per rank on one GPU: the intranode engine over CUDA IPC peer buffers, and
+"""One process per rank on one GPU: the intranode engine over CUDA IPC peer buffers (the ring copy,
+and the direct copy with its per-call exchange of tensors, also falling back to the rings when
+torch's expandable segments make a tensor unexportable), and
 ``Buffer(group, backend="nvshmem")`` (fused normal and low-latency kernels) against the torch
 backend on the same inputs, plus a missing peer turning into CommTimeoutError.
 
@@ -158,6 +160,71 @@ def _ipc_engine_case(rank: int, shared) -> str:
 def test_intranode_engine_over_cuda_ipc() -> None:
     results, _ = _spawn(_ipc_engine_case)
     _report(f"intranode engine, 2 processes over CUDA IPC: {results}")
+    assert results == ["ok"] * WORLD, results
+
+
+def _ipc_direct_rounds(rank: int, want_copy: str) -> str:
+    """Three rounds of dispatch and combine with copy="direct" (rank 1 without tokens in the last),
+    bit-exact against the reference; every call must have used ``want_copy``."""
+    from support.rank_cases import random_routing
+
+    from ep_comm import reference
+    from ep_comm.engines import IntranodeEngine
+    from ep_comm.placement import ExpertPlacement
+
+    gen = torch.Generator().manual_seed(11)
+    e, k, hidden = 8, 4, 512
+    placement = ExpertPlacement.from_expert_to_rank(torch.randint(0, WORLD, (e,), generator=gen), WORLD)
+    eng = IntranodeEngine(WORLD, placement, torch.device("cuda"), k, hidden * 2, num_channels=3,
+                          ring_slots=16, timeout_s=20.0, group=dist.group.WORLD, copy="direct")
+    problems = []
+    for round_, counts in enumerate(([57, 91], [57, 91], [40, 0])):
+        xs = [torch.randn(n, hidden, generator=gen).bfloat16() for n in counts]
+        topks = [random_routing(gen, n, k, e) for n in counts]
+        weights = [torch.rand(n, k, generator=gen) for n in counts]
+        got = eng.dispatch([xs[rank].cuda()], [topks[rank].cuda()], [weights[rank].cuda()])[0]
+        copies = [eng.last_copy]
+        received = reference.dispatch(xs, topks, weights, placement)
+        want = received[rank]
+        for key, ref_value in (("recv_x", want.x), ("recv_topk_idx", want.topk_idx),
+                               ("recv_topk_weights", want.topk_weights), ("recv_src_idx", want.src_idx)):
+            value = got[key].cpu()
+            if not torch.equal(value.long() if key == "recv_src_idx" else value, ref_value):
+                problems.append(f"round {round_}: {key} differs")
+        if got["num_recv_tokens_per_expert"] != want.counts_per_expert:
+            problems.append(f"round {round_}: counts {got['num_recv_tokens_per_expert']} != {want.counts_per_expert}")
+        ys = [(r.x.float() * (i + 2)).bfloat16() for i, r in enumerate(received)]
+        cx, cw = eng.combine([ys[rank].cuda()], [got["handle"]], [got["recv_topk_weights"]])[0]
+        copies.append(eng.last_copy)
+        if not torch.equal(cx.cpu(), reference.combine(ys, received, counts)[rank]):
+            problems.append(f"round {round_}: combined_x differs")
+        if not torch.equal(cw.cpu(), reference.combine([r.topk_weights for r in received], received, counts)[rank]):
+            problems.append(f"round {round_}: combined_topk_weights differ")
+        if copies != [want_copy, want_copy]:
+            problems.append(f"round {round_}: copies {copies}, expected {want_copy}")
+    eng.close()
+    return "ok" if not problems else "; ".join(problems)
+
+
+def _ipc_direct_case(rank: int, shared) -> str:
+    return _ipc_direct_rounds(rank, "direct")
+
+
+def _ipc_direct_expandable_case(rank: int, shared) -> str:
+    # memory of expandable segments cannot be exported (cudaIpcGetMemHandle): every call falls back
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return _ipc_direct_rounds(rank, "ring")
+
+
+def test_intranode_engine_direct_copy_over_cuda_ipc() -> None:
+    results, _ = _spawn(_ipc_direct_case)
+    _report(f"intranode engine, direct copy, 2 processes over CUDA IPC: {results}")
+    assert results == ["ok"] * WORLD, results
+
+
+def test_intranode_engine_direct_copy_falls_back_with_expandable_segments() -> None:
+    results, _ = _spawn(_ipc_direct_expandable_case)
+    _report(f"intranode engine, direct copy under expandable segments: {results}")
     assert results == ["ok"] * WORLD, results
 
 

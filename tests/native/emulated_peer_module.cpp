@@ -23,6 +23,9 @@ PYBIND11_MODULE(ep_emulated_peer, m) {
         "At most this many blocks of a later launch resident at once (0: as the occupancy allows).");
   m.def("set_stall_failure", &ep_emu_set_stall_failure, pybind11::arg("fail"),
         "1: a launch whose blocks stall fails with a description, even when its waits time out.");
+  m.def("set_external_peers", &ep_emu_set_external_peers, pybind11::arg("seconds"),
+        "seconds > 0: ranks in other processes set flags in shared memory; an idle launch waits up to "
+        "this long in real time for them before it counts as stalled (0: it stalls at once).");
   m.def("begin_streams", &ep_emu_begin_streams,
         "Later launches on a non-null stream are queued until run_streams.");
   m.def("run_streams", [] {

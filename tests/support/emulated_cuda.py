@@ -91,8 +91,9 @@ def build_peer_module(out_dir: Path) -> Path:
     emulated layout, intranode and low-latency kernels, built into ``out_dir``: the path of an
     extension module (import it with :func:`import_peer_module`) with the binding functions
     ``dispatch_layout``, ``intranode_notify`` ... ``low_latency_combine_recv`` taking host pointers,
-    and the emulation's controls ``set_schedule``, ``set_device``, ``set_resident_limit`` and
-    ``set_stall_failure`` (tests/native/emulated_peer_module.cpp)."""
+    and the emulation's controls ``set_schedule``, ``set_device``, ``set_resident_limit``,
+    ``set_stall_failure`` and ``set_external_peers`` (ranks in other processes sharing memory: an
+    idle launch waits for them in real time; tests/native/emulated_peer_module.cpp)."""
     return _build_module(out_dir, PEER_SOURCES, PEER_MODULE)
 
 
