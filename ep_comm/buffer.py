@@ -111,6 +111,12 @@ class Buffer(RankMasking):
             group was launched with. Pass one hosted outside the workers (the same on every rank)
             when that one lives in rank 0's process (``tcp://``/``env://`` outside torchrun), so
             the job survives rank 0's death.
+        intranode_copy: how the fused kernels move normal-mode rows between the processes of one
+            host (the same on every rank): ``"ring"`` through ring buffers in the CUDA IPC peer
+            buffers, or ``"direct"``, each row written once at its final place in the receiver's
+            output (the combine reading each row from its sender's ``x``), at the cost of a
+            per-call exchange of IPC handles; a call where a rank cannot export its tensors (e.g.
+            torch's expandable segments) runs through the rings. docs/design.md compares them.
     """
 
     num_sms: int = 20
@@ -129,7 +135,8 @@ class Buffer(RankMasking):
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: object | None = None, *, backend: str = "auto",
                  timeout_s: float = 60.0, expert_placement: torch.Tensor | None = None,
-                 ranks_per_node: int | None = None, store: dist.Store | None = None) -> None:
+                 ranks_per_node: int | None = None, store: dist.Store | None = None,
+                 intranode_copy: str = "ring") -> None:
         check_buffer_arguments(group, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, backend, timeout_s,
                                ranks_per_node, allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                                allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, explicitly_destroy=explicitly_destroy,
@@ -153,6 +160,9 @@ class Buffer(RankMasking):
         self._mask_request: frozenset[int] | None = None  # shrink mode: the mask the next LL dispatch applies
         self._local_buffers: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes (nvl / rdma)
         self.timeout_s = float(timeout_s)
+        if intranode_copy not in ("ring", "direct"):
+            raise ValueError(f"intranode_copy must be 'ring' or 'direct', got {intranode_copy!r}")
+        self.intranode_copy = intranode_copy
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.buffer_id = self._new_buffer_id()
@@ -216,7 +226,7 @@ class Buffer(RankMasking):
                                             str(getattr(self.transport, "instance_id", bid)))
             two_hop = TwoHopKernelPath.build(group, device, self.transport, groups, ranks_per_node, timeout, bid)
             node_aware = NodeAwarePath(groups, bid)
-        fused = FusedKernelPath.build(group, device, self.transport.name, timeout, bid)
+        fused = FusedKernelPath.build(group, device, self.transport.name, timeout, bid, self.intranode_copy)
         return PathPlan([two_hop, node_aware, fused, FlatPath(self.transport, bid, self._scratch)],
                         f"{self.transport.name} ({self.transport_reason})")
 

@@ -314,6 +314,7 @@ class RankMasking:
         self._mask_request = None
         self._local_buffers = {}
         self.timeout_s = float(desc["timeout_s"])
+        self.intranode_copy = "ring"  # masked and rejoined Buffers run flat: no fused kernels
         self.rank = int(desc["rank"])
         self.group_size = len(desc["global_ranks"])
         self.buffer_id = self._new_buffer_id()

@@ -149,3 +149,53 @@ def test_a_gloo_buffer_stays_on_the_flat_path(ranks) -> None:
             if mode != "cached_dispatch":
                 assert "torch transport" in dict(rows)["fused kernels"]
         assert "ranks_per_node is not set" in text
+
+
+def _buffer_with_bad_copy(rank, world, group):
+    import ep_comm
+
+    try:
+        ep_comm.Buffer(group, intranode_copy="fast")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_intranode_copy_is_checked_and_reaches_the_engine(ranks, monkeypatch) -> None:
+    """``Buffer(intranode_copy=...)``: anything but "ring" / "direct" is a ValueError naming the
+    argument; the fused path builds its intranode engine with the chosen copy."""
+    from ep_comm import engines
+
+    for message in ranks(2, _buffer_with_bad_copy):
+        assert "intranode_copy must be 'ring' or 'direct'" in message and "'fast'" in message
+    made = []
+
+    class Engine:
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["copy"])
+
+    monkeypatch.setattr(engines, "IntranodeEngine", Engine)
+    for copy in ("ring", "direct"):
+        path = FusedKernelPath(None, torch.device("cpu"), 1.0, 1, intranode_copy=copy)
+        path._intranode_engine(ExpertPlacement.contiguous(4, 2), 2, 64, 0, 4)
+    assert made == ["ring", "direct"]
+
+
+def _engines_with_copies(rank, world, group):
+    from ep_comm.engines.intranode import IntranodeEngine
+
+    try:
+        IntranodeEngine(world, ExpertPlacement.contiguous(2 * world, world), torch.device("cpu"), 2, 64,
+                        group=group, kernels=object(), copy="direct" if rank == 1 else "ring",
+                        ipc_api=object())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_that_choose_different_copies_fail_together(ranks) -> None:
+    """An engine whose ranks chose different copies raises on every rank, naming each rank's
+    choice, before any buffer is allocated."""
+    for message in ranks(2, _engines_with_copies):
+        assert "copy must be the same on every rank" in message
+        assert "rank 0 'ring'" in message and "rank 1 'direct'" in message

@@ -172,6 +172,12 @@ class IntranodeEngine:
         lay = host.routing_intranode_layout(num_ranks, num_channels, self.max_local, ring_slots,
                                             self.row_bytes)
         self.exchange: IpcTensorExchange | None = None
+        if group is not None:  # a rank on the rings and a rank on direct writes would never meet
+            chosen: list[object] = [None] * num_ranks
+            dist.all_gather_object(chosen, copy, group=group)
+            if len(set(chosen)) > 1:
+                raise ValueError("copy must be the same on every rank: "
+                                 + ", ".join(f"rank {r} {c!r}" for r, c in enumerate(chosen)))
         if group is None:
             self.buffers: PeerBuffers | IpcPeerBuffers = PeerBuffers(lay["total_bytes"], num_ranks,
                                                                      self.device, None, None)

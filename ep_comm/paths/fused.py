@@ -112,10 +112,12 @@ class FusedKernelPath(Path):
     name = "fused kernels"
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float, buffer_id: int,
-                 unavailable: str | None = None, low_latency_unavailable: str | None = None) -> None:
+                 unavailable: str | None = None, low_latency_unavailable: str | None = None,
+                 intranode_copy: str = "ring") -> None:
         super().__init__(unavailable if unavailable is not None and low_latency_unavailable is not None else None)
         self.normal_unavailable, self.low_latency_unavailable = unavailable, low_latency_unavailable
         self.group, self.device, self.timeout_s, self.buffer_id = group, device, timeout_s, buffer_id
+        self.intranode_copy = intranode_copy  # IntranodeEngine's copy=: "ring" or "direct"
         self.rank = dist.get_rank(group) if group is not None else 0
         self.num_ranks = dist.get_world_size(group) if group is not None else 1
         self.intranode = None
@@ -153,7 +155,7 @@ class FusedKernelPath(Path):
 
     @classmethod
     def build(cls, group: dist.ProcessGroup, device: torch.device, transport: str, timeout_s: float,
-              buffer_id: int) -> FusedKernelPath:
+              buffer_id: int, intranode_copy: str = "ring") -> FusedKernelPath:
         """Decides what may run here (collective: all-gathers the hostnames on the NVSHMEM
         transport) and returns the path; no engine is made yet."""
         if transport != "nvshmem":
@@ -164,7 +166,7 @@ class FusedKernelPath(Path):
             caps = KernelCapabilities(transport, True, bool(cuda_module().nvshmem_built()), device.type,
                                       gather_hostnames(group))
         normal_no, low_latency_no = cls.decide(caps)
-        return cls(group, device, timeout_s, buffer_id, normal_no, low_latency_no)
+        return cls(group, device, timeout_s, buffer_id, normal_no, low_latency_no, intranode_copy)
 
     # -- engines ---------------------------------------------------------------------------------
     def _retire(self, engine: object) -> None:
@@ -183,7 +185,7 @@ class FusedKernelPath(Path):
         self.intranode_row_bytes = 0
         self.intranode = IntranodeEngine(self.num_ranks, placement, self.device, num_topk, row_bytes,
                                          num_channels=num_channels, timeout_s=self.timeout_s,
-                                         max_scales=num_scales, group=self.group)
+                                         max_scales=num_scales, group=self.group, copy=self.intranode_copy)
         self.intranode_key, self.intranode_row_bytes = key, row_bytes
         self.intranode_generation += 1
         return self.intranode
