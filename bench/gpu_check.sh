@@ -18,7 +18,8 @@
 #      on every variant through the CUDA emulation) and throughput, registers logged;
 #   5. low-latency dispatch/combine captured in a CUDA graph and replayed (tests/gpu/test_low_latency_graph.py),
 #      the Triton row kernels and the portable backend (bench/triton_rows.py, bench/portable_gpu.py),
-#      then the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC);
+#      then the other GPU tests (intranode/low-latency/two-hop kernels, NVSHMEM, CUDA IPC), and
+#      bench/ipc_bench.py (two processes: the ring and direct copies' call time vs kernel time);
 #   6. bench/gpu_bench.py (dispatch/combine bandwidth vs the device copy, 8 and 16 channels, the ring
 #      and the direct-write intranode kernels: its JSON line names the faster as "normal_copy");
 #   7. ncu: DRAM bytes per payload byte of the intranode kernels (ring, then direct writes), then the
@@ -185,6 +186,14 @@ if step "other GPU tests" 170; then
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests.log" | cut -c1-300 >> "$LOG"
 fi
 
+# two processes over CUDA IPC: each copy's call time against its kernel time (the direct copy's
+# per-call handle exchange and closing barrier), and whether both copies received the same rows
+if step "intranode engine between processes: per-call cost of the ring and direct copies" 60; then
+  EP_IPC_BENCH_LIMIT_S=$((T - 5)) timeout $T $PY bench/ipc_bench.py --ranks 2 --tokens 1024 >> "$OUT/ipc_bench.log" 2>&1
+  say "ipc_bench rc=$?"
+  tail -1 "$OUT/ipc_bench.log" | cut -c1-2000 >> "$LOG"
+fi
+
 for channels in 8 16; do  # intranode channels: 2 * channels * 8 blocks must be resident at once (2 per SM: 264 on an H200)
   # ring and direct, each with 1 and 2 warps per peer (ring_w2: 512-thread blocks, refused where the grid
   # cannot be resident at once: reported under "refused")
@@ -211,7 +220,7 @@ for copy in ring direct; do
 done
 
 if want codec && [ "${EP_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null && [ -f $CARRY/tensors.pt ] && step "ncu profile of the codec kernels" 120; then
-  timeout $T ncu --clock-control none -k regex:"split_kernel|rans_kernel|pack_kernel|decode_kernel" \
+  timeout $T ncu --clock-control none -k regex:"histogram_kernel|rans_kernel|layout_kernel|decode_kernel" \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --once --gpu-mb 256 \
     > "$OUT/ncu.log" 2>&1

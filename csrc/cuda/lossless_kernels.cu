@@ -1,25 +1,34 @@
 // CUDA build of the lossless BF16 codec (format and coding steps: csrc/codec/lossless_core.h).
 // Blobs are byte-identical to the host encoder's; decoding reports the host decoder's statuses.
 //
-// Encode (five launches):
-//   split_kernel   one warp per chunk: checksum, raw fields packed 4-per-3-bytes into the chunk's
-//                  scratch (staged in a shared ring), and the block's symbol histogram (shared,
-//                  flushed once per block) -- the values are read once for all three;
-//   table_kernel   one block: the host's normalisation with 11 and 12 bits (parallel argmax for
-//                  the corrections), the host's choice between them (prefer_12_bits, block sums),
-//                  or for a blob of one small chunk the host's choice of 6 to 12 bits
-//                  (choose_one_state_prob_bits, each trial's sums in parallel), the version 4
-//                  table's orders and size, the cumulative starts (block scan) and the encoder's
-//                  symbol table;
-//   rans_kernel    one warp per chunk, lanes = the core's 32 interleaved states, symbol table in
-//                  shared memory, values read in 512-byte tiles one tile ahead; a blob's only
-//                  chunk of at most kOneStateMaxValues values coded by lane 0 with one state (mode
-//                  2); chunks of +0.0 only as mode 3;
-//   layout_kernel  one block: header, format 4 table (none when no chunk is rANS-coded, as on the
+// Encode (one memset of the histogram and two tickets, then three kernels):
+//   histogram_kernel  one warp per chunk, 32 per block, each lane reading 8 values per 16-byte
+//                  load one tile ahead: the chunk's checksum and raw-field (non-zero) count, the
+//                  block's symbol histogram (shared, merged by one atomic per seen symbol) -- the
+//                  values are read once for all three. The last block to merge (a ticket taken
+//                  after a fence) builds the symbol table (build_table): the host's normalisation
+//                  with 11 and 12 bits (parallel argmax for the corrections), the host's choice
+//                  between them (prefer_12_bits, block sums), or for a blob of one small chunk the
+//                  host's choice of 6 to 12 bits (choose_one_state_prob_bits, each trial's sums in
+//                  parallel), the version 4 table's orders and size, the cumulative starts (block
+//                  scan) and the encoder's symbol table;
+//   rans_kernel    one warp per chunk, chunks handed out in order by a ticket; lanes = the core's
+//                  32 interleaved states, symbol table in shared memory, values read in 512-byte
+//                  tiles one tile ahead; the raw fields packed in the same backward pass (their
+//                  count is known, so each field's index is). Words and fields go to the warp's
+//                  scratch slot (words ending where the fields begin); the chunk's mode as on the
+//                  host (raw when coding does not pay; a blob's only chunk of at most
+//                  kOneStateMaxValues values coded by lane 0 with one state, mode 2; chunks of +0.0
+//                  only as mode 3); its offset by a decoupled look-back over the chunks before it
+//                  (which were handed out before it, so are running: no schedule deadlocks); then
+//                  a coded chunk's payload goes to its final place (states, then the slot's words
+//                  and fields in one contiguous copy of 4-byte stores, zero padding). A coded chunk
+//                  implies a table, so its place is known; raw chunks wait for layout_kernel;
+//   layout_kernel  block 0: header, format 4 table (none when no chunk is rANS-coded, as on the
 //                  host; entries' gaps by a block max-scan, their first bits by a sum-scan of their
 //                  code lengths, codes added into shared words), metadata checksum (block
-//                  reduction), chunk offsets (block scan), directory;
-//   pack_kernel    one block per chunk: payload into place, 4-byte stores.
+//                  reduction), blob size; the other blocks, one warp per chunk: directory entries
+//                  and raw chunks' values into place.
 // Decode (three launches):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
@@ -38,6 +47,7 @@
 
 #include "codec/lossless_core.h"
 #include "codec_launch.h"
+#include "common/device_sync.h"
 #include "launch.h"
 
 namespace {
@@ -62,8 +72,8 @@ constexpr uint32_t kFieldRing = 512;   // raw fields staged per warp before pack
 // built for 64 (32 registers) when it was the only decoder. One chunk per warp leaves occupancy as the
 // lever (ncu on an H200, 256 MB: ~24% achieved occupancy, ~12 cycles per issued instruction);
 // measured on an H200 (1 GiB, 64K-value chunks): decode 2.61 ms with it, 2.76 ms without. The
-// encoder's split/rans kernels were slower with the same cap (0.96 / 1.49 ms against 0.83 /
-// 1.29 ms), so they keep the compiler's register allocation.
+// encoder's kernels keep the compiler's register allocation (its passes over the values were
+// slower with the same cap on an H200: docs/gpu.md).
 #ifndef EP_LOSSLESS_FULL_OCCUPANCY
 #define EP_LOSSLESS_FULL_OCCUPANCY 1
 #endif
@@ -144,25 +154,55 @@ struct Carver {
 
 // Encoder workspace, carved out of one allocation.
 struct EncWs {
-  unsigned long long* counts;  // [kNumSymbols]
-  EncSym* syms;                // [kNumSymbols]
-  ChunkEntry* entries;         // [chunks]
-  uint32_t* states;            // [chunks * 32]
-  uint64_t* offsets;           // [chunks + 1]
-  uint32_t* table_info;        // [3]: the version 4 table's gap order, frequency order and bytes
-  uint8_t* scratch;            // [chunks * 3 cv]: words in bytes [0, 2 cv), raw fields in [2 cv, 3 cv)
+  unsigned long long* counts;        // [kNumSymbols]: the histogram (zeroed by the launcher, kSyncBytes
+                                     // with the two tickets)
+  unsigned long long* block_ticket;  // [1]: histogram_kernel's blocks that have merged their histogram
+  unsigned long long* chunk_ticket;  // [1]: rans_kernel's chunks handed out
+  EncSym* syms;                      // [kNumSymbols]
+  ChunkEntry* entries;               // [chunks]: num_raw and checksum by histogram_kernel, the rest by rans_kernel
+  unsigned long long* lookback;      // [chunks]: rans_kernel's look-back words (zeroed by histogram_kernel)
+  uint64_t* offsets;                 // [chunks]: a chunk's payload offset from the first payload's
+  uint32_t* table_info;              // [4]: the version 4 table's gap order, frequency order and bytes;
+                                     // then 1 when some chunk is rANS-coded (the blob has the table)
+  uint8_t* scratch;                  // [slots * slot_bytes]: one slot per rans_kernel warp that codes
+  uint64_t slots;                    // min(chunks, the warps of rans_kernel's grid)
+  uint64_t slot_values;              // min(cv, n): the most values of a chunk
+  uint64_t slot_bytes;               // kSlotGuard, words [2 slot_values], raw fields, slack
 };
 
-size_t carve(uint64_t chunks, uint32_t cv, char* base, EncWs* ws) {
+constexpr size_t kSyncBytes = 8 * (kNumSymbols + 2);  // counts and the two tickets
+constexpr uint64_t kSlotGuard = 16;  // below the words: rans_encode_one_state's store below its cursor
+constexpr uint64_t kRansMaxBlocks = 2048;  // rans_kernel's grid at most (its warps take chunks by ticket)
+constexpr uint64_t kGridMax = 65535;
+
+uint64_t blocks_for(uint64_t items, uint64_t per_block, uint64_t most) {
+  const uint64_t b = (items + per_block - 1) / per_block;
+  return b < 1 ? 1 : b < most ? b : most;
+}
+
+// A rans_kernel warp's scratch slot for chunks of at most `values` values: its chunk's words end
+// at kSlotGuard + 2 values, where its packed raw fields begin; 8 bytes of slack past the longest
+// raw fields for the copy's 4-byte loads.
+uint64_t slot_bytes_for(uint64_t values) {
+  return (kSlotGuard + 2 * values + 6 * ((values + 7) / 8) + 8 + 15) & ~15ull;
+}
+
+size_t carve(uint64_t n, uint32_t cv, char* base, EncWs* ws) {
+  const uint64_t chunks = num_chunks_for(n, cv), warps = kWarpsPerBlock * blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks);
   Carver c{base};
   EncWs w;
-  w.counts = c.take<unsigned long long>(8 * kNumSymbols);
+  w.counts = c.take<unsigned long long>(kSyncBytes);
+  w.block_ticket = base ? w.counts + kNumSymbols : nullptr;
+  w.chunk_ticket = base ? w.counts + kNumSymbols + 1 : nullptr;
   w.syms = c.take<EncSym>(sizeof(EncSym) * kNumSymbols);
   w.entries = c.take<ChunkEntry>(sizeof(ChunkEntry) * chunks);
-  w.states = c.take<uint32_t>(4ull * kLanes * chunks);
-  w.offsets = c.take<uint64_t>(8 * (chunks + 1));
+  w.lookback = c.take<unsigned long long>(8 * chunks);
+  w.offsets = c.take<uint64_t>(8 * chunks);
   w.table_info = c.take<uint32_t>(4 * 4);
-  w.scratch = c.take<uint8_t>(3ull * cv * chunks);
+  w.slots = chunks < warps ? chunks : warps;
+  w.slot_values = n < cv ? n : cv;
+  w.slot_bytes = slot_bytes_for(w.slot_values);
+  w.scratch = c.take<uint8_t>(w.slots * w.slot_bytes);
   if (ws) *ws = w;
   return c.off;
 }
@@ -170,7 +210,6 @@ size_t carve(uint64_t chunks, uint32_t cv, char* base, EncWs* ws) {
 __device__ uint32_t chunk_values_of(uint64_t n, uint32_t cv, uint64_t c) {
   return static_cast<uint32_t>(n - c * cv < cv ? n - c * cv : cv);
 }
-__device__ uint8_t* chunk_scratch(const EncWs& ws, uint32_t cv, uint64_t c) { return ws.scratch + 3ull * cv * c; }
 
 __device__ uint32_t warp_sum(uint32_t v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
@@ -270,79 +309,7 @@ __device__ void store_tile(uint16_t* sh, const Tile8& t, int lane) {
 }
 
 // ---- encode ----
-// One warp per chunk: checksum and raw fields (split_chunk's stream), and the histogram.
-__global__ void __launch_bounds__(kBlockThreads) split_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
-                                                             uint64_t chunks, bool aligned, EncWs ws) {
-  __shared__ unsigned int hist[kNumSymbols];
-  __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
-  __shared__ __align__(8) uint8_t rings[kWarpsPerBlock][kFieldRing];
-  for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x) hist[s] = 0;
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const unsigned below = (1u << lane) - 1u;
-  uint16_t* tile = tiles[warp];
-  uint8_t* ring = rings[warp];
-  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < chunks;
-       c += uint64_t(gridDim.x) * kWarpsPerBlock) {
-    const uint32_t cn = chunk_values_of(n, cv, c);
-    const uint16_t* v = values + c * cv;
-    uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;  // 8-byte aligned
-    const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
-    uint32_t checksum = 0, nr = 0, zeros = 0, packed_groups = 0;
-    Tile8 next = fetch_tile(v, cn, 0, aligned, lane);
-    for (uint32_t tt = 0; tt < num_tiles; ++tt) {
-      __syncwarp();
-      store_tile(tile, next, lane);
-      __syncwarp();
-      if (tt + 1 < num_tiles) next = fetch_tile(v, cn, (tt + 1) * kTileValues, aligned, lane);
-      for (uint32_t s = 0; s < kTileValues / kLanes; ++s) {
-        const uint32_t j = s * kLanes + lane, i = tt * kTileValues + j;
-        const uint16_t x = tile[j];  // 0 past the end: no field, no checksum term
-        const unsigned nz = __ballot_sync(kFull, x != 0);
-        if (x != 0) ring[(nr + __popc(nz & below)) % kFieldRing] = static_cast<uint8_t>(raw_of(x));
-        else if (i < cn) ++zeros;
-        // one shared atomic per non-zero value (aggregating equal symbols with __match_any_sync
-        // was measured 2.9x slower on an H200)
-        if (x != 0) atomicAdd(&hist[symbol_of(x)], 1u);
-        nr += __popc(nz);
-        checksum += checksum_term(x, i);
-      }
-      // pack 32 groups of 8 fields (6 bytes each) once 256 are pending; at most 511 are
-      __syncwarp();
-      if (nr - 8 * packed_groups >= 8 * kLanes) {
-        const uint32_t g = packed_groups + lane;
-        uint64_t bytes = 0;
-        for (int k = 0; k < 8; ++k) bytes |= uint64_t(ring[(8 * g + k) % kFieldRing]) << (8 * k);
-        const uint64_t packed = pack6x8(bytes);
-        uint16_t* dst = reinterpret_cast<uint16_t*>(raw + 6ull * g);
-        for (int k = 0; k < 3; ++k) dst[k] = static_cast<uint16_t>(packed >> (16 * k));
-        packed_groups += kLanes;
-        __syncwarp();
-      }
-    }
-    // the last groups; zero fields fill the last one (the last byte's unused bits)
-    const uint32_t groups = (nr + 7) / 8;
-    if (uint32_t(lane) < 8 * groups - nr) ring[(nr + lane) % kFieldRing] = 0;
-    __syncwarp();
-    for (uint32_t g = packed_groups + lane; g < groups; g += kLanes) {
-      uint64_t bytes = 0;
-      for (int k = 0; k < 8; ++k) bytes |= uint64_t(ring[(8 * g + k) % kFieldRing]) << (8 * k);
-      const uint64_t packed = pack6x8(bytes);
-      uint16_t* dst = reinterpret_cast<uint16_t*>(raw + 6ull * g);
-      for (int k = 0; k < 3; ++k) dst[k] = static_cast<uint16_t>(packed >> (16 * k));
-    }
-    __syncwarp();
-    checksum = warp_sum(checksum);
-    zeros = warp_sum(zeros);
-    if (lane == 0) {
-      if (zeros) atomicAdd(&hist[kZeroSymbol], zeros);
-      ws.entries[c] = ChunkEntry{kModeRans, 0, nr, checksum};
-    }
-  }
-  __syncthreads();
-  for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x)
-    if (hist[s]) atomicAdd(&ws.counts[s], static_cast<unsigned long long>(hist[s]));
-}
+constexpr int kMetaWarps = kMetaThreads / 32;
 
 // normalize_counts of the block's counts (n > 0) with `prob_bits` into freq[1025] (shared; every
 // thread calls).
@@ -393,10 +360,12 @@ __device__ uint32_t table_v4_block(const uint32_t* freq, int* scratch_int, uint3
   return last_present >= 0 ? 1 + (best_g + best_f + 7) / 8 : 0u;
 }
 
-// One block: the encoder's symbol table, normalised exactly as the host encoder does (11 and 12
-// bits, then prefer_12_bits; for a blob of one chunk of at most kOneStateMaxValues values,
-// choose_one_state_prob_bits; all zero for n == 0).
-__global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t n, uint64_t chunks) {
+// One symbol table from the blob's histogram counts[1025] (shared memory), normalised exactly as the
+// host encoder does (11 and 12 bits, then prefer_12_bits; for a blob of one chunk of at most
+// kOneStateMaxValues values, choose_one_state_prob_bits; all zero for n == 0): ws.syms and
+// ws.table_info (orders, bytes; no chunk coded yet). One block of kMetaThreads threads, every thread
+// calls.
+__device__ void build_table(const unsigned long long* counts, uint64_t n, uint64_t chunks, const EncWs& ws) {
   __shared__ uint32_t freq[kNumSymbols], freq12[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
@@ -407,17 +376,17 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
   if (n > 0 && chunks == 1 && n <= kOneStateMaxValues) {
     // choose_one_state_prob_bits, each trial normalised into freq12 and its sums in parallel
     uint32_t present_mine = 0;
-    for (int s = t; s < kNumSymbols; s += kMetaThreads) present_mine += ws.counts[s] != 0;
+    for (int s = t; s < kNumSymbols; s += kMetaThreads) present_mine += counts[s] != 0;
     const uint32_t present = block_sum<uint32_t>(present_mine, scratch32);
     uint64_t best_cost = ~0ull;
     prob_bits = kMaxProbBits;
     for (int pb = one_state_min_prob_bits(present); pb <= kMaxProbBits; ++pb) {
-      normalize_block(ws.counts, n, pb, freq12, scratch32, diff);
+      normalize_block(counts, n, pb, freq12, scratch32, diff);
       int too_large = 0;
       uint64_t cost = 0;
       for (int s = t; s < kNumSymbols; s += kMetaThreads) {
         too_large |= freq12[s] > kProbScale;
-        if (freq12[s] != 0) cost += ws.counts[s] * ((uint64_t(pb) << 10) - log2_q10(freq12[s]));
+        if (freq12[s] != 0) cost += counts[s] * ((uint64_t(pb) << 10) - log2_q10(freq12[s]));
       }
       if (__syncthreads_or(too_large)) continue;
       cost = block_sum<uint64_t>(cost, scratch64);
@@ -431,18 +400,18 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
       __syncthreads();  // freq12 is read above before the next trial writes it
     }
     if (best_cost == ~0ull) {  // no width qualified: 11 bits
-      normalize_block(ws.counts, n, kProbBits, freq, scratch32, diff);
+      normalize_block(counts, n, kProbBits, freq, scratch32, diff);
       prob_bits = kProbBits;
     }
   } else if (n > 0) {
-    normalize_block(ws.counts, n, kProbBits, freq, scratch32, diff);
-    normalize_block(ws.counts, n, kMaxProbBits, freq12, scratch32, diff);
+    normalize_block(counts, n, kProbBits, freq, scratch32, diff);
+    normalize_block(counts, n, kMaxProbBits, freq12, scratch32, diff);
     // prefer_12_bits, its sums in parallel (integer sums: the same total in any order)
     int too_large = 0;
     uint64_t cost11 = 0, cost12 = 0;
     for (int s = t; s < kNumSymbols; s += kMetaThreads) {
       too_large |= freq12[s] > kProbScale;
-      const uint64_t c = ws.counts[s];
+      const uint64_t c = counts[s];
       if (freq[s] != 0)
         cost11 += c * ((uint64_t(kProbBits) << 10) - log2_q10(freq[s])) + (uint64_t(8 * table_freq_bytes(freq[s])) << 10);
       if (freq12[s] != 0)
@@ -466,12 +435,76 @@ __global__ void __launch_bounds__(kMetaThreads) table_kernel(EncWs ws, uint64_t 
     ws.table_info[0] = kg;
     ws.table_info[1] = kf;
     ws.table_info[2] = table_bytes;
+    ws.table_info[3] = 0;
   }
   // cumulative starts: thread t owns symbol t; thread 0 also owns the last symbol (after the scan)
   uint32_t total = 0;
   const uint32_t start = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &total);
   ws.syms[t] = make_enc_sym(start, freq[t], prob_bits);
   if (t == 0) ws.syms[kNumSymbols - 1] = make_enc_sym(total, freq[kNumSymbols - 1], prob_bits);
+}
+
+// Kernel 1: one warp per chunk (grid-stride), each lane reading 8 values per 16-byte load one tile
+// ahead: the chunk's checksum and raw-field count (its ChunkEntry; its look-back word zeroed) and
+// the block's histogram (shared, merged into ws.counts by one atomic per seen symbol). The last
+// block to merge (the block ticket, taken after a fence) builds the symbol table from the merged
+// histogram (build_table): each block's adds are ordered before its ticket, so that block sees
+// them all.
+__global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
+                                                                uint64_t chunks, bool aligned, EncWs ws) {
+  __shared__ unsigned int hist[kNumSymbols];
+  __shared__ unsigned long long merged[kNumSymbols];
+  __shared__ int last_block;
+  const int t = threadIdx.x, lane = t & 31, warp = t / 32;
+  for (int s = t; s < kNumSymbols; s += kMetaThreads) hist[s] = 0;
+  __syncthreads();
+  for (uint64_t c = blockIdx.x * uint64_t(kMetaWarps) + warp; c < chunks; c += uint64_t(gridDim.x) * kMetaWarps) {
+    const uint32_t cn = chunk_values_of(n, cv, c);
+    const uint16_t* v = values + c * cv;
+    const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
+    uint32_t checksum = 0, nr = 0, zeros = 0;
+    Tile8 next = fetch_tile(v, cn, 0, aligned, lane);
+    for (uint32_t tt = 0; tt < num_tiles; ++tt) {
+      const Tile8 tile = next;
+      if (tt + 1 < num_tiles) next = fetch_tile(v, cn, (tt + 1) * kTileValues, aligned, lane);
+      const uint32_t first = tt * kTileValues + 8u * lane;
+      const uint32_t pairs[4] = {tile.bits.x, tile.bits.y, tile.bits.z, tile.bits.w};
+#pragma unroll
+      for (uint32_t k = 0; k < 8; ++k) {
+        const uint16_t x = static_cast<uint16_t>(pairs[k / 2] >> (16 * (k % 2)));  // 0 past the end
+        checksum += checksum_term(x, first + k);
+        // one shared atomic per non-zero value (aggregating equal symbols with __match_any_sync
+        // was measured 2.9x slower on an H200)
+        if (x != 0) {
+          ++nr;
+          atomicAdd(&hist[symbol_of(x)], 1u);
+        } else if (first + k < cn) {
+          ++zeros;
+        }
+      }
+    }
+    checksum = warp_sum(checksum);
+    nr = warp_sum(nr);
+    zeros = warp_sum(zeros);
+    if (lane == 0) {
+      if (zeros) atomicAdd(&hist[kZeroSymbol], zeros);
+      ws.entries[c] = ChunkEntry{kModeRans, 0, nr, checksum};
+      ws.lookback[c] = 0;
+    }
+  }
+  __syncthreads();
+  for (int s = t; s < kNumSymbols; s += kMetaThreads)
+    if (hist[s]) atomicAdd(&ws.counts[s], static_cast<unsigned long long>(hist[s]));
+  __threadfence();
+  __syncthreads();
+  if (t == 0) last_block = atomicAdd(ws.block_ticket, 1ull) == gridDim.x - 1ull;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (int s = t; s < kNumSymbols; s += kMetaThreads)
+    merged[s] = *reinterpret_cast<volatile unsigned long long*>(&ws.counts[s]);  // from L2, not a stale L1 line
+  __syncthreads();
+  build_table(merged, n, chunks, ws);
 }
 
 // The encoder's symbol info in shared memory: 16 bytes instead of EncSym's 32.
@@ -481,11 +514,106 @@ struct SharedSym {
   uint32_t freq;
 };
 
-// One warp per chunk; lane l owns values i with i % 32 == l, as in the core (rans_encode_chunk).
+// Look-back words (ws.lookback): 0 until published, then kAggregate | the chunk's padded payload
+// bytes, then kInclusive | the padded payload bytes of chunks [0, c].
+constexpr unsigned long long kAggregate = 1ull << 62, kInclusive = 2ull << 62, kLookBytes = (1ull << 62) - 1;
+
+// A look-back word only grows (0, then an aggregate, then an inclusive sum): published by an
+// atomic max, a relaxed store to L2 that the other warps' relaxed loads see.
+__device__ void publish_lookback(unsigned long long* word, unsigned long long v) { atomicMax(word, v); }
+
+__device__ uint64_t warp_sum64(uint64_t v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+// Chunk c's payload offset from the first payload's (the padded payload bytes of chunks [0, c)),
+// chunk c's own being `bytes` (warp-uniform; every lane calls): a decoupled look-back. The chunk
+// publishes its bytes, then reads its predecessors' words 32 at a time (lane l: chunk top - l,
+// from top = c - 1 down), each lane spinning until its word is published, and sums them up to the
+// first inclusive one; then it publishes its inclusive sum. A chunk only waits on chunks handed out
+// before it (tickets, not block indices), whose warps are running and publish their own bytes
+// before they wait on anything: so the wait ends on any schedule.
+__device__ uint64_t lookback_offset(unsigned long long* look, uint64_t c, uint64_t bytes, int lane) {
+  if (lane == 0) publish_lookback(look + c, (c == 0 ? kInclusive : kAggregate) | bytes);
+  uint64_t before = 0;
+  for (int64_t top = int64_t(c) - 1; top >= 0; top -= kLanes) {
+    const int64_t p = top - lane;
+    unsigned long long word = kInclusive;  // before chunk 0: an inclusive 0
+    if (p >= 0)
+      while ((word = ep_comm::ld_relaxed_sys_u64(look + p)) == 0) ep_comm::spin_pause();
+    const unsigned inclusive = __ballot_sync(kFull, (word & ~kLookBytes) == kInclusive);
+    const unsigned upto = inclusive ? inclusive ^ (inclusive - 1) : kFull;  // the lanes up to the first inclusive one
+    before += warp_sum64((upto >> lane) & 1u ? word & kLookBytes : 0ull);
+    if (inclusive) break;
+  }
+  if (lane == 0 && c > 0) publish_lookback(look + c, kInclusive | (before + bytes));
+  return before;
+}
+
+// The 4 bytes [at, at + 4) of a segment of `len` bytes at `src` (2-byte aligned), zero from len on.
+// `overread`: the 2 bytes before src and the 8 after src + len may be read (a scratch slot), so
+// every load is an aligned 4-byte one; else only the segment's 2-byte halves are read.
+__device__ __forceinline__ uint32_t segment_word(const uint8_t* src, uint64_t at, uint64_t len, bool overread) {
+  uint32_t word;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(src);
+  if ((a & 3) == 0 && (overread || at + 4 <= len)) {
+    word = *reinterpret_cast<const uint32_t*>(src + at);
+  } else if (overread) {  // src = 2 mod 4: two aligned words, funnel-shifted
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(src + at - 2);
+    word = static_cast<uint32_t>(((uint64_t(w[1]) << 32) | w[0]) >> 16);
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src + at);
+    word = uint32_t(h[0]) | (at + 2 < len ? uint32_t(h[1]) << 16 : 0u);
+  }
+  if (at + 4 > len) word = at >= len ? 0u : word & ((1u << (8 * (len - at))) - 1u);
+  return word;
+}
+
+// A warp's copy of a segment (segment_word's) to dst, zero-padded to `padded` bytes (a multiple
+// of 4): one 4-byte store per lane and step, 128 contiguous bytes per warp store. dst is 4-byte
+// aligned when `dst_aligned` (payload offsets are multiples of 4; so is the output then).
+__device__ void copy_padded(uint8_t* dst, const uint8_t* src, uint64_t len, uint64_t padded, bool overread,
+                            bool dst_aligned, int lane) {
+  for (uint64_t at = 4ull * lane; at < padded; at += 4ull * kLanes) {
+    const uint32_t word = segment_word(src, at, len, overread);
+    if (dst_aligned) *reinterpret_cast<uint32_t*>(dst + at) = word;
+    else store_le<uint32_t>(dst + at, word);
+  }
+}
+
+// Packs the raw fields ring[8 g .. 8 g + 8) of groups [first, end) (one byte each, ring indices
+// mod kFieldRing) into 6 bytes each at raw + 6 g, lanes taking groups in turn.
+__device__ void pack_groups(const uint8_t* ring, uint32_t first, uint32_t end, uint8_t* raw, int lane) {
+  for (uint32_t g = first + lane; g < end; g += kLanes) {
+    uint64_t bytes = 0;
+    for (int k = 0; k < 8; ++k) bytes |= uint64_t(ring[(8 * g + k) % kFieldRing]) << (8 * k);
+    const uint64_t packed = pack6x8(bytes);
+    uint16_t* dst = reinterpret_cast<uint16_t*>(raw + 6ull * g);
+    for (int k = 0; k < 3; ++k) dst[k] = static_cast<uint16_t>(packed >> (16 * k));
+  }
+}
+
+// Kernel 2: one warp per chunk, chunks handed out by ticket (ws.chunk_ticket) in order; lane l owns
+// values i with i % 32 == l, as in the core (rans_encode_chunk). Symbol table in shared memory,
+// values read in 512-byte tiles one tile ahead, steps backwards (in a step lane 31 codes first, so
+// its word lands highest). The same pass packs the raw fields: their count per chunk is known
+// (histogram_kernel), so a value's field index is known going backwards; staged one byte a field
+// in a shared ring, packed 8 to 6 bytes once a group is complete. Words and packed fields go to the
+// warp's scratch slot, words ending where the fields begin. The chunk's mode as on the host (raw
+// when coding does not pay; +0.0 only: mode 3; a blob's only chunk of at most kOneStateMaxValues
+// values: one state, mode 2, coded by lane 0), then its offset (lookback_offset) and its payload
+// into its final place: states from registers, then the slot's words and fields as one contiguous
+// copy. Raw chunks are left to layout_kernel, which knows whether the blob has a table (the first
+// payload's offset); a coded chunk means it does.
+// Traffic per value: the values read once (2 bytes), words and fields written to the slot and read
+// back by the same warp right after the look-back, the payload written once.
 __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
-                                                            uint64_t chunks, bool aligned, EncWs ws) {
+                                                            uint64_t chunks, bool aligned, EncWs ws,
+                                                            uint64_t table_at, uint8_t* out, bool out_aligned) {
   __shared__ SharedSym syms[kNumSymbols];
   __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
+  __shared__ __align__(8) uint8_t rings[kWarpsPerBlock][kFieldRing];
   for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x) {
     const EncSym e = ws.syms[s];
     syms[s] = SharedSym{e.rcp, e.start, e.freq};
@@ -493,32 +621,35 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const unsigned below = (1u << lane) - 1u;
-  const uint32_t prob_bits = ws.syms[0].prob_bits;
+  const uint32_t prob_bits = ws.syms[0].prob_bits, table_bytes = ws.table_info[2];
+  const uint64_t data_at = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(chunks));  // with the table
+  const bool one_state = chunks == 1 && n <= kOneStateMaxValues;
   uint16_t* tile = tiles[warp];
-  for (uint64_t c = blockIdx.x * uint64_t(kWarpsPerBlock) + warp; c < chunks;
-       c += uint64_t(gridDim.x) * kWarpsPerBlock) {
+  uint8_t* ring = rings[warp];
+  const uint64_t slot_index = uint64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  if (slot_index >= ws.slots) return;  // more warps than chunks: this one takes none
+  uint8_t* slot = ws.scratch + slot_index * ws.slot_bytes;
+  uint16_t* words_end = reinterpret_cast<uint16_t*>(slot + kSlotGuard) + ws.slot_values;
+  uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
+  for (;;) {
+    unsigned long long ticket = 0;
+    if (lane == 0) ticket = atomicAdd(ws.chunk_ticket, 1ull);
+    const uint64_t c = __shfl_sync(kFull, ticket, 0);
+    if (c >= chunks) break;
     const uint32_t cn = chunk_values_of(n, cv, c);
     const uint16_t* v = values + c * cv;
-    uint16_t* words_end = reinterpret_cast<uint16_t*>(chunk_scratch(ws, cv, c)) + cn;
-    if (chunks == 1 && cn <= kOneStateMaxValues) {  // the blob's only chunk, small: one state (mode 2)
-      if (lane == 0) {
-        ChunkEntry e = ws.entries[c];
-        uint32_t state = kStateLow;
-        e.num_words = rans_encode_one_state(v, cn, ws.syms, state, words_end);
-        e.mode = kModeOneState;
-        ws.states[c * kLanes] = state;
-        if (align4(ws.table_info[2]) + align4(payload_bytes(e, cn)) >= align4(2ull * cn))
-          e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
-        if (ws.entries[c].num_raw == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
-        ws.entries[c] = e;
-      }
-      continue;
-    }
+    const ChunkEntry counted = ws.entries[c];
+    const uint32_t nr = counted.num_raw;
     const uint32_t steps = (cn + kLanes - 1) / kLanes;
     const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
+    // raw fields: those of values at or after the current step (`after`); groups from `packed` on
+    // are packed; zero fields fill the last group (the last byte's unused bits)
+    const uint32_t groups = (nr + 7) / 8;
+    uint32_t after = 0, packed = groups;
+    __syncwarp();
+    if (uint32_t(lane) < 8 * groups - nr) ring[(nr + lane) % kFieldRing] = 0;
     uint32_t x = kStateLow, nw = 0;
     Tile8 next = fetch_tile(v, cn, (num_tiles - 1) * kTileValues, aligned, lane);
-    // steps backwards; in a step lane 31 codes first, so its word lands highest
     for (uint32_t tt = num_tiles; tt-- > 0;) {
       __syncwarp();
       store_tile(tile, next, lane);
@@ -529,7 +660,12 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
         if (t >= steps) continue;  // warp-uniform
         const uint32_t i = t * kLanes + lane;
         const bool valid = i < cn;
-        const SharedSym sym = syms[valid ? symbol_of(tile[uint32_t(s) * kLanes + lane]) : 0];
+        const uint16_t value = tile[uint32_t(s) * kLanes + lane];  // 0 past the end: no field
+        const unsigned nz = __ballot_sync(kFull, value != 0);
+        if (value != 0) ring[(nr - after - __popc(nz) + __popc(nz & below)) % kFieldRing] = uint8_t(raw_of(value));
+        after += __popc(nz);
+        if (one_state) continue;
+        const SharedSym sym = syms[valid ? symbol_of(value) : 0];
         const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - prob_bits));  // enc_needs_word
         const unsigned mask = __ballot_sync(kFull, need);
         const uint32_t k = __popc(mask);
@@ -541,32 +677,74 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
           x = (q << prob_bits) + (x - q * sym.freq) + sym.start;
         }
       }
+      // every field of groups [ceil((nr - after) / 8), packed) is in the ring (at most 263 pending)
+      __syncwarp();
+      const uint32_t complete = (nr - after + 7) / 8;
+      pack_groups(ring, complete, packed, raw, lane);
+      packed = complete;
     }
-    ws.states[c * kLanes + lane] = x;
+    if (one_state) {
+      uint32_t state = 0, words = 0;
+      if (lane == 0) words = rans_encode_one_state(v, cn, ws.syms, state, words_end);
+      nw = __shfl_sync(kFull, words, 0);
+      x = state;
+    }
+    ChunkEntry e{one_state ? kModeOneState : kModeRans, nw, nr, counted.checksum};
+    const bool raw_pays = one_state ? align4(table_bytes) + align4(payload_bytes(e, cn)) >= align4(2ull * cn)
+                                    : payload_bytes(e, cn) >= 2ull * cn;
+    if (raw_pays) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
+    if (nr == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
+    const uint64_t bytes = align4(payload_bytes(e, cn));
+    __syncwarp();  // the slot's words and fields are stored before any lane copies them
+    const uint64_t offset = lookback_offset(ws.lookback, c, bytes, lane);
     if (lane == 0) {
-      ChunkEntry e = ws.entries[c];
-      e.num_words = nw;
-      if (payload_bytes(e, cn) >= 2ull * cn) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
-      if (ws.entries[c].num_raw == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
       ws.entries[c] = e;
+      ws.offsets[c] = offset;
     }
+    if (e.mode != kModeRans && e.mode != kModeOneState) continue;
+    if (lane == 0) atomicMax(&ws.table_info[3], 1u);  // several warps may set it
+    uint8_t* q = out + data_at + offset;
+    const uint64_t states = state_bytes(e);
+    if (uint64_t(lane) < states / 4) {
+      if (out_aligned) reinterpret_cast<uint32_t*>(q)[lane] = x;
+      else store_le<uint32_t>(q + 4 * lane, x);
+    }
+    const uint64_t len = 2ull * nw + raw_bytes(nr);
+    copy_padded(q + states, raw - 2ull * nw, len, bytes - states, true, out_aligned, lane);
   }
 }
 
-// One block: metadata (header, shape, table -- none when every chunk is raw, as on the host --,
-// metadata checksum), chunk offsets (exclusive scan of padded payload sizes), directory, size.
-__global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t n, ShapeArg shape, uint32_t ndim,
-                                                             uint32_t cv, uint64_t chunks, uint8_t* out,
-                                                             uint64_t* out_size) {
-  __shared__ uint64_t scratch64[kMetaThreads / 32];
+// Kernel 3: block 0 writes the metadata (header, shape, the table -- none when no chunk is
+// rANS-coded, as on the host --, metadata checksum) and the blob's size; every other block, one
+// warp per chunk (grid-stride), writes directory entries and the payloads of raw chunks (the values
+// themselves) at their offsets after the directory.
+__global__ void __launch_bounds__(kMetaThreads) layout_kernel(const uint16_t* values, EncWs ws, uint64_t n,
+                                                             ShapeArg shape, uint32_t ndim, uint32_t cv,
+                                                             uint64_t chunks, uint64_t table_at, uint8_t* out,
+                                                             uint64_t* out_size, bool out_aligned) {
+  const int t = threadIdx.x;
+  const bool table = ws.table_info[3] != 0;
+  const uint32_t table_bytes = table ? ws.table_info[2] : 0u;
+  const uint64_t dir = directory_offset_at(table_at, table_bytes);
+  const uint64_t data_at = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(chunks));
+  if (blockIdx.x > 0) {
+    const int lane = t & 31, warp = t / 32;
+    for (uint64_t c = (blockIdx.x - 1ull) * kMetaWarps + warp; c < chunks; c += (gridDim.x - 1ull) * kMetaWarps) {
+      const ChunkEntry e = ws.entries[c];
+      if (lane < 4) {
+        const uint32_t field = lane == 0 ? e.mode : lane == 1 ? e.num_words : lane == 2 ? e.num_raw : e.checksum;
+        store_le<uint32_t>(out + dir + sizeof(ChunkEntry) * c + 4 * lane, field);
+      }
+      if (e.mode != kModeRaw) continue;
+      const uint64_t len = 2ull * chunk_values_of(n, cv, c);
+      copy_padded(out + data_at + ws.offsets[c], reinterpret_cast<const uint8_t*>(values + c * cv), len, align4(len),
+                  false, out_aligned, lane);
+    }
+    return;
+  }
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ int scratch_int[kMetaThreads / 32];
-  const int t = threadIdx.x;
   __shared__ uint32_t table_words[(kMaxTableBytes + 3) / 4 + 2];
-  int all_raw = 1;
-  for (uint64_t c = t; c < chunks; c += kMetaThreads)
-    all_raw &= ws.entries[c].mode == kModeRaw || ws.entries[c].mode == kModeZero;
-  const bool table = !__syncthreads_and(all_raw);
   // the version 4 table (write_table_v4), entries in symbol order: thread t owns symbol t, thread 0
   // also the last one; an entry's gap from the previous present symbol (a block max-scan) and its
   // first bit (a block sum-scan of the entries' code lengths); codes added into shared words (the
@@ -584,15 +762,7 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
   const uint64_t code_last = f_last != 0 ? table_entry_code_v4(gap_last, f_last, kg, kf, last_bits) : 0ull;
   const uint32_t pos = block_exclusive_scan<uint32_t>(code_bits, scratch32, &mine_bits);
   const uint32_t entries = table ? seen + (f_last != 0 ? 1u : 0u) : 0u;
-  const uint32_t table_bytes = table ? ws.table_info[2] : 0u;
   const uint32_t prob_bits = table ? ws.syms[0].prob_bits : uint32_t(kProbBits);
-  // header and shape (shape_bytes; constant indices: a parameter array indexed by a variable would
-  // be copied to local memory)
-  uint64_t table_at = kHeaderBytesV4;
-#pragma unroll
-  for (uint32_t d = 0; d < uint32_t(kMaxDims); ++d)
-    if (d < ndim) table_at += dim_bytes_v4(shape.dims[d]);
-  const uint64_t dir = directory_offset_at(table_at, table_bytes);
   const auto add_code = [&](uint64_t bits_code, uint32_t at) {
     const uint32_t w = at / 32, sh = at % 32;
     const uint64_t rest = sh == 0 ? bits_code >> 32 : bits_code >> (32 - sh);
@@ -608,7 +778,8 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
   for (uint32_t b = t; table && b + 1 < table_bytes; b += kMetaThreads)
     out[table_at + 1 + b] = static_cast<uint8_t>(table_words[b / 4] >> (8 * (b % 4)));
   for (uint64_t p = table_at + table_bytes + t; p < dir; p += kMetaThreads) out[p] = 0;
-  if (t == 0) {  // store_header, store_shape
+  if (t == 0) {  // store_header, store_shape (constant indices: a parameter array indexed by a
+                 // variable would be copied to local memory)
     store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n, prob_bits, table_bytes);
     uint8_t* p = out + kHeaderBytesV4;
 #pragma unroll
@@ -628,66 +799,9 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(EncWs ws, uint64_t
   for (uint64_t i = t; i < dir; i += kMetaThreads)
     if (i < checksum_at || i >= checksum_at + 4) part += uint32_t(out[i]) * uint32_t(2 * i + 1);
   const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
-  if (t == 0) store_le<uint32_t>(out + checksum_at, checksum);
-  // offsets and directory, 1024 chunks per round (thread t: chunk r * 1024 + t, coalesced)
-  uint64_t base = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(chunks));
-  for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
-    const uint64_t c = r + t;
-    ChunkEntry e{};
-    uint64_t bytes = 0;
-    if (c < chunks) {
-      e = ws.entries[c];
-      bytes = align4(payload_bytes(e, chunk_values_of(n, cv, c)));
-    }
-    uint64_t round_total = 0;
-    const uint64_t at = base + block_exclusive_scan<uint64_t>(bytes, scratch64, &round_total);
-    if (c < chunks) {
-      ws.offsets[c] = at;
-      uint8_t* d = out + dir + sizeof(ChunkEntry) * c;
-      store_le<uint32_t>(d, e.mode);
-      store_le<uint32_t>(d + 4, e.num_words);
-      store_le<uint32_t>(d + 8, e.num_raw);
-      store_le<uint32_t>(d + 12, e.checksum);
-    }
-    base += round_total;
-  }
   if (t == 0) {
-    ws.offsets[chunks] = base;
-    *out_size = base;
-  }
-}
-
-// One block per chunk: its payload (states, words, raw fields; or the values) into place, zero
-// padding, in 4-byte stores (payload offsets are multiples of 4; `out_aligned`: so is `out`).
-__global__ void pack_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, EncWs ws,
-                            uint8_t* out, bool out_aligned) {
-  for (uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-    const uint32_t cn = chunk_values_of(n, cv, c);
-    const ChunkEntry e = ws.entries[c];
-    uint8_t* q = out + ws.offsets[c];
-    const uint64_t used = payload_bytes(e, cn), padded = ws.offsets[c + 1] - ws.offsets[c];
-    const uint64_t words_at = state_bytes(e), raw_at = words_at + 2ull * e.num_words;
-    const uint8_t* words = chunk_scratch(ws, cv, c) + 2ull * (cn - e.num_words);
-    const uint8_t* raw = chunk_scratch(ws, cv, c) + 2ull * cv;
-    const uint8_t* states = reinterpret_cast<const uint8_t*>(ws.states + c * kLanes);
-    const uint8_t* plain = reinterpret_cast<const uint8_t*>(values + c * cv);
-    // every segment starts at an even payload byte and an even source byte: halfword loads (one
-    // 4-byte word per thread step; 4 words per thread was measured slower on an H200)
-    for (uint64_t w = threadIdx.x; w < padded / 4; w += blockDim.x) {
-      uint32_t word = 0;
-      for (int half = 0; half < 2; ++half) {
-        const uint64_t k = 4 * w + 2 * half;
-        if (k >= used) break;
-        const uint8_t* src = e.mode == kModeRaw ? plain + k
-                             : k < words_at   ? states + k
-                             : k < raw_at     ? words + (k - words_at)
-                                              : raw + (k - raw_at);
-        const uint32_t pair = k + 1 < used ? uint32_t(*reinterpret_cast<const uint16_t*>(src)) : uint32_t(*src);
-        word |= pair << (16 * half);
-      }
-      if (out_aligned) reinterpret_cast<uint32_t*>(q)[w] = word;
-      else store_le<uint32_t>(q + 4 * w, word);
-    }
+    store_le<uint32_t>(out + checksum_at, checksum);
+    *out_size = data_at + (chunks > 0 ? ws.lookback[chunks - 1] & kLookBytes : 0ull);
   }
 }
 
@@ -1346,18 +1460,13 @@ __global__ void report_kernel(DecWs ws, int* status) {
   if (*status == kOk && first != kNoError) *status = static_cast<int>(first & 0xFF);
 }
 
-int grid_for(uint64_t chunks) {
-  uint64_t blocks = (chunks + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(blocks < 65535 ? (blocks > 0 ? blocks : 1) : 65535);
-}
-
 }  // namespace
 
 extern "C" {
 
 size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values) {
   if (chunk_values == 0) return 0;
-  return carve(num_chunks_for(num_values, chunk_values), chunk_values, nullptr, nullptr);
+  return carve(num_values, chunk_values, nullptr, nullptr);
 }
 
 size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values) {
@@ -1382,23 +1491,22 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   if (chunks > 0xFFFFFFFFull) return cudaErrorInvalidValue;
   if (workspace_bytes < ep_lossless_encode_workspace_bytes(num_values, chunk_values)) return cudaErrorInvalidValue;
   EncWs ws;
-  carve(chunks, chunk_values, static_cast<char*>(workspace), &ws);
+  carve(num_values, chunk_values, static_cast<char*>(workspace), &ws);
+  uint64_t table_at = kHeaderBytesV4;  // the header's and shape's bytes
+  for (uint32_t d = 0; d < ndim; ++d) table_at += dim_bytes_v4(shape.dims[d]);
   // chunk starts are 64-byte multiples (chunk_values % 32 == 0): 16-byte loads when the base is aligned
   const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
-  cudaMemsetAsync(ws.counts, 0, 8 * kNumSymbols, stream);
+  const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 3) == 0;
+  // one memset (the histogram and both tickets), then three kernels
+  cudaMemsetAsync(ws.counts, 0, kSyncBytes, stream);
+  EP_LAUNCH(histogram_kernel, static_cast<int>(blocks_for(chunks, kMetaWarps, kGridMax)), kMetaThreads,
+            stream)(values, num_values, chunk_values, chunks, aligned, ws);
   if (chunks > 0)
-    EP_LAUNCH(split_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks,
-                                                                     aligned, ws);
-  EP_LAUNCH(table_kernel, 1, kMetaThreads, stream)(ws, num_values, chunks);
-  if (chunks > 0)
-    EP_LAUNCH(rans_kernel, grid_for(chunks), kBlockThreads, stream)(values, num_values, chunk_values, chunks,
-                                                                    aligned, ws);
-  EP_LAUNCH(layout_kernel, 1, kMetaThreads, stream)(ws, num_values, shape, ndim, chunk_values, chunks, out, out_size);
-  if (chunks > 0) {
-    const int grid = static_cast<int>(chunks < 65535 ? chunks : 65535);
-    EP_LAUNCH(pack_kernel, grid, 256, stream)(values, num_values, chunk_values, chunks, ws, out,
-                                              (reinterpret_cast<uintptr_t>(out) & 3) == 0);
-  }
+    EP_LAUNCH(rans_kernel, static_cast<int>(blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks)), kBlockThreads,
+              stream)(values, num_values, chunk_values, chunks, aligned, ws, table_at, out, out_aligned);
+  const int layout_grid = static_cast<int>(chunks > 0 ? 1 + blocks_for(chunks, kMetaWarps, kGridMax - 1) : 1);
+  EP_LAUNCH(layout_kernel, layout_grid, kMetaThreads, stream)(values, ws, num_values, shape, ndim, chunk_values, chunks,
+                                                              table_at, out, out_size, out_aligned);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -88,6 +88,8 @@ struct LaunchState {
   DeviceModel device;             // ep_emu_set_device / ep_emu_set_resident_limit
   bool defer_streams = false;     // launches on a non-null stream are queued (ep_emu_begin_streams)
   std::vector<GridLaunch> queued;
+  unsigned long long launches = 0;  // kernel launches made (run or queued; ep_emu_launch_count)
+  unsigned long long memsets = 0;   // cudaMemset(Async) calls made (ep_emu_memset_count)
 };
 inline thread_local LaunchState tls_launch;
 // The grid runner of this OS thread's launches (one at a time: kernels launch no kernels).
@@ -127,6 +129,7 @@ class Launch {
   void operator()(Args&&... args) const {
     auto params = std::make_shared<const std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
     LaunchState& s = tls_launch;
+    ++s.launches;
     if (grid_.x == 0 || grid_.y == 0 || grid_.z == 0 || threads_ == 0 || threads_ > 1024) {
       s.last_error = cudaErrorInvalidValue;
       return;
@@ -218,6 +221,16 @@ extern "C" __attribute__((used, visibility("default"))) inline void ep_emu_set_r
   ep_emu::tls_launch.device.resident_limit = blocks > 0 ? unsigned(blocks) : 0u;
 }
 
+// The kernel launches (every EP_LAUNCH, valid or not) and the cudaMemset / cudaMemsetAsync calls
+// this OS thread has made, since the library was loaded: a test counts a call's launches as the
+// difference of two readings.
+extern "C" __attribute__((used, visibility("default"))) inline unsigned long long ep_emu_launch_count() {
+  return ep_emu::tls_launch.launches;
+}
+extern "C" __attribute__((used, visibility("default"))) inline unsigned long long ep_emu_memset_count() {
+  return ep_emu::tls_launch.memsets;
+}
+
 // From here on, this OS thread's launches on a non-null stream are queued, not run, until
 // ep_emu_run_streams: then they all run at once, each stream's launches in order and each stream on
 // an emulated device of its own (as ranks' streams on their GPUs in a job of several processes),
@@ -256,6 +269,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F, int th
   return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
+  ++ep_emu::tls_launch.memsets;
   std::memset(p, value, bytes);
   return cudaSuccess;
 }

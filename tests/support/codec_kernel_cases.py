@@ -103,6 +103,19 @@ def _heavy_tails() -> torch.Tensor:
     return (torch.randn(60000, generator=_gen(15)) * torch.exp(torch.randn(60000, generator=_gen(16)) * 1.5)).bfloat16()
 
 
+def many_chunks(chunks: int = 1100, chunk_values: int = 96) -> torch.Tensor:
+    """``chunks`` chunks of ``chunk_values`` values (the last one 7 values short): rANS-coded
+    (sparse small values), raw (random bits) and +0.0 chunks in random order, so the encoder's
+    look-back over the chunks crosses blocks on chunks of every payload size."""
+    g = _gen(21)
+    n = chunks * chunk_values - 7
+    x = (torch.randn(n, generator=g) * 0.05).bfloat16()
+    x = torch.where(torch.rand(n, generator=g) < 0.8, torch.zeros_like(x), x)
+    kind = torch.randint(0, 4, (n // chunk_values + 1,), generator=g).repeat_interleave(chunk_values)[:n]
+    x = torch.where(kind == 1, from_bits(torch.randint(0, 65536, (n,), generator=g)), x)
+    return torch.where(kind == 2, torch.zeros_like(x), x)
+
+
 CASES = {
     "normal": lambda: torch.randn(70, 1000, generator=_gen(1)).bfloat16(),
     "heavy_tails": _heavy_tails,
@@ -125,6 +138,8 @@ CASES = {
     "one_state": lambda: torch.where(torch.rand(3000, generator=_gen(17)) < 0.2, torch.zeros(()),
                                      torch.randn(3000, generator=_gen(18)) * 0.02).bfloat16(),
     "bias": lambda: (torch.randn(384, generator=_gen(19)) * 0.01).bfloat16(),
+    # 1,100 chunks of 96 values (3,300 of 32): the encoder's look-back across many blocks
+    "many_chunks": many_chunks,
 }
 CHUNK_VALUES = [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES]
 # (case, chunk values) of the corruption checks
