@@ -13,8 +13,9 @@ detector (package ``facenet-pytorch``, its P-, R- and O-Net state dicts, 0.5M pa
 two ship weights only: no activations or gradients of them are made here.
 Beside both codecs' ratios: ``bound``, the order-0 bound of ours' model (each tensor or message
 alone: the entropy of its 10-bit symbols at their own frequencies plus 6 raw bits per value other
-than +0.0), ours in format version 2, and where ours' bytes go (header and shape, table, chunk
-directory, rANS states, padding, and the coded words and raw fields).
+than +0.0), ours in format versions 2, 3 and 5 (5: a chunk may carry its own frequency table; host
+only, opt-in; also per tensor, against zipnn), and where ours' bytes go (header and shape, table,
+chunk directory, rANS states, padding, and the coded words and raw fields).
 Two layouts per kind: whole tensors (each tensor coded alone), and EP messages: the kind's values
 concatenated and reshaped to rows of H=7168 (the model's hidden size is 384), coded as separate
 64-token chunks. Reported: compressed/raw ratio, CPU encode/decode GB/s (of raw bf16 bytes) with
@@ -394,17 +395,20 @@ def blob_parts(blob: torch.Tensor) -> dict[str, int]:
 
 
 def format_sizes(tensors: list[torch.Tensor]) -> dict:
-    """Ours' blobs of ``tensors`` (each coded alone, on one thread): format versions 2's and 3's
-    ratios, and version 4's bytes by part (fractions of the raw bytes)."""
+    """Ours' blobs of ``tensors`` (each coded alone, on one thread): format versions 2's, 3's and
+    5's ratios (5: a chunk may carry its own frequency table; host only, opt-in), and version 4's
+    bytes by part (fractions of the raw bytes)."""
     raw = sum(t.numel() * 2 for t in tensors)
     parts = dict.fromkeys(OVERHEAD_PARTS, 0)
-    v2 = v3 = 0
+    v2 = v3 = v5 = 0
     for t in tensors:
         for k, v in blob_parts(lossless.encode(t, threads=1)).items():
             parts[k] += v
         v2 += lossless.encode(t, threads=1, version=2).numel()
         v3 += lossless.encode(t, threads=1, version=3).numel()
-    return {"v2_ratio": v2 / raw, "v3_ratio": v3 / raw, "parts": {k: v / raw for k, v in parts.items()}}
+        v5 += lossless.encode(t, threads=1, version=5).numel()
+    return {"v2_ratio": v2 / raw, "v3_ratio": v3 / raw, "v5_ratio": v5 / raw,
+            "parts": {k: v / raw for k, v in parts.items()}}
 
 
 def chunk_table_gain(t: torch.Tensor, chunk_values: int = lossless.DEFAULT_CHUNK_VALUES) -> float:
@@ -429,15 +433,17 @@ def chunk_table_gain(t: torch.Tensor, chunk_values: int = lossless.DEFAULT_CHUNK
 
 
 def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
-    """Each tensor coded alone (one thread) by ours and by zipnn, beside its order-0 bound: a row
-    per tensor with its shape and the three sizes in bytes."""
+    """Each tensor coded alone (one thread) by ours (format version 4, and 5: ``ours_v5``) and by
+    zipnn, beside its order-0 bound: a row per tensor with its shape and the sizes in bytes."""
     from zipnn import ZipNN
 
     z = ZipNN(method="huffman", input_format="torch", bytearray_dtype="bfloat16", threads=1)
     rows = []
     for i, t in enumerate(tensors):
         rows.append({"index": i, "shape": list(t.shape), "raw": t.numel() * 2,
-                     "ours": int(lossless.encode(t, threads=1).numel()), "zipnn": len(z.compress(_copy(t))),
+                     "ours": int(lossless.encode(t, threads=1).numel()),
+                     "ours_v5": int(lossless.encode(t, threads=1, version=5).numel()),
+                     "zipnn": len(z.compress(_copy(t))),
                      "bound": order0_bound([t]) * t.numel() * 2})
         if rows[-1]["ours"] > rows[-1]["zipnn"]:
             rows[-1]["chunk_table_gain"] = chunk_table_gain(t)
@@ -532,18 +538,20 @@ def print_report(report: dict) -> None:
                       f"{o['dec_all'] / z['dec_all']:.2f}x")
         table.add_row("", "", "", "ours/bound", f"{o['ratio'] / row['bound']:.4f}", "", "", "", "", end_section=True)
     console.print(table)
-    sizes = Table(title="ours' bytes by part (fractions of the raw bytes, format version 4) and format versions 2, 3")
-    for col in ("kind", "layout", "ours", "bound", "ours v2", "ours v3", *OVERHEAD_PARTS):
+    sizes = Table(title="ours' bytes by part (fractions of the raw bytes, format version 4) and format versions "
+                        "2, 3, 5 (5: per-chunk tables, host only, opt-in)")
+    for col in ("kind", "layout", "ours", "bound", "ours v2", "ours v3", "ours v5", *OVERHEAD_PARTS):
         sizes.add_column(col)
     for row in report["results"]:
         parts = row["format"]["parts"]
         sizes.add_row(row["kind"], row["layout"], f"{row['ours']['ratio']:.5f}", f"{row['bound']:.5f}",
                       f"{row['format']['v2_ratio']:.5f}", f"{row['format']['v3_ratio']:.5f}",
-                      *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
+                      f"{row['format']['v5_ratio']:.5f}", *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
     console.print(sizes)
     per = Table(title="per tensor: tensors where ours is larger than zipnn, and ours over the bound")
     for col in ("kind", "layout", "tensors", "ours > zipnn", "largest excess over zipnn (bytes)",
-                "of those, closed by per-chunk tables (estimate)", "ours/bound, worst tensor", "ours/bound, all"):
+                "of those, closed by per-chunk tables (estimate)", "ours v5 > zipnn", "largest v5 excess (bytes)",
+                "ours/bound, worst tensor", "ours/bound, all"):
         per.add_column(col)
     for row in report["results"]:
         rows = row["per_tensor"]
@@ -552,17 +560,21 @@ def print_report(report: dict) -> None:
         worst = max((r["ours"] / r["bound"] for r in rows if r["bound"] > 0), default=float("nan"))
         total = sum(r["ours"] for r in rows) / max(sum(r["bound"] for r in rows), 1e-9)
         closed = sum(1 for r in worse if r.get("chunk_table_gain", 0.0) > r["ours"] - r["zipnn"])
+        worse5 = [r for r in rows if r["ours_v5"] > r["zipnn"]]
+        excess5 = max((r["ours_v5"] - r["zipnn"] for r in worse5), default=0)
         per.add_row(row["kind"], row["layout"], str(len(rows)), str(len(worse)), str(excess), str(closed),
-                    f"{worst:.4f}", f"{total:.4f}")
+                    str(len(worse5)), str(excess5), f"{worst:.4f}", f"{total:.4f}")
     console.print(per)
     if report.get("per_tensor_rows"):
-        rows_table = Table(title="every tensor, bytes (ours, zipnn, order-0 bound)")
-        for col in ("kind", "layout", "#", "shape", "raw", "ours", "zipnn", "bound", "ours/zipnn", "ours/bound"):
+        rows_table = Table(title="every tensor, bytes (ours, ours in format 5, zipnn, order-0 bound)")
+        for col in ("kind", "layout", "#", "shape", "raw", "ours", "ours v5", "zipnn", "bound", "ours/zipnn",
+                    "ours/bound"):
             rows_table.add_column(col)
         for row in report["results"]:
             for r in row["per_tensor"]:
                 rows_table.add_row(row["kind"], row["layout"], str(r["index"]), "x".join(map(str, r["shape"])) or "()",
-                                   str(r["raw"]), str(r["ours"]), str(r["zipnn"]), f"{r['bound']:.0f}",
+                                   str(r["raw"]), str(r["ours"]), str(r["ours_v5"]), str(r["zipnn"]),
+                                   f"{r['bound']:.0f}",
                                    f"{r['ours'] / r['zipnn']:.4f}",
                                    f"{r['ours'] / r['bound']:.4f}" if r["bound"] > 0 else "-")
         console.print(rows_table)

@@ -132,6 +132,17 @@ def test_decodes_format_version_2_like_the_host(libs, case: str, chunk_values: i
     check_rejects_corrupted_blobs_like_the_host(libs["default"], "cpu", case, chunk_values, trials=30, version=2)
 
 
+def test_format_version_5_gets_the_version_status(libs) -> None:
+    """Format version 5 (a chunk may carry its own table) decodes on the host only: the kernels
+    report an unsupported version for it, never a tensor."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.cat([torch.randn(8, 4096, generator=g) * 1e-4, torch.randn(8, 4096, generator=g) * 30]).bfloat16()
+    blob = lossless.encode(x, chunk_values=8192, version=5)
+    assert int(blob[4]) == 5 and int(blob[17]) >= 1  # it has an extra table
+    status, _ = device_decode(libs["default"], blob, x.numel(), 8192, "cpu")
+    assert MESSAGES[status] == "unsupported lossless blob version"
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant: str) -> None:
     """The codec kernels under ThreadSanitizer (tests/native/emulated_racecheck.cpp): no two

@@ -145,6 +145,21 @@ def test_device_path_rejects_bad_blobs_before_the_kernel(kernels):
     assert kernels.calls == ["encode"]  # none of these reached the decoder kernel
 
 
+def test_device_path_refuses_format_5_before_the_kernel(kernels):
+    """Format version 5 (a chunk may carry its own table) is coded and decoded on the host only:
+    encode(version=5) does not reach the encoder kernels, and decode, decode_into and
+    decode_into_many of its blob on the device path raise a ValueError before any kernel runs."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.cat([torch.randn(8, 4096, generator=g) * 1e-4, torch.randn(8, 4096, generator=g) * 30]).bfloat16()
+    blob = lossless.encode(x, chunk_values=8192, version=5)
+    assert int(blob[4]) == 5 and int(blob[17]) >= 1  # it has an extra table
+    for call in (lambda: lossless.decode(blob), lambda: lossless.decode_into(blob, torch.empty_like(x)),
+                 lambda: lossless.decode_into_many([blob], [torch.empty_like(x)])):
+        with pytest.raises(ValueError, match="format 5 decodes on the host only"):
+            call()
+    assert kernels.calls == []
+
+
 def test_device_path_reports_the_kernel_status(kernels):
     x = torch.randn(300, 7).to(torch.bfloat16)
     blob = lossless.encode(x, chunk_values=64)

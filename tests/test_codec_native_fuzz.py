@@ -24,10 +24,12 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
                                 reason="needs g++ on x86-64")
 
 
-def write_blobs(directory: Path, count: int) -> None:
+def write_blobs(directory: Path, count: int) -> int:
     """`count` blobs of varied chunk sizes and contents: dense values, +0.0 runs and scatter, all
-    +0.0, random bit patterns (raw chunks), lengths that end mid-step and mid-chunk."""
+    +0.0, random bit patterns (raw chunks), lengths that end mid-step and mid-chunk; returns the
+    number of format version 5 extra tables among them."""
     g = torch.Generator().manual_seed(17)
+    extra_tables = 0
     for i in range(count):
         cv = [32, 64, 96, 128, 1024, 4096][i % 6]
         n = int(torch.randint(1, 5 * cv + 40, (1,), generator=g))
@@ -42,11 +44,19 @@ def write_blobs(directory: Path, count: int) -> None:
             x = torch.zeros(n, dtype=torch.bfloat16)
         elif style == 4 and i % 2 == 0:
             x = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        # every fourth blob in format version 3 and every fourth in 2, which the decoders still read
-        version = [lossless.FORMAT_VERSION, lossless.FORMAT_VERSION, 3, 2][i % 4]
+        # every fourth blob in format version 3 and every fourth in 2, which the decoders still read,
+        # and every fourth in 5: those of 4,096-value chunks made of chunks of different scales, so
+        # that they carry tables of their own
+        version = [lossless.FORMAT_VERSION, 5, 3, 2][i % 4]
+        if version == 5 and cv == 4096 and style != 3:
+            x = torch.cat([x, (torch.randn(3 * cv, generator=g) * 1e3).bfloat16(),
+                           (torch.randn(cv, generator=g) * 1e-4).bfloat16()])
         blob = lossless.encode(x, chunk_values=cv, version=version)
+        if version == 5:
+            extra_tables += int(blob[17])
         (directory / f"{i}.blob").write_bytes(blob.numpy().tobytes())
         (directory / f"{i}.raw").write_bytes(x.view(torch.int16).numpy().tobytes())
+    return extra_tables
 
 
 def test_simd_paths_are_memory_safe_and_agree(tmp_path):
@@ -59,7 +69,7 @@ def test_simd_paths_are_memory_safe_and_agree(tmp_path):
         pytest.skip(f"no AddressSanitizer runtime: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr[-2000:]
     blobs = 40
-    write_blobs(tmp_path, blobs)
+    assert write_blobs(tmp_path, blobs) >= 3  # format 5's extra tables are fuzzed too
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
     run = subprocess.run([str(binary), str(tmp_path), str(blobs), "100", "1500", "7"],
                          capture_output=True, text=True, timeout=600, env=env)

@@ -359,37 +359,52 @@ class RansEncoder512 {
   __m512i x_[2];
 };
 
-// The rANS passes of `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) coded with the
-// blob's table, words backwards below words_end[k], final states to states[k]; num_words[k] gets
-// its word count. Two chunks are coded in lockstep: a step's states depend on the previous step's
-// through the quotient (a conversion, a float multiply, a truncation and a 32-bit multiply in a
-// row), so one chunk leaves the core idle part of the time (C++ loop over real 64x7168 messages,
-// sum of per-message minima of 25 alternating repetitions: 0.92x the pass's time on activations
-// and weights, 0.76x on gradients, whose +0.0 steps need no gathers).
+// The rANS passes of `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) coded with its table
+// (syms[k], tabs[k]: two chunks may have different tables, of different prob_bits), words
+// backwards below words_end[k], final states to states[k]; num_words[k] gets its word count. Two
+// chunks are coded in lockstep: a step's states depend on the previous step's through the quotient
+// (a conversion, a float multiply, a truncation and a 32-bit multiply in a row), so one chunk
+// leaves the core idle part of the time (C++ loop over real 64x7168 messages, sum of per-message
+// minima of 25 alternating repetitions: 0.92x the pass's time on activations and weights, 0.76x on
+// gradients, whose +0.0 steps need no gathers).
 EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* const* v, const uint32_t* n,
-                                                    const EncSym* syms, const SimdEncTables& tab,
+                                                    const EncSym* const* syms, const SimdEncTables* const* tabs,
                                                     uint32_t* const* states, uint16_t* const* words_end,
                                                     uint32_t* num_words) {
-  const long long* entries = reinterpret_cast<const long long*>(tab.entry);
-  const __m512i zero_entry = _mm512_set1_epi64(int64_t(tab.entry[kZeroSymbol]));
+  const long long* entries[2];
+  __m512i zero_entry[2];
   alignas(RansEncoder512) unsigned char storage[2][sizeof(RansEncoder512)];
   RansEncoder512* c[2];
-  for (int k = 0; k < count; ++k) c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms, words_end[k]);
+  for (int k = 0; k < count; ++k) {
+    entries[k] = reinterpret_cast<const long long*>(tabs[k]->entry);
+    zero_entry[k] = _mm512_set1_epi64(int64_t(tabs[k]->entry[kZeroSymbol]));
+    c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms[k], words_end[k]);
+  }
   if (count == 2) {
     // the longer chunk's extra top steps first (coding runs backwards), then both together
-    while (c[0]->steps_left() > c[1]->steps_left()) c[0]->step(entries, zero_entry);
-    while (c[1]->steps_left() > c[0]->steps_left()) c[1]->step(entries, zero_entry);
+    while (c[0]->steps_left() > c[1]->steps_left()) c[0]->step(entries[0], zero_entry[0]);
+    while (c[1]->steps_left() > c[0]->steps_left()) c[1]->step(entries[1], zero_entry[1]);
     while (c[0]->steps_left() > 0) {
-      c[0]->step(entries, zero_entry);
-      c[1]->step(entries, zero_entry);
+      c[0]->step(entries[0], zero_entry[0]);
+      c[1]->step(entries[1], zero_entry[1]);
     }
   } else {
-    while (c[0]->steps_left() > 0) c[0]->step(entries, zero_entry);
+    while (c[0]->steps_left() > 0) c[0]->step(entries[0], zero_entry[0]);
   }
   for (int k = 0; k < count; ++k) {
     num_words[k] = c[k]->finish(states[k]);
     c[k]->~RansEncoder512();
   }
+}
+
+// The same with one table (`syms`, `tab`) for both chunks.
+EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* const* v, const uint32_t* n,
+                                                    const EncSym* syms, const SimdEncTables& tab,
+                                                    uint32_t* const* states, uint16_t* const* words_end,
+                                                    uint32_t* num_words) {
+  const EncSym* const both_syms[2] = {syms, syms};
+  const SimdEncTables* const both_tabs[2] = {&tab, &tab};
+  rans_encode_chunks_avx512(count, v, n, both_syms, both_tabs, states, words_end, num_words);
 }
 
 // The rANS pass of one chunk (rans_encode_chunks_avx512 with one chunk); returns the number of words.

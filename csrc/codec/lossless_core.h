@@ -8,16 +8,18 @@
 //   raw    = the low 6 mantissa bits v & 0x3F, stored as packed 6-bit fields, only for symbols
 //            != 1024.
 // Symbols are coded with rANS (32-bit state, 16-bit renormalisation, 2^prob_bits-slot
-// probabilities) from one frequency table per blob, shared by all its chunks. Values are cut into
-// chunks of `chunk_values`; inside a chunk coded with 32 states (mode 0) value i belongs to lane
-// i % 32 (32 interleaved rANS states, one per warp lane on the GPU).
+// probabilities) from one frequency table per blob, shared by all its chunks (format version 5:
+// a chunk may carry its own). Values are cut into chunks of `chunk_values`; inside a chunk coded
+// with 32 states (mode 0) value i belongs to lane i % 32 (32 interleaved rANS states, one per warp
+// lane on the GPU).
 //
 // Blob layout, format version 4 (little-endian, every field naturally aligned):
-//   Header (32 bytes): u32 magic 'EPLB', u8 version (4), u8 ndim, u16 num_table_entries,
-//                      u32 chunk_values, u32 num_chunks, u64 num_values,
+//   Header (20 bytes): u32 magic 'EPLB', u8 version (4), u8 ndim, u16 num_table_entries,
+//                      u32 chunk_values,
 //                      u32 meta_checksum (of every byte before the directory but these 4),
 //                      u8 prob_bits (6 to 12; 11 or 12 when a chunk has mode 0), u8 0, u16 table_bytes
-//   u64 shape[ndim]
+//   shape[ndim]: each dimension in LEB128 (7 bits a byte, low first, shortest form, at most 7
+//                bytes); the value and chunk counts follow from it
 //   table (table_bytes bytes; none when no chunk is rANS-coded): one byte kg | kf << 4 (kg <= 10,
 //          kf <= 11), then a bit stream (bit j of byte b is stream bit 8b + j): per entry, in
 //          ascending symbol order, gap = symbol - previous symbol - 1 (previous = -1 before the
@@ -37,7 +39,29 @@
 //                    kOneStateMaxValues values (the encoder uses it there, and stores the chunk raw
 //                    unless its payload plus the padded table is smaller than the values)
 //     mode 3 (+0.0): no payload, num_words = num_raw = 0, checksum 0 (every value +0.0)
-// Format version 3 (still decoded; written on request) differs in the table, num_table_entries
+// Format version 5 (written on request; decoded by the host build only: the CUDA decoder's
+// parse_header_fields reports kErrVersion) is version 4 where a chunk coded with 32 states may
+// carry a frequency table of its own:
+//   header: the byte after prob_bits (0 in versions 3 and 4) is T, the number of extra tables
+//           (at most 255 and at most num_chunks; 0 unless the shared table is present), and
+//           table_bytes counts the shared table and the extra tables (the table section), so
+//           the directory's offset follows as in version 4. T sits in the fixed header, not in
+//           the section, so that a directory entry's table index is checked from the fixed
+//           header alone (check_entry) and the format adds no byte to a blob without extra
+//           tables;
+//   table section: the shared table as in version 4 (num_table_entries entries; it ends at the
+//           byte holding its last entry's last bit, the bits after it zero), then per extra
+//           table: u8 prob_bits (11 or 12), a LEB128 byte length L (>= 1, shortest form, at most
+//           2 bytes), L bytes of a table in version 4's encoding whose entries run until their
+//           frequencies sum to 2^prob_bits (no entry count), ending at its L-th byte;
+//   directory entries: the u32 mode word is mode | t << 8 (bits 16-31 zero), t = 0 for the
+//           shared table, k >= 1 for extra table k - 1; only mode 0 takes t >= 1; every extra
+//           table must be some chunk's (kErrTable), a t above T or on another mode is kErrDirectory;
+//   the metadata checksum covers the whole table section (every byte before the directory).
+//   Which chunks take a table of their own is the host encoder's choice (own_table_saving_q10 in
+//   csrc/host/lossless.cpp); any choice decodes.
+// Format version 3 (still decoded; written on request) differs in the header (32 bytes: u32
+// num_chunks and u64 num_values after chunk_values, u64 dimensions) and the table, num_table_entries
 // entries each a gap (one byte when below 128, else 0x80 | gap >> 8, gap & 0xFF) then a frequency
 // (one byte freq - 1 when freq <= 128, else 0x80 | (freq - 1) >> 8, (freq - 1) & 0xFF), always the
 // shortest form; prob_bits 11 or 12; modes 0 and 1 only. Format version 2 (still decoded) differs
@@ -64,7 +88,8 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 4;     // what the encoder writes by default
+constexpr uint32_t kVersion = 4;     // what the encoder writes by default (and the CUDA decoder's newest)
+constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request, decoded on the host
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;
@@ -85,6 +110,8 @@ constexpr uint32_t kModeRaw = 1;
 constexpr uint32_t kModeOneState = 2;  // version 4: one rANS state (a blob's only chunk, at most kOneStateMaxValues)
 constexpr uint32_t kModeZero = 3;      // version 4: every value +0.0, no payload
 constexpr uint32_t kOneStateMaxValues = 4096;
+constexpr uint32_t kMaxExtraTables = 255;  // version 5: a directory entry's table index is 8 bits
+constexpr uint32_t kModeMask = 0xFF;       // version 5: a directory entry's mode word is mode | table << 8
 constexpr uint32_t kDefaultChunkValues = 65536;
 constexpr uint32_t kMinChunkValues = 32;
 constexpr uint32_t kMaxChunkValues = 1u << 24;
@@ -615,7 +642,8 @@ struct Header {
   uint32_t ndim = 0;
   uint32_t num_table_entries = 0;
   uint32_t prob_bits = kProbBits;
-  uint32_t table_bytes = 0;  // before padding
+  uint32_t table_bytes = 0;  // before padding (version 5: the shared table and the extra tables)
+  uint32_t num_extra_tables = 0;  // version 5's T
   uint32_t chunk_values = 0;
   uint32_t num_chunks = 0;
   uint64_t num_values = 0;
@@ -642,9 +670,11 @@ EP_HD uint64_t num_chunks_for(uint64_t num_values, uint32_t chunk_values) {
 
 // ---- header layout: versions 2 and 3 (32 bytes, u64 dimensions), version 4 (20 bytes, LEB128
 // dimensions: 7 bits a byte, low first, the high bit set on every byte but the last, shortest form)
-EP_HD uint64_t header_bytes(uint32_t version) { return version == kVersion ? kHeaderBytesV4 : kHeaderBytes; }
+// Whether format `version` has version 4's 20-byte header and LEB128 dimensions (4 and 5).
+EP_HD bool compact_header(uint32_t version) { return version >= kVersion; }
+EP_HD uint64_t header_bytes(uint32_t version) { return compact_header(version) ? kHeaderBytesV4 : kHeaderBytes; }
 EP_HD uint64_t meta_checksum_offset(uint32_t version) {
-  return version == kVersion ? kMetaChecksumOffsetV4 : kMetaChecksumOffset;
+  return compact_header(version) ? kMetaChecksumOffsetV4 : kMetaChecksumOffset;
 }
 EP_HD uint32_t dim_bytes_v4(uint64_t d) {
   uint32_t b = 1;
@@ -653,7 +683,7 @@ EP_HD uint32_t dim_bytes_v4(uint64_t d) {
 }
 // Bytes of a shape of `ndim` dimensions in format `version`.
 EP_HD uint64_t shape_bytes(const uint64_t* dims, uint32_t ndim, uint32_t version) {
-  if (version != kVersion) return 8ull * ndim;
+  if (!compact_header(version)) return 8ull * ndim;
   uint64_t b = 0;
   for (uint32_t d = 0; d < ndim; ++d) b += dim_bytes_v4(dims[d]);
   return b;
@@ -662,7 +692,7 @@ EP_HD uint64_t shape_bytes(const uint64_t* dims, uint32_t ndim, uint32_t version
 EP_HD void store_shape(uint8_t* o, const uint64_t* dims, uint32_t ndim, uint32_t version) {
   uint8_t* p = o + header_bytes(version);
   for (uint32_t d = 0; d < ndim; ++d) {
-    if (version != kVersion) {
+    if (!compact_header(version)) {
       store_le<uint64_t>(p, dims[d]);
       p += 8;
       continue;
@@ -695,20 +725,21 @@ EP_HD uint64_t data_offset_for(uint32_t ndim, uint32_t table_bytes, uint32_t chu
 
 // The fixed header fields: magic, version, ndim, table entries, chunk size, (versions 2 and 3:
 // chunk count and value count), and the word after the metadata checksum (the checksum itself
-// comes last): versions 3's and 4's prob_bits and table bytes, version 2's zero.
+// comes last): versions 3's to 5's prob_bits, (version 5) extra table count and table bytes,
+// version 2's zero.
 EP_HD void store_header(uint8_t* o, uint32_t ndim, uint32_t entries, uint32_t chunk_values, uint32_t chunks,
                         uint64_t num_values, uint32_t prob_bits = kProbBits, uint32_t table_bytes = 0,
-                        uint32_t version = kVersion) {
+                        uint32_t version = kVersion, uint32_t extra_tables = 0) {
   store_le<uint32_t>(o, kMagic);
   o[4] = static_cast<uint8_t>(version);
   o[5] = static_cast<uint8_t>(ndim);
   store_le<uint16_t>(o + 6, static_cast<uint16_t>(entries));
   store_le<uint32_t>(o + 8, chunk_values);
-  if (version != kVersion) {
+  if (!compact_header(version)) {
     store_le<uint32_t>(o + 12, chunks);
     store_le<uint64_t>(o + 16, num_values);
   }
-  const uint32_t last = version == kOldVersion ? 0u : prob_bits | (table_bytes << 16);
+  const uint32_t last = version == kOldVersion ? 0u : prob_bits | (extra_tables << 8) | (table_bytes << 16);
   store_le<uint32_t>(o + meta_checksum_offset(version) + 4, last);
 }
 
@@ -725,17 +756,23 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end, uint32_t version
 // The checks of parse_header that read fixed fields: header, shape, and that table and directory
 // fit (not the table padding and the metadata checksum, which read every metadata byte). Reads
 // only bytes below min(size, readable) (readable: how much of the blob the caller holds).
-EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull) {
+// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion
+// (the CUDA decoder), or kVersion5 (the host's).
+EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull,
+                              uint32_t newest_version = kVersion) {
   if (readable > size) readable = size;
   if (readable < kHeaderBytesV4) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
-  if (blob[4] != kVersion && blob[4] != kVersion3 && blob[4] != kOldVersion) return kErrVersion;
+  if (blob[4] != kVersion && blob[4] != kVersion3 && blob[4] != kOldVersion &&
+      !(blob[4] == kVersion5 && newest_version >= kVersion5))
+    return kErrVersion;
   h.version = blob[4];
   if (readable < header_bytes(h.version)) return kErrTruncated;
   h.ndim = blob[5];
   h.num_table_entries = load_le<uint16_t>(blob + 6);
   h.chunk_values = load_le<uint32_t>(blob + 8);
-  if (h.version != kVersion) {
+  h.num_extra_tables = 0;
+  if (!compact_header(h.version)) {
     h.num_chunks = load_le<uint32_t>(blob + 12);
     h.num_values = load_le<uint64_t>(blob + 16);
   }
@@ -750,19 +787,24 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
     const bool bits_ok = h.version == kVersion3
                              ? h.prob_bits == uint32_t(kProbBits) || h.prob_bits == uint32_t(kMaxProbBits)
                              : h.prob_bits >= uint32_t(kMinProbBits) && h.prob_bits <= uint32_t(kMaxProbBits);
-    if (!bits_ok || ((last >> 8) & 0xFF) != 0) return kErrHeader;
+    if (h.version == kVersion5) h.num_extra_tables = (last >> 8) & 0xFF;
+    else if (((last >> 8) & 0xFF) != 0) return kErrHeader;
+    if (!bits_ok) return kErrHeader;
     if (h.version == kVersion3) {
       // every entry takes 2 to 4 bytes
       if (h.table_bytes < 2 * h.num_table_entries || h.table_bytes > 4 * h.num_table_entries) return kErrTable;
-    } else if ((h.table_bytes == 0) != (h.num_table_entries == 0) || h.table_bytes > kMaxTableBytes) {
-      return kErrTable;  // version 4: the orders' byte and at least 2 bits an entry
+    } else if ((h.table_bytes == 0) != (h.num_table_entries == 0) ||
+               (h.version == kVersion && h.table_bytes > kMaxTableBytes)) {
+      return kErrTable;  // versions 4 and 5: the orders' byte and at least 2 bits an entry
     }
+    // version 5: extra tables only beside a shared table
+    if (h.num_extra_tables > 0 && h.num_table_entries == 0) return kErrTable;
   }
   if (h.ndim > kMaxDims) return kErrHeader;
   if (h.chunk_values < kMinChunkValues || h.chunk_values > kMaxChunkValues || h.chunk_values % kLanes != 0)
     return kErrHeader;
   if (h.num_table_entries > kNumSymbols) return kErrTable;
-  if (h.version != kVersion) {
+  if (!compact_header(h.version)) {
     if (h.num_values > kMaxValues) return kErrHeader;
     if (num_chunks_for(h.num_values, h.chunk_values) != h.num_chunks) return kErrHeader;
     // no table: an empty tensor, or every chunk stored raw
@@ -770,7 +812,7 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
   }
   uint64_t at = header_bytes(h.version), product = 1;
   for (uint32_t d = 0; d < h.ndim; ++d) {
-    if (h.version != kVersion) {
+    if (!compact_header(h.version)) {
       if (readable < at + 8) return kErrTruncated;
       h.shape[d] = load_le<uint64_t>(blob + at);
       at += 8;
@@ -793,12 +835,13 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
     if (h.shape[d] != 0 && product > kMaxValues / h.shape[d]) return kErrShape;
     product = product * h.shape[d];
   }
-  if (h.version == kVersion) {
+  if (compact_header(h.version)) {
     h.num_values = product;
     const uint64_t chunks = num_chunks_for(product, h.chunk_values);
     if (chunks > 0xFFFFFFFFull) return kErrHeader;
     h.num_chunks = static_cast<uint32_t>(chunks);
     if (h.num_values == 0 && h.num_table_entries != 0) return kErrTable;
+    if (h.num_extra_tables > h.num_chunks) return kErrTable;  // version 5: each used by a chunk
   }
   if (product != h.num_values) return kErrShape;
   h.table_offset = at;
@@ -809,9 +852,9 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
 }
 
 // Parses and validates the fixed header, the shape, that table and directory fit, the table's
-// zero padding and the metadata checksum.
-EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h) {
-  const int st = parse_header_fields(blob, size, h);
+// zero padding and the metadata checksum (newest_version as in parse_header_fields).
+EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h, uint32_t newest_version = kVersion) {
+  const int st = parse_header_fields(blob, size, h, ~0ull, newest_version);
   if (st != kOk) return st;
   for (uint64_t p = h.table_offset + h.table_bytes; p < h.directory_offset; ++p)
     if (blob[p] != 0) return kErrPadding;
@@ -850,33 +893,124 @@ EP_HD int read_table_v3(const uint8_t* p, const Header& h, uint32_t* freq) {
   return k == h.table_bytes ? int(kOk) : int(kErrTable);
 }
 
-// Reads a version 4 table (h.table_bytes bytes at `p`, inside the blob) into freq[1025]: orders in
-// range, symbols below 1025, frequencies in [1, 2048], the bits after the last entry zero and
-// fewer than 8 (the sum is checked by the caller).
-EP_HD int read_table_v4(const uint8_t* p, const Header& h, uint32_t* freq) {
-  if (h.num_table_entries == 0) return h.table_bytes == 0 ? int(kOk) : int(kErrTable);
+// Reads the entries of a table in version 4's encoding at p (at most `avail` >= 1 bytes readable)
+// into freq[1025] (zero where no entry): `entries` entries, or, with entries = 0 (version 5's
+// extra tables), entries until the frequencies sum to 2^prob_bits (a sum passing it is an error);
+// orders in range, symbols below 1025, frequencies in [1, 2048]. `used` gets the table's bytes:
+// the orders' byte and the stream up to the byte holding its last entry's last bit, whose bits
+// after that entry must be zero.
+EP_HD int read_table_v4_prefix(const uint8_t* p, uint64_t avail, uint32_t entries, uint32_t prob_bits, uint32_t* freq,
+                               uint64_t& used) {
   const uint32_t kg = p[0] & 0xFu, kf = p[0] >> 4;
   if (kg > kMaxGapOrder || kf > kMaxFreqOrder) return kErrTable;
-  BitReader bits(p + 1, 8ull * (h.table_bytes - 1));
+  BitReader bits(p + 1, 8ull * (avail - 1));
+  const uint32_t total = 1u << prob_bits;
+  uint32_t sum = 0;
   int previous = -1;
-  for (uint32_t i = 0; i < h.num_table_entries; ++i) {
+  for (uint32_t i = 0; entries == 0 ? sum < total : i < entries; ++i) {
     uint32_t gap = 0, f1 = 0;
     if (!bits.get_eg(kg, gap) || !bits.get_eg(kf, f1)) return kErrTable;
     if (gap >= uint32_t(kNumSymbols) || f1 >= kProbScale) return kErrTable;
     const int sym = previous + 1 + int(gap);
     if (sym >= kNumSymbols) return kErrTable;
     freq[sym] = f1 + 1;
+    sum += f1 + 1;
+    if (entries == 0 && sum > total) return kErrTable;
     previous = sym;
   }
-  const uint32_t left = uint32_t(bits.bits - bits.pos);
+  used = 1 + (bits.pos + 7) / 8;
   uint32_t rest = 0;
-  if (left >= 8 || !bits.get(left, rest) || rest != 0) return kErrTable;
+  if (!bits.get(uint32_t(8 * (used - 1) - bits.pos), rest) || rest != 0) return kErrTable;
   return kOk;
 }
 
-// Reads the table into freq[1025] / start[1025]; validates order and sum.
-EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint32_t* start) {
+// Reads a version 4 table (h.table_bytes bytes at `p`, inside the blob) into freq[1025]: orders in
+// range, symbols below 1025, frequencies in [1, 2048], the bits after the last entry zero and
+// fewer than 8 (the sum is checked by the caller).
+EP_HD int read_table_v4(const uint8_t* p, const Header& h, uint32_t* freq) {
+  if (h.num_table_entries == 0) return h.table_bytes == 0 ? int(kOk) : int(kErrTable);
+  uint64_t used = 0;
+  const int st = read_table_v4_prefix(p, h.table_bytes, h.num_table_entries, h.prob_bits, freq, used);
+  if (st != kOk) return st;
+  return used == h.table_bytes ? int(kOk) : int(kErrTable);
+}
+
+// ---- version 5: extra tables ----
+// Where a version 5 extra table lies in its blob: the table's bytes (version 4's encoding) at
+// `offset`, `bytes` of them, with 2^prob_bits slots.
+struct ExtraTable {
+  uint64_t offset;
+  uint32_t bytes;
+  uint32_t prob_bits;
+};
+
+// LEB128 of v: its bytes (at most 3 for v < 2^21).
+EP_HD uint32_t leb128_bytes(uint64_t v) { return dim_bytes_v4(v); }
+// Writes v in LEB128 at p; returns the bytes written.
+EP_HD uint32_t store_leb128(uint8_t* p, uint64_t v) {
+  uint32_t k = 0;
+  while (v >= 128) {
+    p[k++] = static_cast<uint8_t>(0x80 | (v & 0x7F));
+    v >>= 7;
+  }
+  p[k++] = static_cast<uint8_t>(v);
+  return k;
+}
+
+// Bytes of one extra table's framing and table (version 5): prob_bits, LEB128 length, the table.
+EP_HD uint32_t extra_table_bytes(uint32_t table_bytes) { return 1 + leb128_bytes(table_bytes) + table_bytes; }
+
+// Version 5: the framing of the h.num_extra_tables extra tables, which follow the shared table's
+// `shared_bytes` bytes and end the table section (h.table_bytes bytes in all): per table one byte
+// prob_bits (11 or 12), its length L >= 1 in LEB128 (shortest form, at most 2 bytes), L bytes.
+// refs[k] gets extra table k's place; the tables must fill the section exactly. (No table's
+// contents are read here: read_extra_table reads one.)
+EP_HD int read_extra_table_refs(const uint8_t* blob, const Header& h, uint64_t shared_bytes, ExtraTable* refs) {
+  uint64_t at = h.table_offset + shared_bytes;
+  const uint64_t end = h.table_offset + h.table_bytes;
+  for (uint32_t k = 0; k < h.num_extra_tables; ++k) {
+    if (at + 2 > end) return kErrTable;
+    const uint32_t prob_bits = blob[at++];
+    if (prob_bits != uint32_t(kProbBits) && prob_bits != uint32_t(kMaxProbBits)) return kErrTable;
+    uint32_t length = blob[at++];
+    if (length & 0x80) {
+      if (at + 1 > end || blob[at] == 0 || (blob[at] & 0x80)) return kErrTable;
+      length = (length & 0x7F) | (uint32_t(blob[at++]) << 7);
+    }
+    if (length == 0 || at + length > end) return kErrTable;
+    refs[k] = ExtraTable{at, length, prob_bits};
+    at += length;
+  }
+  return at == end ? int(kOk) : int(kErrTable);
+}
+
+// Reads extra table `ref` into freq[1025] / start[1025]: exactly its bytes, frequencies summing to
+// 2^prob_bits.
+EP_HD int read_extra_table(const uint8_t* blob, const ExtraTable& ref, uint32_t* freq, uint32_t* start) {
   for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
+  uint64_t used = 0;
+  const int st = read_table_v4_prefix(blob + ref.offset, ref.bytes, 0, ref.prob_bits, freq, used);
+  if (st != kOk) return st;
+  if (used != ref.bytes) return kErrTable;
+  return cumulative(freq, start, int(ref.prob_bits)) ? int(kOk) : int(kErrTable);
+}
+
+// Reads the (shared) table into freq[1025] / start[1025]; validates order and sum. Version 5:
+// shared_bytes gets the shared table's bytes (the extra tables follow; without any, the table
+// fills the section).
+EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint32_t* start,
+                     uint64_t* shared_bytes = nullptr) {
+  for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
+  if (shared_bytes != nullptr) *shared_bytes = h.table_bytes;
+  if (h.version == kVersion5 && h.num_table_entries > 0) {
+    uint64_t used = 0;
+    const int st = read_table_v4_prefix(blob + h.table_offset, h.table_bytes, h.num_table_entries, h.prob_bits, freq,
+                                        used);
+    if (st != kOk) return st;
+    if (h.num_extra_tables == 0 ? used != h.table_bytes : used >= h.table_bytes) return kErrTable;
+    if (shared_bytes != nullptr) *shared_bytes = used;
+    return cumulative(freq, start, int(h.prob_bits)) ? int(kOk) : int(kErrTable);
+  }
   if (h.version != kOldVersion) {
     const int st = h.version == kVersion3 ? read_table_v3(blob + h.table_offset, h, freq)
                                           : read_table_v4(blob + h.table_offset, h, freq);
@@ -898,16 +1032,31 @@ EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint3
   return cumulative(freq, start) ? int(kOk) : int(kErrTable);
 }
 
-// Validates a chunk's directory entry (n = its value count) against the blob's header.
-EP_HD int check_entry(const Header& h, const ChunkEntry& e, uint32_t n) {
+// A version 5 directory entry's table: 0 = the blob's shared table, k >= 1 = extra table k - 1
+// (0 in older versions, whose mode words check_entry limits to the modes).
+EP_HD uint32_t entry_table(const ChunkEntry& e) { return (e.mode >> 8) & 0xFFu; }
+
+// Validates a chunk's directory entry (n = its value count) against the blob's header. Version
+// 5: bits 8-15 of the mode word are the chunk's table (at most h.num_extra_tables; other than 0
+// only for mode 0), bits 16-31 zero.
+EP_HD int check_entry(const Header& h, const ChunkEntry& entry, uint32_t n) {
+  ChunkEntry e = entry;
+  uint32_t table = 0;
+  if (h.version == kVersion5) {
+    if ((e.mode >> 16) != 0) return kErrDirectory;
+    table = entry_table(e);
+    e.mode &= kModeMask;
+    if (table > h.num_extra_tables || (table != 0 && e.mode != kModeRans)) return kErrDirectory;
+  }
   if (e.mode == kModeRaw) return (e.num_words == 0 && e.num_raw == 0) ? int(kOk) : int(kErrDirectory);
-  if (e.mode == kModeZero)  // version 4; all +0.0: no fields, checksum 0
-    return (h.version == kVersion && e.num_words == 0 && e.num_raw == 0 && e.checksum == 0) ? int(kOk)
-                                                                                             : int(kErrDirectory);
-  if (e.mode == kModeOneState && (h.version != kVersion || n > kOneStateMaxValues)) return kErrDirectory;
+  if (e.mode == kModeZero)  // versions 4 and 5; all +0.0: no fields, checksum 0
+    return (compact_header(h.version) && e.num_words == 0 && e.num_raw == 0 && e.checksum == 0) ? int(kOk)
+                                                                                                : int(kErrDirectory);
+  if (e.mode == kModeOneState && (!compact_header(h.version) || n > kOneStateMaxValues)) return kErrDirectory;
   if ((e.mode != kModeRans && e.mode != kModeOneState) || h.num_table_entries == 0) return kErrDirectory;
-  // 32-state chunks: 11 or 12 probability bits (the SIMD decoders' constants); fewer: one-state only
-  if (e.mode == kModeRans && h.prob_bits < uint32_t(kProbBits)) return kErrDirectory;
+  // 32-state chunks: 11 or 12 probability bits (the SIMD decoders' constants; an extra table has
+  // them); fewer: one-state only
+  if (e.mode == kModeRans && table == 0 && h.prob_bits < uint32_t(kProbBits)) return kErrDirectory;
   if (e.num_words > n || e.num_raw > n) return kErrDirectory;
   return kOk;
 }
@@ -930,23 +1079,33 @@ EP_HD ChunkEntry read_entry(const uint8_t* blob, const Header& h, uint64_t c) {
 
 // Walks a blob's chunk directory (host side; the CUDA decoder checks it in parallel): checks each
 // entry (check_entry) and that the padded payloads account for exactly the blob's `size` bytes;
-// returns the first failure in chunk order (kErrSize when the payloads overrun or fall short).
-// When given, entries[c] gets chunk c's entry and offsets[c] / offsets[c + 1] its payload's start
-// and padded end (offsets[0] = data_offset).
-EP_HD int read_directory(const uint8_t* blob, uint64_t size, const Header& h, ChunkEntry* entries, uint64_t* offsets) {
+// returns the first failure in chunk order (kErrSize when the payloads overrun or fall short),
+// then (version 5) kErrTable when an extra table is no chunk's. When given, entries[c] gets chunk
+// c's entry (its mode without version 5's table bits), tables[c] its table (entry_table) and
+// offsets[c] / offsets[c + 1] its payload's start and padded end (offsets[0] = data_offset).
+EP_HD int read_directory(const uint8_t* blob, uint64_t size, const Header& h, ChunkEntry* entries, uint64_t* offsets,
+                         uint32_t* tables = nullptr) {
   uint64_t offset = h.data_offset;
+  uint32_t used[(kMaxExtraTables + 1) / 32] = {};  // bit k: extra table k + 1 has a chunk
   if (offsets != nullptr) offsets[0] = offset;
   for (uint64_t c = 0; c < h.num_chunks; ++c) {
     const uint32_t n = chunk_count(h, c);
-    const ChunkEntry e = read_entry(blob, h, c);
+    ChunkEntry e = read_entry(blob, h, c);
     const int st = check_entry(h, e, n);
     if (st != kOk) return st;
+    const uint32_t table = entry_table(e);
+    e.mode &= kModeMask;
+    if (table != 0) used[(table - 1) / 32] |= 1u << ((table - 1) % 32);
     offset += align4(payload_bytes(e, n));
     if (offset > size) return kErrSize;
     if (entries != nullptr) entries[c] = e;
+    if (tables != nullptr) tables[c] = table;
     if (offsets != nullptr) offsets[c + 1] = offset;
   }
-  return offset == size ? int(kOk) : int(kErrSize);
+  if (offset != size) return kErrSize;
+  for (uint32_t k = 0; k < h.num_extra_tables; ++k)
+    if (((used[k / 32] >> (k % 32)) & 1u) == 0) return kErrTable;
+  return kOk;
 }
 
 // Largest blob `encode` can produce for `num_values` values in `ndim` dims (worst case: every

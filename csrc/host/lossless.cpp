@@ -80,21 +80,75 @@ int chunks_per_claim(int level, uint64_t num_chunks, int threads) {
   return level == kSimdAvx512 && num_chunks >= 2 * uint64_t(threads) ? 2 : 1;
 }
 
-// Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) in scratch[k] (scratch_bytes(n[k])
-// bytes each); payload[k] gets its payload's first byte (payload_bytes(*e[k], n[k]) bytes: in
-// scratch, or v[k] itself for a chunk stored raw) and *e[k] its entry. survey[k] is the chunk's
-// ChunkSurvey from pass 1 (checksum, +0.0 count); `level` picks the passes: kSimdAvx2 or kSimdAvx512
-// (with `simd_tables`, a SimdEncTables), else the portable ones. `v4`: version 4's chunk modes (a
-// chunk of +0.0 only as mode 3; with `one_state`, the blob's only chunk coded as mode 2, stored raw
-// unless its payload and the table's padded bytes, `table_bytes`, are smaller than its values).
-void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const EncSym* syms,
-                      const void* simd_tables, const ChunkSurvey* const* survey, int level, bool v4, bool one_state,
-                      uint64_t table_bytes, uint8_t* const* scratch, ChunkEntry* const* e, const uint8_t** payload) {
+// A frequency table the encoder codes chunks with: frequencies, their version 4 encoding (orders,
+// bytes) and the coders' symbol tables.
+struct CodingTable {
+  uint32_t freq[kNumSymbols];
+  int prob_bits;
+  uint32_t entries, gap_order, freq_order, bytes;  // bytes: in the blob's format, before padding
+  EncSym syms[kNumSymbols];
+#if defined(__x86_64__)
+  SimdEncTables simd;
+#endif
+};
+
+// The frequencies of counts[1025] (total > 0 values) for a table of `chunks` chunks, as format
+// `version` takes them: 11 bits (version 2); for a blob of one chunk of at most kOneStateMaxValues
+// values (`one_state`), choose_one_state_prob_bits; else 12 bits where prefer_12_bits says so.
+void choose_frequencies(const uint64_t* counts, uint64_t total, uint64_t chunks, bool one_state, int version,
+                        CodingTable& t) {
+  t.prob_bits = kProbBits;
+  normalize_counts(counts, total, t.freq, kProbBits);
+  if (one_state) {
+    t.prob_bits = choose_one_state_prob_bits(counts, total, t.freq);
+  } else if (version != int(kOldVersion)) {
+    uint32_t freq12[kNumSymbols];
+    normalize_counts(counts, total, freq12, kMaxProbBits);
+    if (prefer_12_bits(counts, t.freq, freq12, chunks)) {
+      std::memcpy(t.freq, freq12, sizeof(freq12));
+      t.prob_bits = kMaxProbBits;
+    }
+  }
+}
+
+// The rest of `t` from its frequencies (summing to 2^prob_bits, or all zero: no table): entries,
+// the table's orders and bytes in format `version`, the coders' symbol tables.
+void finish_table(CodingTable& t, int version) {
+  uint32_t start[kNumSymbols];
+  cumulative(t.freq, start, t.prob_bits);
+  t.entries = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    t.entries += t.freq[s] != 0;
+    t.syms[s] = make_enc_sym(start[s], t.freq[s], t.prob_bits);
+  }
+  t.gap_order = t.freq_order = 0;
+  if (compact_header(uint32_t(version)) && t.entries > 0) table_orders_v4(t.freq, t.gap_order, t.freq_order);
+  t.bytes = t.entries == 0                 ? 0
+            : version == int(kOldVersion) ? 4 * t.entries
+            : version == int(kVersion3)   ? table_bytes_v3(t.freq)
+                                          : table_bytes_v4(t.freq, t.gap_order, t.freq_order);
+#if defined(__x86_64__)
+  make_simd_enc_tables(t.syms, t.simd);
+#endif
+}
+
+// Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) with table *tables[k] in
+// scratch[k] (scratch_bytes(n[k]) bytes each); payload[k] gets its payload's first byte
+// (payload_bytes(*e[k], n[k]) bytes: in scratch, or v[k] itself for a chunk stored raw) and *e[k]
+// its entry. survey[k] is the chunk's ChunkSurvey from pass 1 (checksum, +0.0 count); `level`
+// picks the passes: kSimdAvx2 or kSimdAvx512, else the portable ones. `v4`: version 4's (and 5's)
+// chunk modes (a chunk of +0.0 only as mode 3; with `one_state`, the blob's only chunk coded as
+// mode 2, stored raw unless its payload and the table's padded bytes, `table_bytes`, are smaller
+// than its values).
+void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const CodingTable* const* tables,
+                      const ChunkSurvey* const* survey, int level, bool v4, bool one_state, uint64_t table_bytes,
+                      uint8_t* const* scratch, ChunkEntry* const* e, const uint8_t** payload) {
   // the chunks coded with 32 states (mode 0), compacted for the SIMD passes
   int coded[kMaxChunksPerClaim];
   const uint16_t* cv_values[kMaxChunksPerClaim];
   uint32_t cv_n[kMaxChunksPerClaim];
   uint16_t* words_end[kMaxChunksPerClaim];
+  const EncSym* cv_syms[kMaxChunksPerClaim];
   uint32_t states[kMaxChunksPerClaim][kLanes];
   uint32_t* state_ptrs[kMaxChunksPerClaim] = {states[0], states[1]};
   uint32_t num_words[kMaxChunksPerClaim];
@@ -119,7 +173,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     }
     if (one_state) {
       uint32_t state = 0;
-      e[k]->num_words = rans_encode_one_state(v[k], n[k], syms, state, end);
+      e[k]->num_words = rans_encode_one_state(v[k], n[k], tables[k]->syms, state, end);
       uint8_t* p = reinterpret_cast<uint8_t*>(end - e[k]->num_words) - kOneStateBytes;
       std::memcpy(p, &state, kOneStateBytes);
       payload[k] = p;
@@ -128,21 +182,24 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     coded[num_coded] = k;
     cv_values[num_coded] = v[k];
     cv_n[num_coded] = n[k];
+    cv_syms[num_coded] = tables[k]->syms;
     words_end[num_coded++] = end;
   }
 #if defined(__x86_64__)
   if (level == kSimdAvx512 && num_coded > 0) {
-    rans_encode_chunks_avx512(num_coded, cv_values, cv_n, syms, *static_cast<const SimdEncTables*>(simd_tables),
-                              state_ptrs, words_end, num_words);
+    const SimdEncTables* simd[kMaxChunksPerClaim];
+    for (int j = 0; j < num_coded; ++j) simd[j] = &tables[coded[j]]->simd;
+    rans_encode_chunks_avx512(num_coded, cv_values, cv_n, cv_syms, simd, state_ptrs, words_end, num_words);
   } else if (level == kSimdAvx2) {
     for (int j = 0; j < num_coded; ++j)
-      num_words[j] = rans_encode_chunk_avx2(cv_values[j], cv_n[j], syms, *static_cast<const SimdEncTables*>(simd_tables),
-                                            states[j], words_end[j], survey[coded[j]]->zeros != 0);
+      num_words[j] = rans_encode_chunk_avx2(cv_values[j], cv_n[j], cv_syms[j], tables[coded[j]]->simd, states[j],
+                                            words_end[j], survey[coded[j]]->zeros != 0);
   } else
 #endif
   {
-    (void)simd_tables;  // used above on x86-64 only
-    for (int j = 0; j < num_coded; ++j) num_words[j] = rans_encode_chunk(cv_values[j], cv_n[j], syms, states[j], words_end[j]);
+    (void)state_ptrs;  // used above on x86-64 only
+    for (int j = 0; j < num_coded; ++j)
+      num_words[j] = rans_encode_chunk(cv_values[j], cv_n[j], cv_syms[j], states[j], words_end[j]);
   }
   for (int j = 0; j < num_coded; ++j) {
     const int k = coded[j];
@@ -162,17 +219,66 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
   }
 }
 
+// Version 5's per-chunk tables (the encoder's choices; the format allows any table on any rANS
+// chunk): a chunk of at least kMinOwnTableValues values takes a table of its own when its
+// estimated size with it (the symbols' cross-entropy under the table's frequencies, in integer
+// 1/1024 bits as prefer_12_bits computes it, plus the table's bytes and framing) is smaller than
+// with version 4's table (the blob's first) by more than the margin, and its payload would not be
+// stored raw. The own table's frequencies are normalize_counts' with prefer_12_bits' choice, as a
+// blob's. The margin: kOwnTableMarginBytes (a rANS lane's bytes are its symbols' information plus
+// 2 to 4 bytes, so two tables' chunks differ from their estimates' difference by under 2 bytes a
+// lane, 64 bytes a chunk) plus one 1/1024 bit per value (each estimate rounds log2 down by less
+// than that): a chunk that takes its own table is then smaller than with version 4's, table
+// included. Likewise the chunks that keep the shared table get one refitted to their symbols only
+// when it is estimated to save more than that margin per chunk, table included; else version 4's:
+// no version 5 blob is larger than version 4's.
+constexpr uint32_t kMinOwnTableValues = 4096;
+constexpr uint64_t kOwnTableMarginBytes = 64;
+// Bytes the extra tables may take: the table section's u16 size less the largest shared table.
+constexpr uint64_t kMaxExtraTableSectionBytes = 0xFFFF - kMaxTableBytes;
+
+// The estimate of a chunk's saving from a table of its own (0 when it does not pay), in 1/1024
+// bits: counts[1025] of its n values (`zeros` of them +0.0), shared_cost[s] the cost of symbol s
+// under the blob's first table in 1/1024 bits; `section` gets the own table's bytes with framing.
+uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t zeros, const uint64_t* shared_cost,
+                              uint32_t& section) {
+  uint32_t f11[kNumSymbols], f12[kNumSymbols];
+  normalize_counts(counts, n, f11, kProbBits);
+  normalize_counts(counts, n, f12, kMaxProbBits);
+  const bool wide = prefer_12_bits(counts, f11, f12, 1);
+  const uint32_t* f = wide ? f12 : f11;
+  const uint64_t pb = wide ? kMaxProbBits : kProbBits;
+  uint64_t shared_q10 = 0, own_q10 = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (counts[s] == 0) continue;
+    shared_q10 += counts[s] * shared_cost[s];
+    own_q10 += counts[s] * ((pb << 10) - log2_q10(f[s]));
+  }
+  uint32_t kg = 0, kf = 0;
+  table_orders_v4(f, kg, kf);
+  section = extra_table_bytes(table_bytes_v4(f, kg, kf));
+  constexpr uint64_t kByte = 8 << 10;
+  const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
+  const uint64_t margin = kByte * kOwnTableMarginBytes + n;
+  const uint64_t own_payload = own_q10 + fixed;
+  if (own_payload + margin >= raw) return 0;  // it would be stored raw
+  const uint64_t shared_size = std::min(shared_q10 + fixed, raw), own_size = own_payload + kByte * section;
+  return own_size + margin < shared_size ? shared_size - own_size : 0;
+}
+
 // bf16 bit patterns at `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
 // Two passes: the symbol histogram, then each chunk coded in its worker's scratch and copied to
 // its place in an output allocated for the largest possible blob; the blob is returned as a view
 // of that output's first blob-size bytes when the output has a mapping of its own (from 256 KiB)
 // and the blob fills at least a third of it (or from 2 MiB, where the rest is given back), else as
-// an exact-size copy.
+// an exact-size copy. Version 5 adds a pass between the two: each chunk's estimated saving from a
+// table of its own (own_table_saving_q10), from its symbol counts, kept per piece of pass 1.
 py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd, int version) {
-  if (version != int(kVersion) && version != int(kVersion3) && version != int(kOldVersion))
+  if (version != int(kVersion) && version != int(kVersion3) && version != int(kOldVersion) &&
+      version != int(kVersion5))
     throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + ", " + std::to_string(kVersion3) +
-                                " or " + std::to_string(kVersion));
+                                ", " + std::to_string(kVersion) + " or " + std::to_string(kVersion5));
   const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
@@ -194,17 +300,25 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
   uint64_t dims[kMaxDims] = {};
   for (uint32_t d = 0; d < ndim; ++d) dims[d] = static_cast<uint64_t>(shape[d]);
   const uint64_t table_off = header_bytes(uint32_t(version)) + shape_bytes(dims, ndim, uint32_t(version));
-  // the largest blob any table allows; pages past the blob's end are never touched
-  const uint64_t capacity = max_blob_bytes(num_values, ndim, cv);
+  const bool v5 = version == int(kVersion5);
+  // the largest blob any tables allow; pages past the blob's end are never touched
+  const uint64_t capacity = max_blob_bytes(num_values, ndim, cv) + (v5 ? kMaxExtraTableSectionBytes : 0);
   py::array_t<uint8_t> out = page_backed_array<uint8_t>(capacity);
   uint8_t* o = out.mutable_data();
 
-  uint32_t freq[kNumSymbols] = {}, start[kNumSymbols] = {};
-  std::vector<EncSym> syms(kNumSymbols);
-  uint32_t entries = 0, table_bytes = 0, gap_order = 0, freq_order = 0;
-  int prob_bits = kProbBits;
+  std::unique_ptr<CodingTable> shared(new CodingTable());
+  shared->prob_bits = kProbBits;
+  shared->entries = shared->bytes = shared->gap_order = shared->freq_order = 0;
+  std::unique_ptr<CodingTable[]> extra;  // version 5: extra table k - 1 is chunk_table k's
+  uint32_t num_extra = 0;
+  uint32_t table_bytes = 0;  // the table section's (version 5: the shared and the extra tables)
   std::vector<ChunkEntry> dir(num_chunks);
   std::vector<uint64_t> offsets(num_chunks + 1);
+  // per chunk: 0 = the shared table, k >= 1 = extra table k - 1 (version 5)
+  std::vector<uint8_t> chunk_table(num_chunks, 0);
+  const bool one_state = compact_header(uint32_t(version)) && num_chunks == 1 && num_values <= kOneStateMaxValues;
+  // version 5 with chunks that may take a table of their own (all but maybe the last have cv values)
+  const bool own_tables = v5 && num_chunks >= 2 && cv >= kMinOwnTableValues;
   without_gil([&] {
     const int level = simd_level(simd);
     [[maybe_unused]] const bool use_simd = level >= kSimdAvx2;
@@ -217,8 +331,10 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     //   pieces of chunks (a chunk is cut in parts so that every thread gets about 32 pieces even
     //   when a message has few chunks: the threads then reach the barrier within a few us of each
     //   other; with 8 pieces per thread, a 64x7168 message's threads arrived up to 19 us apart),
-    //   counted per thread;
+    //   counted per thread (version 5: also per piece);
     // the last thread to finish it builds the tables (BlockingBarrier);
+    // (version 5: each chunk's saving from a table of its own, per chunk claimed in order; the
+    //   last thread to finish picks the chunks that take one and builds the final tables;)
     // pass 2, per chunk (per 2 consecutive chunks on the AVX-512 level, whose rANS passes run in
     //   lockstep), claimed in order: split and rANS in the worker's scratch, then the
     //   payload is copied to its place, which follows the previous chunk's (published through
@@ -235,62 +351,138 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     };
     std::vector<uint64_t> hist(uint64_t(nt) * kNumSymbols, 0);
     std::vector<ChunkSurvey> piece_surveys(num_chunks * parts), surveys(num_chunks);
-    const void* simd_tables = nullptr;
-#if defined(__x86_64__)
-    std::unique_ptr<SimdEncTables> simd_table_storage(new SimdEncTables());
-    simd_tables = simd_table_storage.get();
-#endif
-    const auto build_tables = [&] {
-      if (num_values > 0) {
-        uint64_t counts[kNumSymbols] = {};
-        for (int w = 0; w < nt; ++w)
-          for (int s = 0; s < kNumSymbols; ++s) counts[s] += hist[uint64_t(w) * kNumSymbols + s];
-        normalize_counts(counts, num_values, freq, kProbBits);
-        if (version == int(kVersion) && num_chunks == 1 && num_values <= kOneStateMaxValues) {
-          prob_bits = choose_one_state_prob_bits(counts, num_values, freq);  // one one-state chunk
-        } else if (version != int(kOldVersion)) {  // 12-bit frequencies where they fit and cost less
-          uint32_t freq12[kNumSymbols];
-          normalize_counts(counts, num_values, freq12, kMaxProbBits);
-          if (prefer_12_bits(counts, freq, freq12, num_chunks)) {
-            std::memcpy(freq, freq12, sizeof(freq12));
-            prob_bits = kMaxProbBits;
-          }
-        }
-        cumulative(freq, start, prob_bits);
-        uint32_t present = 0;  // a local count: `entries` lives in memory (captured)
-        for (int s = 0; s < kNumSymbols; ++s) {
-          present += freq[s] != 0;
-          syms[s] = make_enc_sym(start[s], freq[s], prob_bits);
-        }
-        entries = present;
-        if (version == int(kVersion)) table_orders_v4(freq, gap_order, freq_order);
-        table_bytes = version == int(kOldVersion) ? 4 * present
-                      : version == int(kVersion3) ? table_bytes_v3(freq)
-                                                  : table_bytes_v4(freq, gap_order, freq_order);
-      } else {
-        for (int s = 0; s < kNumSymbols; ++s) syms[s] = make_enc_sym(0, 0, prob_bits);
-      }
-#if defined(__x86_64__)
-      make_simd_enc_tables(syms.data(), *simd_table_storage);
-#endif
+    // version 5: each piece's symbol counts (then each chunk's, in its first piece's place), the
+    // global counts, each symbol's cost under the first table, each chunk's saving and own table's bytes
+    std::vector<uint32_t> piece_counts(own_tables ? num_chunks * parts * kNumSymbols : 0);
+    std::vector<uint64_t> global_counts(kNumSymbols, 0), shared_cost(kNumSymbols, 0);
+    std::vector<uint64_t> saving(own_tables ? num_chunks : 0);
+    std::vector<uint32_t> section_bytes(own_tables ? num_chunks : 0), by_saving(own_tables ? num_chunks : 0);
+    std::unique_ptr<CodingTable> refitted(own_tables ? new CodingTable() : nullptr);
+    const auto chunk_counts = [&](uint64_t c) { return piece_counts.data() + c * parts * kNumSymbols; };
+    const auto build_first_table = [&] {
       for (uint64_t c = 0; c < surveys.size(); ++c)
         for (uint64_t p = 0; p < parts; ++p) {
           surveys[c].checksum += piece_surveys[c * parts + p].checksum;
           surveys[c].zeros += piece_surveys[c * parts + p].zeros;
         }
+      if (num_values == 0) {
+        finish_table(*shared, version);  // no symbol: every chunk raw or none
+        return;
+      }
+      for (int w = 0; w < nt; ++w)
+        for (int s = 0; s < kNumSymbols; ++s) global_counts[s] += hist[uint64_t(w) * kNumSymbols + s];
+      choose_frequencies(global_counts.data(), num_values, num_chunks, one_state, version, *shared);
+      if (own_tables) {
+        for (int s = 0; s < kNumSymbols; ++s)
+          shared_cost[s] = shared->freq[s] == 0 ? 0 : (uint64_t(shared->prob_bits) << 10) - log2_q10(shared->freq[s]);
+      } else {
+        finish_table(*shared, version);
+        table_bytes = shared->bytes;
+      }
+    };
+    // version 5: a chunk's saving from a table of its own (0: it keeps the shared one)
+    const auto survey_own_table = [&](uint64_t c) {
+      const uint32_t n = chunk_n(int64_t(c));
+      if (n < kMinOwnTableValues || surveys[c].zeros == n) return;  // too small, or mode 3
+      uint64_t counts[kNumSymbols] = {};
+      uint32_t* kept = chunk_counts(c);
+      for (uint64_t p = 0; p < parts; ++p)
+        for (int s = 0; s < kNumSymbols; ++s) counts[s] += kept[p * kNumSymbols + s];
+      for (int s = 0; s < kNumSymbols; ++s) kept[s] = static_cast<uint32_t>(counts[s]);  // n <= 2^24
+      saving[c] = own_table_saving_q10(counts, n, surveys[c].zeros, shared_cost.data(), section_bytes[c]);
+    };
+    // version 5: picks the chunks that take a table of their own (the largest savings first, as
+    // many as kMaxExtraTables and kMaxExtraTableSectionBytes allow, and never every chunk that
+    // codes symbols: the lowest of them then keeps the shared table), then the shared table: the
+    // first one, or one fitted to the symbols of the chunks that keep it (all-+0.0 chunks left
+    // out) where that is estimated to pay (see kOwnTableMarginBytes)
+    const auto build_final_tables = [&] {
+      uint32_t takers = 0;
+      for (uint64_t c = 0; c < num_chunks; ++c)
+        if (saving[c] > 0) by_saving[takers++] = static_cast<uint32_t>(c);
+      std::sort(by_saving.begin(), by_saving.begin() + takers, [&](uint32_t a, uint32_t b) {
+        return saving[a] != saving[b] ? saving[a] > saving[b] : a < b;
+      });
+      uint64_t section = 0;
+      uint32_t kept = 0;
+      for (uint32_t i = 0; i < takers && kept < kMaxExtraTables; ++i) {
+        const uint32_t c = by_saving[i];
+        if (section + section_bytes[c] > kMaxExtraTableSectionBytes) continue;
+        section += section_bytes[c];
+        chunk_table[c] = 1;
+        ++kept;
+      }
+      uint64_t keepers = 0, first_taker = num_chunks;
+      for (uint64_t c = 0; c < num_chunks; ++c) {
+        if (chunk_table[c] != 0) first_taker = std::min(first_taker, c);
+        else keepers += surveys[c].zeros != chunk_n(int64_t(c));
+      }
+      if (keepers == 0 && first_taker < num_chunks) {
+        chunk_table[first_taker] = 0;
+        --kept;
+        keepers = 1;
+      }
+      if (kept > 0) extra.reset(new (std::nothrow) CodingTable[kept]);
+      if (kept > 0 && !extra) {  // no memory for them: every chunk keeps the shared table
+        std::fill(chunk_table.begin(), chunk_table.end(), 0);
+        kept = 0;
+        keepers = num_chunks;
+      }
+      uint64_t counts[kNumSymbols];
+      std::memcpy(counts, global_counts.data(), sizeof(counts));
+      for (uint64_t c = 0; c < num_chunks; ++c) {
+        const uint32_t n = chunk_n(int64_t(c));
+        if (surveys[c].zeros == n) counts[kZeroSymbol] -= n;
+        if (chunk_table[c] == 0) continue;
+        const uint32_t* own = chunk_counts(c);
+        uint64_t own_counts[kNumSymbols];
+        for (int s = 0; s < kNumSymbols; ++s) {
+          own_counts[s] = own[s];
+          counts[s] -= own[s];
+        }
+        CodingTable& t = extra[num_extra];
+        chunk_table[c] = static_cast<uint8_t>(++num_extra);
+        choose_frequencies(own_counts, n, 1, false, version, t);
+        finish_table(t, version);
+      }
+      uint64_t total = 0;
+      for (int s = 0; s < kNumSymbols; ++s) total += counts[s];
+      if (total > 0) {  // else every chunk is +0.0 only or has its own table: the first table stays
+        CodingTable& fitted = *refitted;
+        choose_frequencies(counts, total, keepers, false, version, fitted);
+        constexpr uint64_t kByte = 8 << 10;
+        uint64_t first_q10 = 0, fitted_q10 = 0;
+        for (int s = 0; s < kNumSymbols; ++s) {
+          if (counts[s] == 0) continue;
+          first_q10 += counts[s] * shared_cost[s];
+          fitted_q10 += counts[s] * ((uint64_t(fitted.prob_bits) << 10) - log2_q10(fitted.freq[s]));
+        }
+        uint32_t kg = 0, kf = 0;
+        table_orders_v4(shared->freq, kg, kf);
+        first_q10 += kByte * table_bytes_v4(shared->freq, kg, kf);
+        table_orders_v4(fitted.freq, kg, kf);
+        fitted_q10 += kByte * table_bytes_v4(fitted.freq, kg, kf);
+        if (fitted_q10 + kByte * kOwnTableMarginBytes * keepers + total < first_q10) {
+          std::memcpy(shared->freq, fitted.freq, sizeof(fitted.freq));
+          shared->prob_bits = fitted.prob_bits;
+        }
+      }
+      finish_table(*shared, version);
+      table_bytes = shared->bytes;
+      for (uint32_t k = 0; k < num_extra; ++k) table_bytes += extra_table_bytes(extra[k].bytes);
     };
     constexpr uint64_t kNotReady = ~0ull;
     std::unique_ptr<std::atomic<uint64_t>[]> chunk_end(new std::atomic<uint64_t>[num_chunks]);
     for (uint64_t c = 0; c < num_chunks; ++c) chunk_end[c].store(kNotReady, std::memory_order_relaxed);
     const uint64_t scratch_stride = scratch_bytes(num_values < cv ? static_cast<uint32_t>(num_values) : cv);
     const int per_claim = chunks_per_claim(level, num_chunks, nt);
-    const bool v4 = version == int(kVersion);
-    const bool one_state = v4 && num_chunks == 1 && num_values <= kOneStateMaxValues;
+    const bool v4 = compact_header(uint32_t(version));
     // uninitialised (every byte a payload uses is written first)
     ScratchBuffer scratch(scratch_stride * uint64_t(per_claim) * uint64_t(nt));
     uint64_t data_off = 0;
     WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), per_claim);
-    BlockingBarrier tables_ready(nt);
+    WorkCounter surveyed(own_tables ? int64_t(num_chunks) : 0, 1);
+    BlockingBarrier tables_ready(nt), final_tables_ready(nt);
     // allocated here: the workers must not throw
     std::unique_ptr<SymbolHistogram[]> local_hists(new SymbolHistogram[nt]);
     run_workers(nt, [&](int worker) {
@@ -305,16 +497,33 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           piece_surveys[uint64_t(piece)] = level == kSimdAvx512
                                                ? survey_chunk_avx2<8>(values, last - first, first, local_hist, h)
                                                : survey_chunk_avx2<4>(values, last - first, first, local_hist, h);
-          continue;
-        }
+        } else
 #endif
-        piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h);
+        {
+          piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h);
+        }
+        if (own_tables) {  // the piece's counts kept, and added to the thread's
+          uint64_t counts[kNumSymbols] = {};
+          local_hist.fold_into(counts);
+          uint32_t* kept = piece_counts.data() + uint64_t(piece) * kNumSymbols;
+          for (int s = 0; s < kNumSymbols; ++s) {
+            h[s] += counts[s];
+            kept[s] = static_cast<uint32_t>(counts[s]);
+          }
+        }
       }
       local_hist.fold_into(h);
       tables_ready.arrive_and_wait([&] {
-        build_tables();
+        build_first_table();
         data_off = data_offset_at(table_off, table_bytes, static_cast<uint32_t>(num_chunks));
       });
+      if (own_tables) {
+        for (int64_t c, unused; surveyed.claim(c, unused);) survey_own_table(uint64_t(c));
+        final_tables_ready.arrive_and_wait([&] {
+          build_final_tables();
+          data_off = data_offset_at(table_off, table_bytes, static_cast<uint32_t>(num_chunks));
+        });
+      }
       uint8_t* my_scratch[kMaxChunksPerClaim];
       for (int k = 0; k < per_claim; ++k)
         my_scratch[k] = scratch.data() + scratch_stride * (uint64_t(worker) * uint64_t(per_claim) + uint64_t(k));
@@ -322,6 +531,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         const int count = static_cast<int>(last - first);
         const uint16_t* values[kMaxChunksPerClaim];
         uint32_t counts[kMaxChunksPerClaim];
+        const CodingTable* tables[kMaxChunksPerClaim];
         const ChunkSurvey* chunk_surveys[kMaxChunksPerClaim];
         ChunkEntry* entries_out[kMaxChunksPerClaim];
         const uint8_t* payloads[kMaxChunksPerClaim];
@@ -329,11 +539,13 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           const int64_t c = first + k;
           values[k] = v + uint64_t(c) * cv;
           counts[k] = chunk_n(c);
+          const uint32_t t = chunk_table[uint64_t(c)];
+          tables[k] = t == 0 ? shared.get() : &extra[t - 1];
           chunk_surveys[k] = &surveys[uint64_t(c)];
           entries_out[k] = &dir[uint64_t(c)];
         }
-        encode_chunks_in(count, values, counts, syms.data(), simd_tables, chunk_surveys, level, v4, one_state,
-                         table_bytes, my_scratch, entries_out, payloads);
+        encode_chunks_in(count, values, counts, tables, chunk_surveys, level, v4, one_state, shared->bytes, my_scratch,
+                         entries_out, payloads);
         for (int k = 0; k < count; ++k) {
           const int64_t c = first + k;
           uint64_t begin = data_off;
@@ -345,38 +557,70 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           std::memset(o + begin + used, 0, end - begin - used);
         }
       }
-    }, [&](int started) { tables_ready.expect(nt, started); });  // fewer threads started: fewer arrive
+    }, [&](int started) {  // fewer threads started: fewer arrive
+      tables_ready.expect(nt, started);
+      final_tables_ready.expect(nt, started);
+    });
     offsets[0] = data_off;
     for (uint64_t c = 0; c < num_chunks; ++c) offsets[c + 1] = chunk_end[c].load(std::memory_order_relaxed);
-    // a blob without a rANS chunk needs no table: the payloads move down by the table's bytes
+    // version 5: a chunk stored raw leaves its own table unused: dropped, the others renumbered
+    uint32_t kept_extra = 0;
+    for (uint64_t c = 0; c < num_chunks; ++c) {
+      const uint32_t t = chunk_table[c];
+      if (t == 0) continue;
+      if (dir[c].mode == kModeRaw) {
+        chunk_table[c] = 0;
+        continue;
+      }
+      if (kept_extra + 1 != t) extra[kept_extra] = extra[t - 1];
+      chunk_table[c] = static_cast<uint8_t>(++kept_extra);
+    }
+    num_extra = kept_extra;
+    // a blob without a rANS chunk needs no table
     bool all_raw = true;
     for (const ChunkEntry& e : dir) all_raw = all_raw && (e.mode == kModeRaw || e.mode == kModeZero);
-    if (all_raw && entries > 0) {
-      entries = table_bytes = 0;
-      prob_bits = kProbBits;
-      const uint64_t new_off = data_offset_at(table_off, 0, static_cast<uint32_t>(num_chunks));
+    if (all_raw) {
+      shared->entries = shared->bytes = 0;
+      shared->prob_bits = kProbBits;
+      num_extra = 0;
+    }
+    uint32_t final_bytes = shared->bytes;
+    for (uint32_t k = 0; k < num_extra; ++k) final_bytes += extra_table_bytes(extra[k].bytes);
+    if (final_bytes != table_bytes) {  // the payloads move down by the tables' bytes dropped
+      table_bytes = final_bytes;
+      const uint64_t new_off = data_offset_at(table_off, table_bytes, static_cast<uint32_t>(num_chunks));
       std::memmove(o + new_off, o + data_off, offsets[num_chunks] - data_off);
       for (uint64_t& off : offsets) off -= data_off - new_off;
     }
-    // header, table, directory
+    // header, tables, directory
     const uint64_t dir_off = directory_offset_at(table_off, table_bytes);
     std::memset(o, 0, offsets[0]);
-    store_header(o, ndim, entries, cv, static_cast<uint32_t>(num_chunks), num_values, uint32_t(prob_bits), table_bytes,
-                 uint32_t(version));
+    store_header(o, ndim, shared->entries, cv, static_cast<uint32_t>(num_chunks), num_values,
+                 uint32_t(shared->prob_bits), table_bytes, uint32_t(version), num_extra);
     store_shape(o, dims, ndim, uint32_t(version));
     uint64_t p = table_off;
-    if (version == int(kVersion3) && entries > 0) write_table_v3(o + p, freq);
-    if (version == int(kVersion) && entries > 0) write_table_v4(o + p, freq, gap_order, freq_order);
-    for (int s = 0; s < kNumSymbols && entries > 0 && version == int(kOldVersion); ++s) {
-      if (freq[s] == 0) continue;
-      store_le<uint16_t>(o + p, static_cast<uint16_t>(s));
-      store_le<uint16_t>(o + p + 2, static_cast<uint16_t>(freq[s]));
-      p += 4;
+    if (shared->entries > 0) {
+      if (version == int(kVersion3)) write_table_v3(o + p, shared->freq);
+      if (compact_header(uint32_t(version))) write_table_v4(o + p, shared->freq, shared->gap_order, shared->freq_order);
+      for (int s = 0; s < kNumSymbols && version == int(kOldVersion); ++s) {
+        if (shared->freq[s] == 0) continue;
+        store_le<uint16_t>(o + p, static_cast<uint16_t>(s));
+        store_le<uint16_t>(o + p + 2, static_cast<uint16_t>(shared->freq[s]));
+        p += 4;
+      }
+    }
+    p = table_off + shared->bytes;
+    for (uint32_t k = 0; k < num_extra; ++k) {  // version 5: prob_bits, LEB128 length, the table
+      const CodingTable& t = extra[k];
+      o[p++] = static_cast<uint8_t>(t.prob_bits);
+      p += store_leb128(o + p, t.bytes);
+      write_table_v4(o + p, t.freq, t.gap_order, t.freq_order);
+      p += t.bytes;
     }
     store_le<uint32_t>(o + meta_checksum_offset(uint32_t(version)), meta_checksum(o, dir_off, uint32_t(version)));
     for (uint64_t c = 0; c < num_chunks; ++c) {
       uint8_t* d = o + dir_off + sizeof(ChunkEntry) * c;
-      store_le<uint32_t>(d, dir[c].mode);
+      store_le<uint32_t>(d, dir[c].mode | (uint32_t(chunk_table[c]) << 8));
       store_le<uint32_t>(d + 4, dir[c].num_words);
       store_le<uint32_t>(d + 8, dir[c].num_raw);
       store_le<uint32_t>(d + 12, dir[c].checksum);
@@ -402,19 +646,39 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
   return blob;
 }
 
+// One table's frequencies and cumulative starts, read from a blob.
+struct TableFreqs {
+  uint32_t freq[kNumSymbols];
+  uint32_t start[kNumSymbols];
+  uint32_t prob_bits;
+};
+
 struct Parsed {
   Header h;
   uint32_t freq[kNumSymbols];
   uint32_t start[kNumSymbols];
+  std::vector<TableFreqs> extra;  // version 5's extra tables, in order
 };
 
 [[noreturn]] void fail(int status) { throw std::invalid_argument(std::string("lossless blob: ") + error_message(status)); }
 
 void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
-  int st = parse_header(blob, size, p.h);
+  int st = parse_header(blob, size, p.h, kVersion5);
   if (st != kOk) fail(st);
-  st = read_table(blob, p.h, p.freq, p.start);
+  uint64_t shared_bytes = 0;
+  st = read_table(blob, p.h, p.freq, p.start, &shared_bytes);
   if (st != kOk) fail(st);
+  if (p.h.num_extra_tables > 0) {
+    std::vector<ExtraTable> refs(p.h.num_extra_tables);
+    st = read_extra_table_refs(blob, p.h, shared_bytes, refs.data());
+    if (st != kOk) fail(st);
+    p.extra.resize(refs.size());
+    for (size_t k = 0; k < refs.size(); ++k) {
+      st = read_extra_table(blob, refs[k], p.extra[k].freq, p.extra[k].start);
+      if (st != kOk) fail(st);
+      p.extra[k].prob_bits = refs[k].prob_bits;
+    }
+  }
   // the chunk directory must account for exactly the blob's bytes: checked here, before any
   // caller allocates the declared shape. (A valid blob can still declare a large tensor: an
   // all-+0.0 chunk codes to its 16 directory bytes; callers that know the size pass expected_shape.)
@@ -440,6 +704,13 @@ std::vector<int64_t> header_shape(uintptr_t blob, uint64_t size) {
 // Bytes of a blob's fixed header plus the largest shape: all that metadata_bytes reads.
 constexpr uint64_t kHeaderPrefixBytes = kHeaderBytes + 8ull * kMaxDims;
 
+// The CUDA decoder reads formats 2 to 4: a version 5 blob gets this ValueError from the metadata
+// checks that precede it (the kernels themselves report kErrVersion).
+void refuse_device_version(const uint8_t* b, uint64_t size) {
+  if (size > 4 && load_le<uint32_t>(b) == kMagic && b[4] == kVersion5)
+    throw std::invalid_argument("lossless blob: format 5 decodes on the host only (decode a CPU copy of the blob)");
+}
+
 // The device decoder's caller validates a blob's metadata on the host, as decode does, before it
 // allocates anything: first metadata_bytes on the blob's first min(blob_bytes, kHeaderPrefixBytes)
 // bytes, then parse_metadata on its first metadata_bytes bytes (both copied from the device).
@@ -455,6 +726,7 @@ uint64_t metadata_bytes(const py::buffer& prefix, uint64_t blob_bytes) {
   if (size != expected)
     throw std::invalid_argument("prefix must hold the blob's first " + std::to_string(expected) + " bytes, got " +
                                 std::to_string(size));
+  refuse_device_version(b, size);
   // parse_header_fields reads only the prefix's bytes (a valid header and shape fit in it)
   Header h;
   const int st = parse_header_fields(b, blob_bytes, h, size);
@@ -469,6 +741,7 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   py::buffer_info info = metadata.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
+  refuse_device_version(b, size);
   Header h;
   // parse_header_fields reads only the metadata's bytes; parse reads bytes [0, data_offset) only,
   // data_offset itself coming from the fixed fields
@@ -486,7 +759,8 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
 // the CPU has); returns a Status. Releases the GIL. The AVX-512 decoder takes chunks two at a time
 // (decode_chunks_avx512), even when that leaves threads idle: 2 chunks of a weights tensor took
 // 74 us as one pair on one thread, 101 us as one chunk on each of 2 threads (one chunk alone: 62
-// us; medians of 300 calls from Python); the others one at a time.
+// us; medians of 300 calls from Python); the others one at a time. A version 5 pair whose chunks
+// have different tables is decoded one chunk at a time (the pair's steps share one table).
 int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, int simd) {
   const Header& h = p.h;
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
@@ -495,10 +769,15 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
   return without_gil([&]() -> int {
     std::vector<ChunkEntry> entries(h.num_chunks);
     std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
-    status = read_directory(b, size, h, entries.data(), offsets.data());
+    std::vector<uint32_t> chunk_table(h.num_chunks);
+    status = read_directory(b, size, h, entries.data(), offsets.data(), chunk_table.data());
     if (status != kOk) return status;
-    std::unique_ptr<DecodeTable> table(new DecodeTable());
-    if (h.num_values > 0) build_decode_table(p.freq, p.start, *table, int(h.prob_bits));
+    // table 0: the shared one; k >= 1: version 5's extra table k - 1
+    std::unique_ptr<DecodeTable[]> tables(new DecodeTable[1 + p.extra.size()]);
+    if (h.num_values > 0) build_decode_table(p.freq, p.start, tables[0], int(h.prob_bits));
+    for (size_t k = 0; k < p.extra.size(); ++k)
+      build_decode_table(p.extra[k].freq, p.extra[k].start, tables[1 + k], int(p.extra[k].prob_bits));
+    const DecodeTable& shared = tables[0];
     std::vector<int> chunk_status(h.num_chunks, kOk);
     const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
     const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
@@ -524,7 +803,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
           } else if (e.mode == kModeZero) {
             decode_zero_chunk(n, dst);
           } else if (e.mode == kModeOneState) {
-            st = decode_one_state_chunk(payload, e, n, *table, dst);
+            st = decode_one_state_chunk(payload, e, n, shared, dst);
           } else if (level >= kSimdAvx2) {
             payloads[num_rans] = payload;
             rans_entries[num_rans] = &e;
@@ -533,7 +812,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
             rans_chunks[num_rans++] = c;
             continue;
           } else {
-            st = decode_chunk_scalar(payload, e, n, *table, dst);
+            st = decode_chunk_scalar(payload, e, n, tables[chunk_table[c]], dst);
           }
         }
         chunk_status[c] = st;
@@ -541,10 +820,15 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
       if (num_rans == 0) return;
 #if defined(__x86_64__)
       int st[2];
-      if (level == kSimdAvx512) {
-        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, *table, dsts, st);
+      const DecodeTable* table[2] = {nullptr, nullptr};
+      for (int k = 0; k < num_rans; ++k) table[k] = &tables[chunk_table[rans_chunks[k]]];
+      if (level == kSimdAvx512 && (num_rans == 1 || table[0] == table[1])) {
+        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, *table[0], dsts, st);
+      } else if (level == kSimdAvx512) {
+        for (int k = 0; k < num_rans; ++k)
+          decode_chunks_avx512(1, payloads + k, rans_entries + k, counts + k, *table[k], dsts + k, st + k);
       } else {
-        for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table, dsts[k]);
+        for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table[k], dsts[k]);
       }
       for (int k = 0; k < num_rans; ++k) chunk_status[rans_chunks[k]] = st[k];
 #endif
@@ -609,7 +893,8 @@ void register_lossless(py::module_& m) {
         "bf16 bit patterns (address of num_values contiguous 2-byte values, kept alive by the caller)\n"
         "and their shape -> self-describing blob (uint8 array);\n"
         "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical);\n"
-        "version: the blob format to write (4, or 3 or 2 for comparisons and tests of the older decoder paths)");
+        "version: the blob format to write (4; 5: chunks may carry their own tables, decoded on the host only;\n"
+        "or 3 or 2 for comparisons and tests of the older decoder paths)");
   m.attr("LOSSLESS_FORMAT_VERSION") = kVersion;
   m.def("lossless_shape", &header_shape, py::arg("blob"), py::arg("blob_bytes"),
         "validates a blob's header and table (address and size); returns the encoded tensor's shape");

@@ -47,24 +47,38 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
-// Decodes blob b[0, size) on `path` as ep_comm._host's decode_parsed does (the binding's own
+// Decodes blob b[0, size) (format 2 to 5) on `path` as ep_comm._host's decode_parsed does (the binding's own
 // function is internal to the Python module): the status of the first failing chunk in chunk
 // order, values to `out`.
 int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& out) {
   Header h;
-  int st = parse_header(b, size, h);
+  int st = parse_header(b, size, h, kVersion5);
   if (st != kOk) return st;
   std::unique_ptr<uint32_t[]> freq(new uint32_t[kNumSymbols]), start(new uint32_t[kNumSymbols]);
-  st = read_table(b, h, freq.get(), start.get());
+  uint64_t shared_bytes = 0;
+  st = read_table(b, h, freq.get(), start.get(), &shared_bytes);
   if (st != kOk) return st;
+  // format version 5's extra tables (table k >= 1 of a chunk is extra table k - 1)
+  std::vector<ExtraTable> refs(h.num_extra_tables);
+  std::vector<uint32_t> extra_freq(kNumSymbols * refs.size()), extra_start(kNumSymbols * refs.size());
+  if (!refs.empty()) {
+    st = read_extra_table_refs(b, h, shared_bytes, refs.data());
+    for (size_t k = 0; k < refs.size() && st == kOk; ++k)
+      st = read_extra_table(b, refs[k], &extra_freq[k * kNumSymbols], &extra_start[k * kNumSymbols]);
+    if (st != kOk) return st;
+  }
   std::vector<ChunkEntry> entries(h.num_chunks);
   std::vector<uint64_t> offsets(uint64_t(h.num_chunks) + 1);
-  st = read_directory(b, size, h, entries.data(), offsets.data());
+  std::vector<uint32_t> chunk_table(h.num_chunks);
+  st = read_directory(b, size, h, entries.data(), offsets.data(), chunk_table.data());
   if (st != kOk) return st;
   if (h.num_values > (1u << 24)) return -1;  // a mutation declaring a huge tensor: skipped
   out.assign(h.num_values, 0);
-  std::unique_ptr<DecodeTable> table(new DecodeTable());
-  if (h.num_values > 0) build_decode_table(freq.get(), start.get(), *table, int(h.prob_bits));
+  std::unique_ptr<DecodeTable[]> tables(new DecodeTable[1 + refs.size()]);
+  if (h.num_values > 0) build_decode_table(freq.get(), start.get(), tables[0], int(h.prob_bits));
+  for (size_t k = 0; k < refs.size(); ++k)
+    build_decode_table(&extra_freq[k * kNumSymbols], &extra_start[k * kNumSymbols], tables[1 + k],
+                       int(refs[k].prob_bits));
   std::vector<int> status(h.num_chunks, kOk);
   for (uint64_t c = 0; c < h.num_chunks; c += 2) {
     const uint8_t* payloads[2];
@@ -82,10 +96,10 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
       if (!padding_ok) status[q] = kErrPadding;
       else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst);
       else if (entries[q].mode == kModeZero) decode_zero_chunk(n, dst);
-      else if (entries[q].mode == kModeOneState) status[q] = decode_one_state_chunk(payload, entries[q], n, *table, dst);
-      else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, *table, dst);
-      else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, *table, dst);
-      else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, *table, dst);
+      else if (entries[q].mode == kModeOneState) status[q] = decode_one_state_chunk(payload, entries[q], n, tables[0], dst);
+      else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, tables[chunk_table[q]], dst);
+      else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, tables[chunk_table[q]], dst);
+      else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, tables[chunk_table[q]], dst);
       else {
         payloads[pending] = payload;
         rans[pending] = &entries[q];
@@ -94,9 +108,14 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
         index[pending++] = q;
       }
     }
-    if (pending > 0) {
+    // a pair only when both chunks have one table, as the host pairs them
+    if (pending == 2 && chunk_table[index[0]] != chunk_table[index[1]]) {
+      for (int k = 0; k < 2; ++k)
+        decode_chunks_avx512(1, payloads + k, rans + k, counts + k, tables[chunk_table[index[k]]], dsts + k,
+                             &status[index[k]]);
+    } else if (pending > 0) {
       int st2[2];
-      decode_chunks_avx512(pending, payloads, rans, counts, *table, dsts, st2);
+      decode_chunks_avx512(pending, payloads, rans, counts, tables[chunk_table[index[0]]], dsts, st2);
       for (int k = 0; k < pending; ++k) status[index[k]] = st2[k];
     }
   }
