@@ -382,3 +382,35 @@ def test_at_most_255_extra_tables():
     assert blob.numel() < lossless.encode(x, chunk_values=4096).numel()
     for path in lossless.simd_paths():
         assert torch.equal(bits(lossless.decode(blob, simd=path)), bits(x)), path
+
+
+@pytest.mark.parametrize("shape", [(64, H), (5, 1000, 33), (2**24 + 96,)])
+def test_all_zero_blob_is_the_fewest_chunks(shape):
+    """A version 5 blob of +0.0 only takes the largest chunk size its values allow (one chunk per
+    2^24 values): header, shape and one 16-byte directory entry per chunk; every path decodes it.
+    -0.0 is not +0.0: such a tensor keeps its chunks."""
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    blob = lossless.encode(x, version=5)
+    layout = _layout(blob)
+    n = x.numel()
+    chunks = -(-n // 2**24)
+    assert struct.unpack_from("<I", blob.numpy().tobytes(), 8)[0] == min(-(-n // 32) * 32, 2**24)
+    assert layout["chunks"] == chunks and [e["mode"] for e in layout["entries"]] == [3] * chunks
+    assert layout["table_bytes"] == 0 and blob.numel() == layout["directory"] + 16 * chunks
+    default = lossless.encode(x)
+    assert _chunks_of(default) > chunks and blob.numel() < default.numel()
+    for simd in lossless.simd_paths():
+        y = lossless.decode(blob, simd=simd, expected_shape=shape)
+        assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+    negative = x.clone()
+    negative.view(-1)[n // 2] = -0.0
+    assert _layout(lossless.encode(negative, version=5))["chunks"] == _chunks_of(lossless.encode(negative))
+
+
+def _chunks_of(blob: torch.Tensor) -> int:
+    """Chunks of a version 4 or 5 blob: its values over its chunk_values."""
+    b = blob.numpy().tobytes()
+    n = 1
+    for d in lossless.shape_of(blob):
+        n *= d
+    return -(-n // struct.unpack_from("<I", b, 8)[0])

@@ -59,7 +59,9 @@
 //           table must be some chunk's (kErrTable), a t above T or on another mode is kErrDirectory;
 //   the metadata checksum covers the whole table section (every byte before the directory).
 //   Which chunks take a table of their own is the host encoder's choice (own_table_saving_q10 in
-//   csrc/host/lossless.cpp); any choice decodes.
+//   csrc/host/lossless.cpp); any choice decodes. A blob of +0.0 only is written with the largest
+//   chunk_values its values allow (one mode 3 chunk per 2^24 values): header, shape and a 16-byte
+//   entry per chunk.
 // Format version 3 (still decoded; written on request) differs in the header (32 bytes: u32
 // num_chunks and u64 num_values after chunk_values, u64 dimensions) and the table, num_table_entries
 // entries each a gap (one byte when below 128, else 0x80 | gap >> 8, gap & 0xFF) then a frequency

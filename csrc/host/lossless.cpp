@@ -592,10 +592,24 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       std::memmove(o + new_off, o + data_off, offsets[num_chunks] - data_off);
       for (uint64_t& off : offsets) off -= data_off - new_off;
     }
+    // version 5: a blob of +0.0 only is written as the fewest chunks chunk_values allows (one per
+    // 2^24 values): its header, shape and a 16-byte directory entry per chunk, no payload
+    uint32_t out_cv = cv;
+    uint64_t out_chunks = num_chunks;
+    bool all_zero = version == int(kVersion5) && num_chunks > 1;
+    for (const ChunkEntry& e : dir) all_zero = all_zero && e.mode == kModeZero;
+    if (all_zero) {
+      const uint64_t wide = (num_values + kLanes - 1) / kLanes * kLanes;
+      out_cv = static_cast<uint32_t>(wide < kMaxChunkValues ? wide : kMaxChunkValues);
+      out_chunks = num_chunks_for(num_values, out_cv);
+      dir.assign(out_chunks, ChunkEntry{kModeZero, 0, 0, 0});
+      std::fill(chunk_table.begin(), chunk_table.end(), uint8_t(0));
+      offsets.assign(out_chunks + 1, data_offset_at(table_off, table_bytes, static_cast<uint32_t>(out_chunks)));
+    }
     // header, tables, directory
     const uint64_t dir_off = directory_offset_at(table_off, table_bytes);
     std::memset(o, 0, offsets[0]);
-    store_header(o, ndim, shared->entries, cv, static_cast<uint32_t>(num_chunks), num_values,
+    store_header(o, ndim, shared->entries, out_cv, static_cast<uint32_t>(out_chunks), num_values,
                  uint32_t(shared->prob_bits), table_bytes, uint32_t(version), num_extra);
     store_shape(o, dims, ndim, uint32_t(version));
     uint64_t p = table_off;
@@ -618,7 +632,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       p += t.bytes;
     }
     store_le<uint32_t>(o + meta_checksum_offset(uint32_t(version)), meta_checksum(o, dir_off, uint32_t(version)));
-    for (uint64_t c = 0; c < num_chunks; ++c) {
+    for (uint64_t c = 0; c < out_chunks; ++c) {
       uint8_t* d = o + dir_off + sizeof(ChunkEntry) * c;
       store_le<uint32_t>(d, dir[c].mode | (uint32_t(chunk_table[c]) << 8));
       store_le<uint32_t>(d + 4, dir[c].num_words);
@@ -626,7 +640,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       store_le<uint32_t>(d + 12, dir[c].checksum);
     }
   });
-  const uint64_t blob_bytes = offsets[num_chunks];
+  const uint64_t blob_bytes = offsets.back();
   if (is_page_backed(capacity)) {
     // a view of the first blob_bytes bytes (keeps `out` alive as its base). When the blob is under
     // a third of it, the whole huge pages past the blob go back to the system, so that a live blob
