@@ -21,16 +21,22 @@ from support.codec_kernel_cases import (
     CHUNK_VALUES,
     CORRUPTION_CASES,
     MESSAGES,
+    V5_CASES,
+    V5_DECODE_CASES,
     bits,
+    blob_layout,
     check_blob_is_byte_identical_and_decodes,
     check_blob_is_byte_identical_and_decodes_tensor,
     check_rejects_corrupted_blobs_like_the_host,
     device_decode,
     from_bits,
     host_status,
+    many_tables,
+    mixed_rows,
 )
 from support.emulated_cuda import build, build_racecheck, load
 from support.native import ROOT, compiler
+from test_codec_lossless_v5 import FORGERIES, _metadata_case, _mixed_message, forge
 
 from ep_comm.codecs import fp8, lossless
 
@@ -132,31 +138,102 @@ def test_decodes_format_version_2_like_the_host(libs, case: str, chunk_values: i
     check_rejects_corrupted_blobs_like_the_host(libs["default"], "cpu", case, chunk_values, trials=30, version=2)
 
 
-def test_format_version_5_gets_the_version_status(libs) -> None:
-    """Format version 5 (a chunk may carry its own table) decodes on the host only: the kernels
-    report an unsupported version for it, never a tensor."""
-    g = torch.Generator().manual_seed(6)
-    x = torch.cat([torch.randn(8, 4096, generator=g) * 1e-4, torch.randn(8, 4096, generator=g) * 30]).bfloat16()
-    blob = lossless.encode(x, chunk_values=8192, version=5)
-    assert int(blob[4]) == 5 and int(blob[17]) >= 1  # it has an extra table
-    status, _ = device_decode(libs["default"], blob, x.numel(), 8192, "cpu")
-    assert MESSAGES[status] == "unsupported lossless blob version"
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case,chunk_values,tables", V5_DECODE_CASES)
+def test_decodes_format_version_5(libs, schedule, variant: str, case: str, chunk_values: int, tables: int) -> None:
+    """Format version 5 blobs of the host encoder decode exactly on every decoder build: messages
+    whose chunks mostly carry their own frequency tables (read from the workspace) beside chunks of
+    the shared one (shared memory), and blobs without extra tables (T = 0)."""
+    x = {**CASES, **V5_CASES}[case]()
+    blob = lossless.encode(x, chunk_values=chunk_values, version=5)
+    assert int(blob[4]) == 5 and (int(blob[17]) >= tables if tables else int(blob[17]) == 0)
+    status, y = device_decode(libs[variant], blob, x.numel(), chunk_values, "cpu")
+    assert status == 0, MESSAGES[status]
+    assert torch.equal(y, bits(x))
+
+
+@pytest.mark.parametrize("variant", ["default", "per_step"])
+def test_decodes_format_version_5_with_255_extra_tables(libs, variant: str) -> None:
+    """320 chunks, 255 of them with a table of their own (the format's limit, the workspace's
+    room): exact; the same blob with one chunk moved to the shared table (its own table then
+    unused) gets the host's status."""
+    x = many_tables()
+    blob = lossless.encode(x, chunk_values=4096, version=5)
+    assert int(blob[17]) == 255
+    status, y = device_decode(libs[variant], blob, x.numel(), 4096, "cpu")
+    assert status == 0 and torch.equal(y, bits(x))
+    bad = forge(blob, "unused_table")
+    assert MESSAGES[host_status(bad)] == "corrupted frequency table"
+    assert device_decode(libs[variant], bad, x.numel(), 4096, "cpu")[0] == host_status(bad)
+
+
+@pytest.mark.parametrize("variant", ["default", "per_step", "window", "early_loads"])
+@pytest.mark.parametrize("case,chunk_values", [("mixed_rows", 4096), ("mixed_rows_tail", 7168), ("mixed", 4096),
+                                               ("normal", 4096)])
+def test_rejects_corrupted_format_version_5_blobs_like_the_host(libs, variant: str, case: str,
+                                                                chunk_values: int) -> None:
+    check_rejects_corrupted_blobs_like_the_host(libs[variant], "cpu", case, chunk_values, trials=60, version=5)
+
+
+@pytest.mark.parametrize("forgery,message", FORGERIES)
+def test_forged_format_version_5_blobs_get_the_host_status(libs, forgery: str, message: str) -> None:
+    """tests/test_codec_lossless_v5.py's forgeries (a valid metadata checksum over a bad table
+    section or directory entry): the kernels report the host's status, on either decoder."""
+    x = _mixed_message()
+    blob = lossless.encode(x, version=5)
+    bad = forge(blob, forgery)
+    want = host_status(bad)
+    assert message in MESSAGES[want]
+    for variant in ("default", "per_step"):
+        status, _ = device_decode(libs[variant], bad, x.numel(), lossless.default_chunk_values(x.numel()), "cpu")
+        assert status == want, (variant, MESSAGES[status], MESSAGES[want])
+
+
+def test_every_metadata_byte_of_a_format_version_5_blob_corrupted_gets_the_host_status(libs) -> None:
+    """tests/test_codec_lossless_v5.py's blob with extra tables: each byte of its header, tables and
+    directory, every 13th payload byte, flipped (no new metadata checksum), and its truncations:
+    the host's status on the kernels."""
+    x = _metadata_case()
+    blob = lossless.encode(x, chunk_values=4096, version=5)
+    layout = blob_layout(blob)
+    data = layout["directory"] + 16 * layout["chunks"]
+    assert int(blob[17]) >= 1
+    bads = []
+    for pos in [*range(data), *range(data, blob.numel(), 13)]:
+        bad = blob.clone()
+        bad[pos] ^= 0x5A
+        bads.append(bad)
+    bads += [blob[:cut].clone() for cut in (1, 5, data - 1, data, blob.numel() - 1)]
+    seen = set()
+    for bad in bads:
+        want = host_status(bad)
+        status, _ = device_decode(libs["default"], bad, x.numel(), 4096, "cpu")
+        assert status == want, (MESSAGES[status], MESSAGES[want])
+        seen.add(want)
+    assert len(seen) >= 5 and 0 not in seen, seen
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant: str) -> None:
     """The codec kernels under ThreadSanitizer (tests/native/emulated_racecheck.cpp): no two
     threads of a block touch the same memory, one of them writing, without a barrier between them,
-    in either schedule order, and every round trip is exact. (Checked by mutation: without the
-    __syncwarp after the encoder's tile store, TSan reports the race.)"""
+    in either schedule order, and every round trip is exact, as is the decoding of a format 5 blob
+    of the host encoder (extra tables built by validate_kernel's warps). (Checked by mutation:
+    without the __syncwarp after the encoder's tile store, TSan reports the race.)"""
     try:
         exe = build_racecheck(tmp_path / "racecheck", VARIANTS[variant])
     except subprocess.CalledProcessError as error:
         if "tsan" in (error.stderr or ""):
             pytest.skip(f"no ThreadSanitizer runtime: {error.stderr.strip()[-200:]}")
         raise
+    x = mixed_rows(8, 4096)
+    blob = lossless.encode(x, chunk_values=4096, version=5)
+    assert int(blob[17]) >= 4
+    (tmp_path / "v5.blob").write_bytes(blob.numpy().tobytes())
+    (tmp_path / "v5.values").write_bytes(bits(x).numpy().tobytes())
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
-    done = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=600)
+    args = [str(tmp_path / "v5.blob"), str(tmp_path / "v5.values"), "4096"]
+    done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0 and "FATAL: ThreadSanitizer" in done.stderr and "WARNING:" not in done.stderr:
         pytest.skip(f"ThreadSanitizer cannot run on this machine: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

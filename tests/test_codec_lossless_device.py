@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from support.codec_kernel_cases import blob_layout
 from support.emulated_cuda import RecordingKernels, import_codec_module
 
 from ep_comm import _host
@@ -145,19 +146,34 @@ def test_device_path_rejects_bad_blobs_before_the_kernel(kernels):
     assert kernels.calls == ["encode"]  # none of these reached the decoder kernel
 
 
-def test_device_path_refuses_format_5_before_the_kernel(kernels):
-    """Format version 5 (a chunk may carry its own table) is coded and decoded on the host only:
-    encode(version=5) does not reach the encoder kernels, and decode, decode_into and
-    decode_into_many of its blob on the device path raise a ValueError before any kernel runs."""
+def test_device_path_decodes_format_5(kernels):
+    """Format version 5 (a chunk may carry its own table): encode(version=5) codes on the host (the
+    encoder kernels write version 4; no kernel runs), and decode, decode_into and decode_into_many
+    of its blob run the decoder kernel, once per blob, and give the values back exactly; a
+    corrupted one raises the host decoder's ValueError from the kernel's status."""
     g = torch.Generator().manual_seed(9)
     x = torch.cat([torch.randn(8, 4096, generator=g) * 1e-4, torch.randn(8, 4096, generator=g) * 30]).bfloat16()
-    blob = lossless.encode(x, chunk_values=8192, version=5)
-    assert int(blob[4]) == 5 and int(blob[17]) >= 1  # it has an extra table
-    for call in (lambda: lossless.decode(blob), lambda: lossless.decode_into(blob, torch.empty_like(x)),
-                 lambda: lossless.decode_into_many([blob], [torch.empty_like(x)])):
-        with pytest.raises(ValueError, match="format 5 decodes on the host only"):
-            call()
+    z = torch.randn(3, 4096, generator=g).bfloat16()
+    blob, other = lossless.encode(x, chunk_values=8192, version=5), lossless.encode(z, chunk_values=4096, version=5)
+    assert int(blob[4]) == 5 and int(blob[17]) >= 1 and int(other[4]) == 5  # extra tables; none
     assert kernels.calls == []
+    assert torch.equal(_bits(lossless.decode(blob, expected_shape=(16, 4096))), _bits(x))
+    out = torch.empty_like(x)
+    assert lossless.decode_into(blob, out) is out and torch.equal(_bits(out), _bits(x))
+    outs = [torch.empty_like(z), torch.empty_like(x)]
+    lossless.decode_into_many([other, blob], outs)
+    assert torch.equal(_bits(outs[0]), _bits(z)) and torch.equal(_bits(outs[1]), _bits(x))
+    assert kernels.calls == ["decode"] * 4
+    last_entry = blob_layout(blob)["directory"] + 16 * 7
+    assert int(blob[last_entry + 1]) != 0  # the last chunk has a table of its own
+    bad = blob.clone()
+    bad[-100] ^= 0x21  # a payload byte of the last chunk
+    with pytest.raises(ValueError) as host_error:
+        _host.lossless_decode(bad.numpy().ctypes.data, bad.numel(), 1, True, None)
+    with pytest.raises(ValueError) as device_error:
+        lossless.decode(bad)
+    assert str(device_error.value) == str(host_error.value)
+    assert kernels.calls == ["decode"] * 5
 
 
 def test_device_path_reports_the_kernel_status(kernels):

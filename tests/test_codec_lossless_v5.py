@@ -4,7 +4,7 @@ in bits 8-15 of a directory entry's mode word). Every host path writes the same 
 them back exactly; messages joining values of different statistics take extra tables and shrink;
 no tensor's blob is larger than version 4's; the tables read back by the format's definition (a
 Python reader, independent of the C++ one); corrupted and forged blobs are rejected with the same
-error on every path; the CUDA decoder's metadata checks refuse the format (host only for now)."""
+error on every path; the CUDA decoder's metadata checks read the format."""
 from __future__ import annotations
 
 import struct
@@ -234,7 +234,8 @@ def _first(layout: dict, table: bool) -> int:
     return next(c for c, e in enumerate(layout["entries"]) if (e["table"] != 0) == table and e["mode"] == 0)
 
 
-@pytest.mark.parametrize("forgery,message", [
+# forgeries of a version 5 blob with a valid metadata checksum, and the error each gets (forge)
+FORGERIES = [
     ("table_above_T", "directory"),
     ("high_bits", "directory"),
     ("raw_with_table", "directory"),
@@ -249,15 +250,14 @@ def _first(layout: dict, table: bool) -> int:
     ("table_byte_dropped", "frequency table"),
     ("table_sum_short", "frequency table"),
     ("table_bit_after_end", "frequency table"),
-])
-def test_forged_tables_and_entries_are_rejected(mixed_blob, forgery, message):
-    """Forgeries with a valid metadata checksum: a table index above T, bits 16-31 set in the mode
-    word, an extra table on a raw chunk, an extra table no chunk uses, T above the chunk count or
-    not matching the section, an extra table's prob_bits out of {11, 12}, a length of 0, past the
-    section or in a longer LEB128 form than its shortest, a table cut by a byte, a table whose
-    frequencies stop short of 2^prob_bits, a set bit after a table's last entry: the same error on
-    every path."""
-    layout = _layout(mixed_blob)
+]
+
+
+def forge(blob: torch.Tensor, forgery: str) -> torch.Tensor:
+    """``blob`` (version 5, with extra tables and a mode 0 chunk of its own table) with the forgery
+    of FORGERIES named ``forgery``, its metadata checksum recomputed (tests/test_codec_kernels_emulated.py
+    decodes them on the kernels too)."""
+    layout = _layout(blob)
     extra = layout["extra"]
     t = _first(layout, True)
     word = 0 | layout["entries"][t]["table"] << 8
@@ -297,14 +297,24 @@ def test_forged_tables_and_entries_are_rejected(mixed_blob, forgery, message):
             b[extra[0]["at"] + 2 + extra[0]["bytes"] - 1] |= 0x80
         # the section's size may have changed: the directory stays 4-byte aligned
         end = _table_end(bytes(b))
-        old_dir = lay["directory"] + (len(b) - len(mixed_blob.numpy().tobytes()))
+        old_dir = lay["directory"] + (len(b) - len(blob.numpy().tobytes()))
         pad = (end + 3) // 4 * 4 - end
         rest = b[old_dir:]
         del b[end:]
         b.extend(bytes(pad) + rest)
 
-    bad = _forge(mixed_blob, edit)
-    error = _same_error_everywhere(bad)
+    return _forge(blob, edit)
+
+
+@pytest.mark.parametrize("forgery,message", FORGERIES)
+def test_forged_tables_and_entries_are_rejected(mixed_blob, forgery, message):
+    """Forgeries with a valid metadata checksum: a table index above T, bits 16-31 set in the mode
+    word, an extra table on a raw chunk, an extra table no chunk uses, T above the chunk count or
+    not matching the section, an extra table's prob_bits out of {11, 12}, a length of 0, past the
+    section or in a longer LEB128 form than its shortest, a table cut by a byte, a table whose
+    frequencies stop short of 2^prob_bits, a set bit after a table's last entry: the same error on
+    every path."""
+    error = _same_error_everywhere(forge(mixed_blob, forgery))
     assert message in error, error
 
 
@@ -316,15 +326,21 @@ def test_metadata_checksum_covers_the_extra_tables(mixed_blob):
     assert "corrupted header" in _same_error_everywhere(bad)
 
 
-def test_every_metadata_byte_and_sampled_payload_bytes_corrupted_are_rejected():
-    """Every byte of the header, tables and directory of a small blob with extra tables, and every
-    13th payload byte, flipped: a ValueError, the same on every path (never a wrong tensor, a crash
-    or a hang)."""
+def _metadata_case() -> torch.Tensor:
+    """Three 4,096-value chunks of different statistics (one with a run of +0.0): a small blob
+    with extra tables (also corrupted byte by byte on the kernels, tests/test_codec_kernels_emulated.py)."""
     g = torch.Generator().manual_seed(21)
     x = torch.cat([torch.randn(4096, generator=g) * 1e-4, torch.relu(torch.randn(4096, generator=g)) * 30,
                    torch.randn(4096, generator=g)]).bfloat16()
     x[4096:4200] = 0
-    blob = lossless.encode(x, chunk_values=4096, version=5)
+    return x
+
+
+def test_every_metadata_byte_and_sampled_payload_bytes_corrupted_are_rejected():
+    """Every byte of the header, tables and directory of a small blob with extra tables, and every
+    13th payload byte, flipped: a ValueError, the same on every path (never a wrong tensor, a crash
+    or a hang)."""
+    blob = lossless.encode(_metadata_case(), chunk_values=4096, version=5)
     layout = _layout(blob)
     assert len(layout["extra"]) >= 1
     data = layout["directory"] + 16 * layout["chunks"]
@@ -336,18 +352,17 @@ def test_every_metadata_byte_and_sampled_payload_bytes_corrupted_are_rejected():
         _same_error_everywhere(blob[:cut].clone())
 
 
-def test_cuda_decoder_metadata_refuses_version_5(mixed_blob):
-    """The CUDA decoder reads formats 2 to 4: the metadata checks that precede its kernels (the
-    host functions lossless_device.header calls) raise a clear ValueError for a version 5 blob,
-    and pass a version 4 one."""
-    for call in (lambda: lossless_device.header(mixed_blob),
-                 lambda: _host.lossless_metadata_bytes(mixed_blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy(),
-                                                       mixed_blob.numel()),
-                 lambda: _host.lossless_parse_metadata(mixed_blob.numpy(), mixed_blob.numel())):
-        with pytest.raises(ValueError, match="format 5 decodes on the host only"):
-            call()
-    v4 = lossless.encode(_mixed_message())
-    assert lossless_device.header(v4) == ((64, H), lossless.default_chunk_values(64 * H))
+def test_cuda_decoder_metadata_reads_version_5(mixed_blob):
+    """The metadata checks that precede the CUDA decoder's kernels (the host functions
+    lossless_device.header calls) read a version 5 blob as decode does: its shape, chunk size and
+    metadata bytes, and decode's error for a forged one."""
+    layout = _layout(mixed_blob)
+    prefix = mixed_blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy()
+    assert _host.lossless_metadata_bytes(prefix, mixed_blob.numel()) == layout["directory"] + 16 * layout["chunks"]
+    cv = struct.unpack_from("<I", mixed_blob.numpy().tobytes(), 8)[0]
+    assert lossless_device.header(mixed_blob) == ((64, H), cv)
+    with pytest.raises(ValueError, match="frequency table"):
+        lossless_device.header(forge(mixed_blob, "unused_table"))
 
 
 def test_version_5_is_accepted_and_others_rejected_by_encode():

@@ -39,9 +39,9 @@
 //                    kOneStateMaxValues values (the encoder uses it there, and stores the chunk raw
 //                    unless its payload plus the padded table is smaller than the values)
 //     mode 3 (+0.0): no payload, num_words = num_raw = 0, checksum 0 (every value +0.0)
-// Format version 5 (written on request; decoded by the host build only: the CUDA decoder's
-// parse_header_fields reports kErrVersion) is version 4 where a chunk coded with 32 states may
-// carry a frequency table of its own:
+// Format version 5 (written on request, by the host encoder; decoded by the host build and the
+// CUDA decoder) is version 4 where a chunk coded with 32 states may carry a frequency table of its
+// own:
 //   header: the byte after prob_bits (0 in versions 3 and 4) is T, the number of extra tables
 //           (at most 255 and at most num_chunks; 0 unless the shared table is present), and
 //           table_bytes counts the shared table and the extra tables (the table section), so
@@ -90,8 +90,8 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 4;     // what the encoder writes by default (and the CUDA decoder's newest)
-constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request, decoded on the host
+constexpr uint32_t kVersion = 4;     // what the encoder writes by default (the CUDA encoder's only one)
+constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host), decoded everywhere
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;
@@ -758,8 +758,8 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end, uint32_t version
 // The checks of parse_header that read fixed fields: header, shape, and that table and directory
 // fit (not the table padding and the metadata checksum, which read every metadata byte). Reads
 // only bytes below min(size, readable) (readable: how much of the blob the caller holds).
-// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion
-// (the CUDA decoder), or kVersion5 (the host's).
+// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion5
+// for the host and CUDA decoders.
 EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull,
                               uint32_t newest_version = kVersion) {
   if (readable > size) readable = size;

@@ -21,14 +21,18 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
                             uint32_t ndim, uint32_t chunk_values, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// Bytes of device workspace ep_lossless_decode_cuda needs for a blob of num_values values.
+// Bytes of device workspace ep_lossless_decode_cuda needs for a blob of num_values values in chunks
+// of at least chunk_values. Sized for format 5's worst case whatever the blob: room for
+// min(255, chunks) extra decoder tables of about 16 KiB each and 8 KiB of scratch for each of the
+// first 32 (validate_kernel reads 32 tables at a time), beside the shared table and the chunk
+// offsets.
 size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
 
-// blob [blob_bytes] -> out [num_values] bf16 bits. *status (device int) is set to 0 on success or
-// a lossless::Status code (the blob is corrupted, or does not hold num_values values): the one the
-// host decoder reports for the same blob (that of the first failing chunk); out is undefined
-// then. Reads stay inside the blob. min_chunk_values bounds the blob's chunk size from below,
-// which sizes the workspace (use the encoder's chunk_values).
+// blob [blob_bytes] (format version 2 to 5) -> out [num_values] bf16 bits. *status (device int) is
+// set to 0 on success or a lossless::Status code (the blob is corrupted, or does not hold
+// num_values values): the one the host decoder reports for the same blob (that of the first
+// failing chunk); out is undefined then. Reads stay inside the blob. min_chunk_values bounds the
+// blob's chunk size from below, which sizes the workspace (use the encoder's chunk_values).
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
                             uint32_t min_chunk_values, int* status, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);

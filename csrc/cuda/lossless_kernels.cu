@@ -29,17 +29,24 @@
 //                  code lengths, codes added into shared words), metadata checksum (block
 //                  reduction), blob size; the other blocks, one warp per chunk: directory entries
 //                  and raw chunks' values into place.
-// Decode (three launches):
+// Decode (three launches; formats 2 to 5):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
-//                  chunk offsets (block scan) and the decoder's table;
+//                  chunk offsets (block scan) and the decoder's tables: the shared one, and format
+//                  5's extra tables (one warp per table: read_extra_table, then the warp fills its
+//                  DecodeTable in the workspace);
 //   decode_kernel_staged  (blob and output 16-byte aligned) one warp per chunk, 8 per block
-//                  sharing the decoder table in shared memory; the streams staged in per-warp
-//                  shared rings by 16-byte loads, 8-step groups without bounds checks, values out
-//                  by 16-byte stores (decode_rans_warp_staged); the checks of decode_chunk;
+//                  sharing the shared decoder table in shared memory; the streams staged in
+//                  per-warp shared rings by 16-byte loads, 8-step groups without bounds checks,
+//                  values out by 16-byte stores (decode_rans_warp_staged); the checks of
+//                  decode_chunk;
 //   decode_kernel_aligned / _unaligned  (other addresses) the per-step decoder, one warp per chunk,
 //                  decoder table in shared memory; the checks of decode_chunk, a failed bound
 //                  reported after the chunk's loop;
+//   (every decoder) each chunk decodes with its own table: the shared one from shared memory, or
+//                  (format 5, a mode 0 chunk's table t >= 1) its extra table from the workspace
+//                  in global memory (L1/L2-cached), a separate instantiation of the same decoder
+//                  taken per warp;
 //   (every decoder) a one-state chunk (mode 2) decoded by lane 0 (decode_one_state_chunk), a
 //                  +0.0 chunk (mode 3) zero-filled by its warp;
 //   report_kernel  the status of the first failing chunk, as on the host.
@@ -807,26 +814,84 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(const uint16_t* va
 
 // ---- decode ----
 struct DecWs {
-  DecodeTable* table;               // [1]
+  DecodeTable* table;               // [1 + extra]: the shared table, then version 5's extra tables in order
+                                    // (a chunk's table t is table[t])
   uint64_t* offsets;                // [chunks + 1]
   Header* header;                   // [1]
   unsigned long long* first_error;  // [1]: min over failing chunks c of c << 8 | status
+  uint32_t* table_scratch;          // [min(extra, kMetaWarps) * 2 * kNumSymbols]: validate_kernel's
+                                    // per-warp freq[1025] and start[1025] of an extra table
 };
+
+// The most extra tables a blob of at most `chunks` chunks holds (version 5: at most one per chunk
+// and kMaxExtraTables), each a DecodeTable of the workspace: sized for that worst case whatever
+// the blob's format.
+uint64_t max_extra_tables(uint64_t chunks) { return chunks < kMaxExtraTables ? chunks : kMaxExtraTables; }
 
 size_t carve_dec(uint64_t chunks, char* base, DecWs* ws) {
   Carver c{base};
   DecWs w;
-  w.table = c.take<DecodeTable>(sizeof(DecodeTable));
+  const uint64_t extra = max_extra_tables(chunks);
+  const uint64_t scratch_warps = extra < uint64_t(kMetaWarps) ? extra : uint64_t(kMetaWarps);
+  w.table = c.take<DecodeTable>(sizeof(DecodeTable) * (1 + extra));
   w.offsets = c.take<uint64_t>(8 * (chunks + 1));
   w.header = c.take<Header>(sizeof(Header));
   w.first_error = c.take<unsigned long long>(8);
+  w.table_scratch = c.take<uint32_t>(4 * 2 * kNumSymbols * scratch_warps);
   if (ws) *ws = w;
   return c.off;
 }
 
-// One block: every check of the host decoder (parse_header, the value count, read_table, the
-// directory and the size), each a parallel pass, reported in the host's order; then the chunk
-// offsets and the decoder's table.
+// The decoder table entry of `slot` (build_decode_table's) from freq[1025] and their cumulative
+// starts start[1025] (summing to 2^prob_bits > slot): the slot's symbol is the last whose start is
+// at most `slot` (start[0] == 0; a symbol of frequency 0 shares the next one's start).
+__device__ uint32_t slot_entry(const uint32_t* freq, const uint32_t* start, uint32_t slot) {
+  int lo_s = 0, hi_s = kNumSymbols - 1;  // start[lo_s] <= slot
+  while (lo_s < hi_s) {
+    const int mid = (lo_s + hi_s + 1) / 2;
+    if (start[mid] <= slot) lo_s = mid;
+    else hi_s = mid - 1;
+  }
+  const uint32_t hi10 = lo_s == kZeroSymbol ? 0u : uint32_t(lo_s);
+  return dec_entry(hi10, freq[lo_s], slot - start[lo_s]);
+}
+
+// Version 5's extra tables, one warp per table (lane 0 reads it with read_extra_table into the
+// warp's scratch, the warp fills its DecodeTable, ws.table[1 + k]); returns, in every thread of
+// the block (every thread calls), whether one of them is corrupted (kErrTable).
+__device__ bool build_extra_tables(const uint8_t* blob, const Header& h, const ExtraTable* refs, const DecWs& ws) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int bad = 0;
+  uint32_t* freq = ws.table_scratch + 2ull * kNumSymbols * warp;
+  uint32_t* start = freq + kNumSymbols;
+  for (uint32_t k = warp; k < h.num_extra_tables; k += kMetaWarps) {  // (warp-uniform)
+    int st = kOk;
+    if (lane == 0) st = read_extra_table(blob, refs[k], freq, start);
+    st = __shfl_sync(kFull, st, 0);
+    __syncwarp();  // lane 0's freq and start are visible to the warp
+    if (st != kOk) {
+      bad = 1;
+      continue;
+    }
+    DecodeTable& table = ws.table[1 + k];
+    const uint32_t prob_bits = refs[k].prob_bits;
+    for (uint32_t slot = lane; slot < (1u << prob_bits); slot += kLanes)
+      table.entry[slot] = slot_entry(freq, start, slot);
+    if (lane == 0) {
+      table.zero_start = start[kZeroSymbol];
+      table.zero_freq = freq[kZeroSymbol];
+      table.prob_bits = prob_bits;
+      table.slot_mask = (1u << prob_bits) - 1;
+    }
+    __syncwarp();  // the scratch is read before lane 0 overwrites it with the warp's next table
+  }
+  return __syncthreads_or(bad) != 0;
+}
+
+// One block: every check of the host decoder (parse_header, the value count, read_table, version
+// 5's extra tables, the directory and the size, then version 5's unused tables), each a parallel
+// pass, reported in the host's order; then the chunk offsets and the decoder's tables (the shared
+// one, and version 5's extra ones, ws.table[1 + k], built as they are checked).
 __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* blob, uint64_t size, uint64_t n,
                                                                uint64_t max_chunks, DecWs ws, int* status) {
   __shared__ Header h;
@@ -835,10 +900,12 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   __shared__ uint32_t freq[kNumSymbols], start[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
+  __shared__ ExtraTable refs[kMaxExtraTables];                 // version 5's extra tables
+  __shared__ uint32_t used_tables[kMaxExtraTables];            // [k]: 1 when extra table k has a chunk
   const int t = threadIdx.x;
   if (t == 0) {
     *ws.first_error = kNoError;
-    st = parse_header_fields(blob, size, h);
+    st = parse_header_fields(blob, size, h, ~0ull, kVersion5);
   }
   __syncthreads();
   // parse_header's loops: the table's zero padding, then the metadata checksum
@@ -864,8 +931,14 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = start[s] = 0;
   const int header_status = st;  // read by every thread before thread 0 may write st below
   __syncthreads();
-  if (header_status == kOk && h.version != kOldVersion) {  // versions 3 and 4: variable-size entries, read in order
-    if (t == 0) {
+  if (header_status == kOk && h.version == kVersion5) {
+    if (t == 0) {  // the table section in order: the shared table, the extra tables' framing (contents below)
+      uint64_t shared_bytes = 0;
+      st = read_table(blob, h, freq, start, &shared_bytes);
+      if (st == kOk) st = read_extra_table_refs(blob, h, shared_bytes, refs);
+    }
+  } else if (header_status == kOk && h.version != kOldVersion) {
+    if (t == 0) {  // versions 3 and 4: variable-size entries, read in order
       st = h.version == kVersion3 ? read_table_v3(blob + h.table_offset, h, freq)
                                   : read_table_v4(blob + h.table_offset, h, freq);
       uint32_t fsum = 0;
@@ -891,6 +964,8 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
     if (t == 0 && (bad || (h.num_table_entries > 0 && fsum != (1u << h.prob_bits)))) st = kErrTable;
   }
   __syncthreads();
+  if (st == kOk && h.version == kVersion5 && build_extra_tables(blob, h, refs, ws) && t == 0) st = kErrTable;
+  __syncthreads();
   if (st != kOk) {
     if (t == 0) *status = st;
     return;
@@ -906,6 +981,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   // bytes: only the chunks before the first failure need exact offsets.
   const uint64_t chunks = h.num_chunks;
   if (t == 0) first_failure = kNoError;
+  if (uint32_t(t) < kMaxExtraTables) used_tables[t] = 0;
   __syncthreads();
   uint64_t base = h.data_offset;
   for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
@@ -913,10 +989,12 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
     uint64_t bytes = 0;
     bool entry_bad = false;
     if (c < chunks) {
-      const ChunkEntry e = read_entry(blob, h, c);
-      const uint32_t cn = chunk_count(h, c);
+      ChunkEntry e = read_entry(blob, h, c);
+      const uint32_t cn = chunk_count(h, c), table = entry_table(e);
       entry_bad = check_entry(h, e, cn) != kOk;
+      e.mode &= kModeMask;  // version 5: the mode without the table
       if (!entry_bad) bytes = align4(payload_bytes(e, cn));
+      if (!entry_bad && table != 0) atomicMax(&used_tables[table - 1], 1u);
     }
     uint64_t round_total = 0;
     const uint64_t at = base + block_exclusive_scan<uint64_t>(bytes, scratch64, &round_total);
@@ -936,19 +1014,16 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
     if (t == 0) *status = kErrSize;
     return;
   }
-  // build_decode_table, one slot per thread step: the slot's symbol is the last with start <= slot
-  if (h.num_table_entries > 0) {
-    for (uint32_t slot = t; slot < (1u << h.prob_bits); slot += kMetaThreads) {
-      int lo_s = 0, hi_s = kNumSymbols - 1;  // start[lo_s] <= slot (start[0] == 0)
-      while (lo_s < hi_s) {
-        const int mid = (lo_s + hi_s + 1) / 2;
-        if (start[mid] <= slot) lo_s = mid;
-        else hi_s = mid - 1;
-      }
-      const uint32_t hi10 = lo_s == kZeroSymbol ? 0u : uint32_t(lo_s);
-      ws.table->entry[slot] = dec_entry(hi10, freq[lo_s], slot - start[lo_s]);
-    }
+  // version 5: every extra table is some chunk's (read_directory's last check)
+  const bool unused = uint32_t(t) < h.num_extra_tables && used_tables[t] == 0;
+  if (__syncthreads_or(unused)) {
+    if (t == 0) *status = kErrTable;
+    return;
   }
+  // build_decode_table, one slot per thread step
+  if (h.num_table_entries > 0)
+    for (uint32_t slot = t; slot < (1u << h.prob_bits); slot += kMetaThreads)
+      ws.table->entry[slot] = slot_entry(freq, start, slot);
   if (t == 0) {
     ws.table->zero_start = start[kZeroSymbol];
     ws.table->zero_freq = freq[kZeroSymbol];
@@ -1030,9 +1105,12 @@ __device__ int finish_rans_warp(const uint8_t* payload, const ChunkEntry& e, boo
 // raw fields of a step go to its lanes in lane order, as in the sequential loop). Every read is
 // bounded by the chunk's counts; a read that would pass them marks the chunk bad (kErrStream,
 // reported after the loop: the values are undefined then); the same status in every lane.
-template <bool Aligned>
-__device__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, const DecodeTable& table,
-                                uint16_t* dst, int lane) {
+// OwnTable (here and in the decoders below): `table` is the chunk's own (version 5's extra table
+// in the workspace, global memory), else the block's shared copy; two instantiations, inlined
+// apart, so the shared one's lookups stay shared-memory loads.
+template <bool Aligned, bool OwnTable>
+__device__ __forceinline__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
+                                                const DecodeTable& table, uint16_t* dst, int lane) {
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
@@ -1126,9 +1204,9 @@ __device__ uint32_t window_at(uint32_t first, uint32_t second, uint32_t k) {
 // byte(rpos) - rb < 128 when a step starts, so its fields (<= 24 bytes on) are in the first 256.
 // A step consumes at most 32 words and 24 bytes, so one slide per step restores both bounds; the
 // slid-in registers are read only after the next slide, steps later.
-template <bool Aligned>
-__device__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
-                                       const DecodeTable& table, uint16_t* dst, int lane) {
+template <bool Aligned, bool OwnTable>
+__device__ __forceinline__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
+                                                       const DecodeTable& table, uint16_t* dst, int lane) {
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
@@ -1295,10 +1373,12 @@ __device__ __forceinline__ void staged_step(uint32_t& x, uint32_t& wcur, uint32_
 }
 
 // A rANS chunk on the staged decoder: the values, checks and statuses of decode_chunk. `payload`
-// is at byte `payload_at` of the blob (size bytes, 16-byte aligned, as `dst`).
-__device__ int decode_rans_warp_staged(const uint8_t* blob, uint64_t size, uint64_t payload_at, const ChunkEntry& e,
-                                       uint32_t cn, const DecodeTable& table, uint16_t* dst, int lane,
-                                       StagedRings& rings) {
+// is at byte `payload_at` of the blob (size bytes, 16-byte aligned, as `dst`); OwnTable as in
+// decode_rans_warp.
+template <bool OwnTable>
+__device__ __forceinline__ int decode_rans_warp_staged(const uint8_t* blob, uint64_t size, uint64_t payload_at,
+                                                       const ChunkEntry& e, uint32_t cn, const DecodeTable& table,
+                                                       uint16_t* dst, int lane, StagedRings& rings) {
   const uint8_t* payload = blob + payload_at;
   const unsigned below = (1u << lane) - 1u;
   uint32_t x = load_le<uint32_t>(payload + 4 * lane);
@@ -1406,7 +1486,11 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
   const int lane = threadIdx.x & 31, warp = __shfl_sync(kFull, int(threadIdx.x / 32), 0);
   for (uint64_t c = blockIdx.x * uint64_t(Warps) + warp; c < h.num_chunks; c += uint64_t(gridDim.x) * Warps) {
     const uint32_t cn = chunk_count(h, c);
-    const ChunkEntry e = read_entry(blob, h, c);
+    ChunkEntry e = read_entry(blob, h, c);
+    // version 5: the mode word is mode | table << 8 (validate_kernel checked it); own: the chunk's
+    // table, 0 for the shared one (always in older versions)
+    const uint32_t word = __shfl_sync(kFull, e.mode, 0), mode = word & kModeMask, own = word >> 8;
+    e.mode = mode;
     const uint8_t* payload = blob + ws.offsets[c];
     const uint64_t used = payload_bytes(e, cn), padded = ws.offsets[c + 1] - ws.offsets[c];
     uint16_t* dst = out + c * h.chunk_values;
@@ -1414,7 +1498,6 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
     for (uint64_t k = used + lane; k < padded; k += kLanes) bad |= payload[k] != 0;
     int st = kErrPadding;
     if (!__any_sync(kFull, bad)) {
-      const uint32_t mode = __shfl_sync(kFull, e.mode, 0);
       if (mode == kModeRaw)
         st = decode_raw_warp(payload, e, cn, dst, lane);
       else if (mode == kModeZero)
@@ -1422,11 +1505,15 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
       else if (mode == kModeOneState)
         st = __shfl_sync(kFull, lane == 0 ? decode_one_state_chunk(payload, e, cn, table, dst) : 0, 0);
       else if constexpr (Mode == kDecodeStaged)
-        st = decode_rans_warp_staged(blob, size, ws.offsets[c], e, cn, table, dst, lane, rings[warp]);
+        st = own == 0 ? decode_rans_warp_staged<false>(blob, size, ws.offsets[c], e, cn, table, dst, lane, rings[warp])
+                      : decode_rans_warp_staged<true>(blob, size, ws.offsets[c], e, cn, ws.table[own], dst, lane,
+                                                      rings[warp]);
       else if constexpr (EP_LOSSLESS_DEC_WINDOW)
-        st = decode_rans_warp_window<Aligned>(payload, e, cn, table, dst, lane);
+        st = own == 0 ? decode_rans_warp_window<Aligned, false>(payload, e, cn, table, dst, lane)
+                      : decode_rans_warp_window<Aligned, true>(payload, e, cn, ws.table[own], dst, lane);
       else
-        st = decode_rans_warp<Aligned>(payload, e, cn, table, dst, lane);
+        st = own == 0 ? decode_rans_warp<Aligned, false>(payload, e, cn, table, dst, lane)
+                      : decode_rans_warp<Aligned, true>(payload, e, cn, ws.table[own], dst, lane);
     }
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }

@@ -718,13 +718,6 @@ std::vector<int64_t> header_shape(uintptr_t blob, uint64_t size) {
 // Bytes of a blob's fixed header plus the largest shape: all that metadata_bytes reads.
 constexpr uint64_t kHeaderPrefixBytes = kHeaderBytes + 8ull * kMaxDims;
 
-// The CUDA decoder reads formats 2 to 4: a version 5 blob gets this ValueError from the metadata
-// checks that precede it (the kernels themselves report kErrVersion).
-void refuse_device_version(const uint8_t* b, uint64_t size) {
-  if (size > 4 && load_le<uint32_t>(b) == kMagic && b[4] == kVersion5)
-    throw std::invalid_argument("lossless blob: format 5 decodes on the host only (decode a CPU copy of the blob)");
-}
-
 // The device decoder's caller validates a blob's metadata on the host, as decode does, before it
 // allocates anything: first metadata_bytes on the blob's first min(blob_bytes, kHeaderPrefixBytes)
 // bytes, then parse_metadata on its first metadata_bytes bytes (both copied from the device).
@@ -740,10 +733,9 @@ uint64_t metadata_bytes(const py::buffer& prefix, uint64_t blob_bytes) {
   if (size != expected)
     throw std::invalid_argument("prefix must hold the blob's first " + std::to_string(expected) + " bytes, got " +
                                 std::to_string(size));
-  refuse_device_version(b, size);
   // parse_header_fields reads only the prefix's bytes (a valid header and shape fit in it)
   Header h;
-  const int st = parse_header_fields(b, blob_bytes, h, size);
+  const int st = parse_header_fields(b, blob_bytes, h, size, kVersion5);
   if (st != kOk) fail(st);
   return h.data_offset;
 }
@@ -755,11 +747,10 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   py::buffer_info info = metadata.request();
   uint64_t size = 0;
   const uint8_t* b = blob_data(info, size);
-  refuse_device_version(b, size);
   Header h;
   // parse_header_fields reads only the metadata's bytes; parse reads bytes [0, data_offset) only,
   // data_offset itself coming from the fixed fields
-  int st = parse_header_fields(b, blob_bytes, h, size);
+  int st = parse_header_fields(b, blob_bytes, h, size, kVersion5);
   if (st != kOk) fail(st);
   if (size != h.data_offset)
     throw std::invalid_argument("metadata must hold the blob's first " + std::to_string(h.data_offset) +
@@ -907,7 +898,7 @@ void register_lossless(py::module_& m) {
         "bf16 bit patterns (address of num_values contiguous 2-byte values, kept alive by the caller)\n"
         "and their shape -> self-describing blob (uint8 array);\n"
         "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical);\n"
-        "version: the blob format to write (4; 5: chunks may carry their own tables, decoded on the host only;\n"
+        "version: the blob format to write (4; 5: chunks may carry their own tables, written on the host;\n"
         "or 3 or 2 for comparisons and tests of the older decoder paths)");
   m.attr("LOSSLESS_FORMAT_VERSION") = kVersion;
   m.def("lossless_shape", &header_shape, py::arg("blob"), py::arg("blob_bytes"),

@@ -7,10 +7,10 @@ whichever codes the blob smaller; a 20-byte header), and its 6 low mantissa bits
 (packed). Values are coded in independent chunks (one CPU task, one GPU warp each); a blob's only
 chunk of at most 4,096 values is coded with one rANS state (and 6 to 12 probability bits), a chunk
 of +0.0 only takes no payload. Blobs of format versions 2 and 3 still decode. Format version 5
-(``encode(x, version=5)``, decoded on the host only) lets a chunk carry a table of its own. The
-blob is self-describing: magic, version, shape, table, per-chunk sizes and checksums; ``decode``
-validates every field before use and raises ``ValueError`` on a truncated or corrupted blob. The
-format is documented in ``csrc/codec/lossless_core.h``.
+(``encode(x, version=5)``, coded on the host, decoded on the host and the GPU) lets a chunk carry
+a table of its own. The blob is self-describing: magic, version, shape, table, per-chunk sizes and
+checksums; ``decode`` validates every field before use and raises ``ValueError`` on a truncated or
+corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
 
 Why this split, rANS and one table per blob (measured by bench/codec_bench.py on real
 activations, weights and gradients): the sign and the first mantissa bit depend on the exponent
@@ -47,8 +47,8 @@ MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
 # The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h). Version 5
-# (a chunk may carry its own frequency table) is written on request and decoded on the host only:
-# the CUDA decoder reads versions 2 to 4, so the default stays 4.
+# (a chunk may carry its own frequency table) is written on request, by the host encoder only (the
+# CUDA encoder writes version 4), so the default stays 4; the host and CUDA decoders read 2 to 5.
 FORMAT_VERSION = 4
 FORMAT_VERSIONS = (2, 3, 4, 5)
 
@@ -109,9 +109,9 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
             :func:`simd_paths` by name. The bytes are the same on every path.
         version: the blob format, ``FORMAT_VERSION`` (4); 5, where a chunk may carry a frequency
             table of its own (smaller blobs of messages that join values of different
-            statistics; decoded on the host only: ``decode`` of a CUDA blob of it raises
-            ``ValueError``); or 3 or 2 (the older formats, for comparisons). Versions other than
-            4 are always coded on the CPU, the blob then moved to ``x``'s device.
+            statistics; ``decode`` reads it on the CPU and on the GPU); or 3 or 2 (the older
+            formats, for comparisons). Versions other than 4 are always coded on the CPU, the
+            blob then moved to ``x``'s device.
 
     Returns:
         1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when

@@ -74,8 +74,7 @@ def encode_many(xs: list[torch.Tensor], chunk_values: int) -> list[torch.Tensor]
 def header(blob: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """``(shape, chunk_values)`` that a blob (1-D uint8, any device) declares, after every check
     the host decoder makes before it allocates (header, table, metadata checksum, chunk
-    directory, sizes). ``ValueError`` if it is bad, or of format version 5, which the kernels do
-    not read (decode a CPU copy of it). See :func:`headers`."""
+    directory, sizes; format versions 2 to 5). ``ValueError`` if it is bad. See :func:`headers`."""
     return headers([blob])[0]
 
 

@@ -15,9 +15,16 @@ from support.codec_kernel_cases import (
     CASES,
     CHUNK_VALUES,
     CORRUPTION_CASES,
+    V5_CASES,
+    V5_DECODE_CASES,
+    bits,
     check_blob_is_byte_identical_and_decodes,
     check_rejects_corrupted_blobs_like_the_host,
+    device_decode,
+    many_tables,
 )
+
+from ep_comm.codecs import lossless
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -42,3 +49,28 @@ def test_device_blob_is_byte_identical_and_decodes(lib: ctypes.CDLL, case: str, 
 @pytest.mark.parametrize("case,chunk_values", CORRUPTION_CASES)
 def test_device_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, case: str, chunk_values: int) -> None:
     check_rejects_corrupted_blobs_like_the_host(lib, "cuda", case, chunk_values)
+
+
+@pytest.mark.parametrize("case,chunk_values,tables", V5_DECODE_CASES)
+def test_device_decodes_format_version_5(lib: ctypes.CDLL, case: str, chunk_values: int, tables: int) -> None:
+    """Host-encoded format 5 blobs (chunks with tables of their own, read from the workspace in
+    global memory, beside chunks of the shared table) decode exactly on the GPU."""
+    x = {**CASES, **V5_CASES}[case]()
+    blob = lossless.encode(x, chunk_values=chunk_values, version=5)
+    assert int(blob[17]) >= tables if tables else int(blob[17]) == 0
+    status, y = device_decode(lib, blob, x.numel(), chunk_values, "cuda")
+    assert status == 0 and torch.equal(y.cpu(), bits(x))
+
+
+def test_device_decodes_format_version_5_with_255_extra_tables(lib: ctypes.CDLL) -> None:
+    x = many_tables()
+    blob = lossless.encode(x, chunk_values=4096, version=5)
+    assert int(blob[17]) == 255
+    status, y = device_decode(lib, blob, x.numel(), 4096, "cuda")
+    assert status == 0 and torch.equal(y.cpu(), bits(x))
+
+
+@pytest.mark.parametrize("case,chunk_values", [("mixed_rows", 4096), ("mixed", 4096)])
+def test_device_rejects_corrupted_format_version_5_blobs_like_the_host(lib: ctypes.CDLL, case: str,
+                                                                       chunk_values: int) -> None:
+    check_rejects_corrupted_blobs_like_the_host(lib, "cuda", case, chunk_values, trials=60, version=5)

@@ -2,10 +2,12 @@
 // CPU through the CUDA emulation with ThreadSanitizer (tests/test_codec_kernels_emulated.py builds
 // and runs this), so that TSan reports any two CUDA threads of a block touching the same memory
 // without a barrier between them (csrc/emulation/fibers.h). Each case is encoded, decoded and
-// compared with its input, in both schedule orders; exit status 1 on a wrong result (TSan exits
-// with its own status on a report).
+// compared with its input, in both schedule orders; so is each blob given on the command line (a
+// blob file, its values' file and its chunk size: blobs the kernels do not write, such as format
+// 5's); exit status 1 on a wrong result (TSan exits with its own status on a report).
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -44,6 +46,29 @@ bool round_trip(const std::vector<uint16_t>& v, uint32_t cv) {
   return status == 0 && std::memcmp(out.data(), v.data(), 2 * n) == 0;
 }
 
+// The bytes of file `path` (empty when it cannot be read).
+std::vector<uint8_t> read_file(const char* path) {
+  std::vector<uint8_t> bytes;
+  if (FILE* f = std::fopen(path, "rb")) {
+    uint8_t buffer[4096];
+    for (size_t got; (got = std::fread(buffer, 1, sizeof buffer, f)) > 0;) bytes.insert(bytes.end(), buffer, buffer + got);
+    std::fclose(f);
+  }
+  return bytes;
+}
+
+// A blob decoded at chunk size cv gives `values` (bf16 bits).
+bool decodes(const std::vector<uint8_t>& blob, const std::vector<uint8_t>& values, uint32_t cv) {
+  const uint64_t n = values.size() / 2;
+  std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv), 0xA5);
+  std::vector<uint16_t> out(n + 1, 0x5A5A);
+  int status = -1;
+  if (blob.empty() ||
+      ep_lossless_decode_cuda(blob.data(), blob.size(), out.data(), n, cv, &status, dws.data(), dws.size(), nullptr) != 0)
+    return false;
+  return status == 0 && std::memcmp(out.data(), values.data(), 2 * n) == 0;
+}
+
 bool fp8_runs(const std::vector<uint16_t>& v, int64_t hidden) {
   const int64_t rows = int64_t(v.size()) / hidden;
   std::vector<uint8_t> q(size_t(rows * hidden));
@@ -53,7 +78,7 @@ bool fp8_runs(const std::vector<uint16_t>& v, int64_t hidden) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   struct Case {
     size_t n;
     int centre, spread;
@@ -73,6 +98,12 @@ int main() {
       }
     }
     if (!fp8_runs(make_values(64 * 512, 120, 6, 0.0, 7), 512)) ++failures;
+    for (int a = 1; a + 2 < argc; a += 3) {  // blob file, values file, chunk size
+      if (!decodes(read_file(argv[a]), read_file(argv[a + 1]), uint32_t(std::strtoul(argv[a + 2], nullptr, 10)))) {
+        std::printf("decode failed: %s reverse=%d\n", argv[a], reverse);
+        ++failures;
+      }
+    }
   }
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

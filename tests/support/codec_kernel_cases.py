@@ -142,6 +142,37 @@ CASES = {
     "many_chunks": many_chunks,
 }
 CHUNK_VALUES = [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES]
+
+
+def mixed_rows(rows: int = 16, width: int = 7168, seed: int = 3) -> torch.Tensor:
+    """A [rows, width] message whose groups of 2 rows have very different statistics (scales from
+    1e-6 to 1e4, ReLU outputs, sparse rows): in format version 5 most of its chunks take a frequency
+    table of their own."""
+    g = _gen(seed)
+    groups = []
+    for k in range(rows // 2):
+        x = torch.randn(2, width, generator=g) * [1e-3, 1.0, 100.0, 1e-6, 1.0, 1e4, 3.0, 1e-2][k % 8]
+        if k % 4 == 1:
+            x = torch.relu(x)
+        if k % 4 == 2:
+            x[torch.rand(2, width, generator=g) < 0.7] = 0
+        groups.append(x)
+    return torch.cat(groups).bfloat16()
+
+
+def many_tables(chunks: int = 320, chunk_values: int = 4096) -> torch.Tensor:
+    """``chunks`` chunks of ``chunk_values`` values at 16 scales from 1e-8 to 1e7: in format version 5
+    every chunk gains from a table of its own, so 255 take one (the format's limit)."""
+    scales = torch.tensor([10.0 ** (k % 16 - 8) for k in range(chunks)]).repeat_interleave(chunk_values)
+    return (torch.randn(chunks * chunk_values, generator=_gen(31)) * scales).bfloat16()
+
+
+# format version 5's cases beside CASES (messages whose chunks mostly take their own tables)
+V5_CASES = {"mixed_rows": mixed_rows, "mixed_rows_tail": lambda: mixed_rows(15, 7000, 5)}
+# (case, chunk values, extra tables: 0 for none, else at least this many) of the version 5 decodes
+V5_DECODE_CASES = [("mixed_rows", 14336, 4), ("mixed_rows", 4096, 4), ("mixed_rows_tail", 7168, 4),
+                   ("normal", 4096, 0), ("sparse", 1024, 0), ("mixed", 4096, 1), ("one_state", 4096, 0),
+                   ("zeros", 64, 0), ("n33", 32, 0), ("random_bits", 4096, 0)]
 # (case, chunk values) of the corruption checks
 CORRUPTION_CASES = [("sparse", 1024), ("mixed", 4096), ("normal", 4096), ("zeros", 64), ("n33", 32),
                     ("wide_exponents", 4096), ("heavy_tails", 65536), ("one_state", 4096), ("bias", 4096)]
@@ -185,7 +216,7 @@ def blob_layout(blob: torch.Tensor) -> dict[str, int]:
     version, ndim = b[4], b[5]
     out = {"version": version, "ndim": ndim, "entries": struct.unpack_from("<H", b, 6)[0],
            "chunk_values": struct.unpack_from("<I", b, 8)[0]}
-    if version == 4:
+    if version >= 4:  # (version 5: table_bytes covers the extra tables too)
         at, count = 20, 1
         for _ in range(ndim):
             dim, shift = 0, 0
@@ -224,7 +255,9 @@ def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[
     b = blob.numpy().tobytes()
     layout = blob_layout(blob)
     cv, chunks, directory = layout["chunk_values"], layout["chunks"], layout["directory"]
-    ents = [struct.unpack_from("<4I", b, directory + 16 * c) for c in range(chunks)]
+    # (version 5: bits 8-15 of the mode word are the chunk's table)
+    ents = [(mode & 0xFF, *rest) for mode, *rest in (struct.unpack_from("<4I", b, directory + 16 * c)
+                                                   for c in range(chunks))]
     offsets = [directory + 16 * chunks]
     for c, (mode, nw, nr, _) in enumerate(ents):
         n = min(cv, num_values - c * cv)
@@ -261,9 +294,9 @@ def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: 
 
 def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, case: str, chunk_values: int,
                                                 trials: int = 120, version: int = lossless.FORMAT_VERSION) -> None:
-    """Corrupted and truncated blobs of CASES[case] in format ``version``: the kernels report the
-    host decoder's status (and decode exactly the blobs the host accepts)."""
-    x = CASES[case]()
+    """Corrupted and truncated blobs of CASES[case] (or V5_CASES[case]) in format ``version``: the
+    kernels report the host decoder's status (and decode exactly the blobs the host accepts)."""
+    x = {**CASES, **V5_CASES}[case]()
     n = x.numel()
     blob = lossless.encode(x, chunk_values=chunk_values, version=version)
     gen = _gen(11)
