@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from support.codec_kernel_cases import blob_layout
+from support.codec_kernel_cases import blob_layout, read_table_v4
 
 from ep_comm.codecs import lossless
 
@@ -58,31 +58,8 @@ def _read_table_v4(blob: torch.Tensor) -> tuple[int, dict[int, int], int]:
     if entries == 0:
         assert size == 0
         return prob_bits, {}, 0
-    start = layout["table_at"]
-    kg, kf = b[start] & 15, b[start] >> 4
-    stream = int.from_bytes(b[start + 1:start + size], "little")
-    pos = 0
-
-    def take(n: int) -> int:
-        nonlocal pos
-        v = (stream >> pos) & ((1 << n) - 1)
-        pos += n
-        return v
-
-    def code(k: int) -> int:
-        m = 0
-        while take(1) == 0:
-            m += 1
-        q = (1 << m) | take(m)
-        return ((q - 1) << k) | take(k)
-
-    symbol, freqs = -1, {}
-    for _ in range(entries):
-        gap = code(kg)
-        f = code(kf) + 1
-        symbol += gap + 1
-        freqs[symbol] = f
-    assert (size - 1) * 8 - pos < 8 and stream >> pos == 0
+    freqs, used = read_table_v4(b, layout["table_at"], layout["table_at"] + size, entries, prob_bits)
+    assert used == size
     return prob_bits, freqs, size
 
 

@@ -11,6 +11,7 @@ import struct
 
 import pytest
 import torch
+from support.codec_kernel_cases import blob_layout, read_table_v4
 from test_codec_lossless_v4 import _inputs, _same_error_everywhere, bits
 
 from ep_comm import _host
@@ -38,52 +39,12 @@ def _mixed_message(seed: int = 3, rows: int = 64) -> torch.Tensor:
 def _layout(blob: torch.Tensor) -> dict:
     """A version 5 blob read by the format's definition: header fields, the shared table's and each
     extra table's frequencies and prob_bits, the directory (mode, table, words, fields, checksum)."""
-    b = blob.numpy().tobytes()
-    assert b[:4] == b"EPLB" and b[4] == 5
-    ndim, entries, cv = b[5], struct.unpack_from("<H", b, 6)[0], struct.unpack_from("<I", b, 8)[0]
-    prob_bits, extra_count, table_bytes = b[16], b[17], struct.unpack_from("<H", b, 18)[0]
-    at, count = 20, 1
-    for _ in range(ndim):
-        dim, shift = 0, 0
-        while True:
-            byte = b[at]
-            at += 1
-            dim |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        count *= dim
-    table_at = at
+    b, layout = blob.numpy().tobytes(), blob_layout(blob)
+    assert b[:4] == b"EPLB" and layout["version"] == 5
+    entries, prob_bits, extra_count = layout["entries"], layout["prob_bits"], b[17]
+    table_at, table_bytes = layout["table_at"], layout["table_bytes"]
     end = table_at + table_bytes
-
-    def read_table(start: int, limit: int, n_entries: int | None, pb: int) -> tuple[dict[int, int], int]:
-        """(symbol -> frequency, bytes) of a table in version 4's encoding at b[start:limit]:
-        n_entries entries, or (None) entries until the frequencies sum to 2^pb."""
-        kg, kf = b[start] & 15, b[start] >> 4
-        stream = int.from_bytes(b[start + 1:limit], "little")
-        pos = 0
-
-        def take(n: int) -> int:
-            nonlocal pos
-            v = (stream >> pos) & ((1 << n) - 1)
-            pos += n
-            return v
-
-        def code(k: int) -> int:
-            m = 0
-            while take(1) == 0:
-                m += 1
-            return (((1 << m) | take(m)) - 1 << k) | take(k)
-
-        symbol, freqs = -1, {}
-        while (len(freqs) < n_entries) if n_entries is not None else (sum(freqs.values()) < 1 << pb):
-            symbol += code(kg) + 1
-            freqs[symbol] = code(kf) + 1
-        used = 1 + (pos + 7) // 8
-        assert (stream >> pos) & ((1 << (8 * (used - 1) - pos)) - 1) == 0  # zero bits to the byte's end
-        return freqs, used
-
-    shared, used = read_table(table_at, end, entries, prob_bits) if entries else ({}, 0)
+    shared, used = read_table_v4(b, table_at, end, entries, prob_bits) if entries else ({}, 0)
     extra, at = [], table_at + used
     for _ in range(extra_count):
         pb, length = b[at], b[at + 1]
@@ -91,13 +52,12 @@ def _layout(blob: torch.Tensor) -> dict:
         if length & 0x80:
             length = (length & 0x7F) | b[at] << 7
             at += 1
-        freqs, used = read_table(at, at + length, None, pb)
+        freqs, used = read_table_v4(b, at, at + length, None, pb)
         assert used == length and pb in (11, 12) and sum(freqs.values()) == 1 << pb
         extra.append({"prob_bits": pb, "freqs": freqs, "at": at - 1 - (1 if length < 128 else 2), "bytes": length})
         at += length
     assert at == end, (at, end)
-    directory = (end + 3) // 4 * 4
-    chunks = -(-count // cv)
+    directory, chunks = layout["directory"], layout["chunks"]
     entries_out = []
     for c in range(chunks):
         mode, words, fields, checksum = struct.unpack_from("<4I", b, directory + 16 * c)

@@ -240,6 +240,37 @@ def blob_layout(blob: torch.Tensor) -> dict[str, int]:
     return out
 
 
+def read_table_v4(b: bytes, start: int, limit: int, entries: int | None, prob_bits: int) -> tuple[dict[int, int], int]:
+    """(symbol -> frequency, bytes used) of a table in version 4's encoding at ``b[start:limit]``,
+    read by the format's definition: a byte kg | kf << 4, then per entry the gap in order-kg and
+    freq - 1 in order-kf Exp-Golomb codes (m zero bits, a one, m bits, k bits; stream bits low
+    first), zero bits to the end of its last byte. ``entries`` entries, or (None, version 5's
+    extra tables) entries until the frequencies sum to 2^prob_bits."""
+    kg, kf = b[start] & 15, b[start] >> 4
+    stream = int.from_bytes(b[start + 1:limit], "little")
+    pos = 0
+
+    def take(n: int) -> int:
+        nonlocal pos
+        v = (stream >> pos) & ((1 << n) - 1)
+        pos += n
+        return v
+
+    def code(k: int) -> int:
+        m = 0
+        while take(1) == 0:
+            m += 1
+        return (((1 << m) | take(m)) - 1 << k) | take(k)
+
+    symbol, freqs = -1, {}
+    while (len(freqs) < entries) if entries is not None else (sum(freqs.values()) < 1 << prob_bits):
+        symbol += code(kg) + 1
+        freqs[symbol] = code(kf) + 1
+    used = 1 + (pos + 7) // 8
+    assert (stream >> pos) & ((1 << (8 * (used - 1) - pos)) - 1) == 0  # zero bits to the byte's end
+    return freqs, used
+
+
 def prob_bits(blob: torch.Tensor) -> int:
     """The probability bits of a blob's table (11 for version 2)."""
     return blob_layout(blob)["prob_bits"]
