@@ -11,7 +11,7 @@ import struct
 
 import pytest
 import torch
-from support.codec_kernel_cases import blob_layout, read_table_v4
+from support.codec_kernel_cases import blob_layout, mixed_rows, read_table_v4
 from test_codec_lossless_v4 import _inputs, _same_error_everywhere, bits
 
 from ep_comm import _host
@@ -21,19 +21,9 @@ H = 7168
 
 
 def _mixed_message(seed: int = 3, rows: int = 64) -> torch.Tensor:
-    """A [rows, 7168] message whose groups of 8 rows have very different statistics: scales from
-    1e-6 to 1e4, ReLU outputs, sparse gradients, a constant (what an EP message that gathers tokens
-    of different layers or experts looks like at its worst)."""
-    g = torch.Generator().manual_seed(seed)
-    groups = []
-    for k in range(rows // 8):
-        x = torch.randn(8, H, generator=g) * [1e-3, 1.0, 100.0, 1e-6, 1.0, 1e4, 3.0, 1e-2][k % 8]
-        if k % 4 == 1:
-            x = torch.relu(x)
-        if k % 4 == 2:
-            x[torch.rand(8, H, generator=g) < 0.7] = 0
-        groups.append(x)
-    return torch.cat(groups).bfloat16()
+    """A [rows, 7168] message whose groups of 8 rows have very different statistics
+    (support/codec_kernel_cases.mixed_rows)."""
+    return mixed_rows(rows, H, seed, group=8)
 
 
 def _layout(blob: torch.Tensor) -> dict:

@@ -144,18 +144,19 @@ CASES = {
 CHUNK_VALUES = [32, 96, 4096, lossless.DEFAULT_CHUNK_VALUES]
 
 
-def mixed_rows(rows: int = 16, width: int = 7168, seed: int = 3) -> torch.Tensor:
-    """A [rows, width] message whose groups of 2 rows have very different statistics (scales from
-    1e-6 to 1e4, ReLU outputs, sparse rows): in format version 5 most of its chunks take a frequency
-    table of their own."""
+def mixed_rows(rows: int = 16, width: int = 7168, seed: int = 3, group: int = 2) -> torch.Tensor:
+    """A [rows, width] message whose groups of ``group`` rows have very different statistics (scales
+    from 1e-6 to 1e4, ReLU outputs, sparse rows; what an EP message gathering tokens of different
+    layers or experts looks like at its worst): in format version 5 most of its chunks take a
+    frequency table of their own."""
     g = _gen(seed)
     groups = []
-    for k in range(rows // 2):
-        x = torch.randn(2, width, generator=g) * [1e-3, 1.0, 100.0, 1e-6, 1.0, 1e4, 3.0, 1e-2][k % 8]
+    for k in range(rows // group):
+        x = torch.randn(group, width, generator=g) * [1e-3, 1.0, 100.0, 1e-6, 1.0, 1e4, 3.0, 1e-2][k % 8]
         if k % 4 == 1:
             x = torch.relu(x)
         if k % 4 == 2:
-            x[torch.rand(2, width, generator=g) < 0.7] = 0
+            x[torch.rand(group, width, generator=g) < 0.7] = 0
         groups.append(x)
     return torch.cat(groups).bfloat16()
 
