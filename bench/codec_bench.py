@@ -13,9 +13,9 @@ detector (package ``facenet-pytorch``, its P-, R- and O-Net state dicts, 0.5M pa
 two ship weights only: no activations or gradients of them are made here.
 Beside both codecs' ratios: ``bound``, the order-0 bound of ours' model (each tensor or message
 alone: the entropy of its 10-bit symbols at their own frequencies plus 6 raw bits per value other
-than +0.0), ours in format versions 2, 3 and 5 (5: a chunk may carry its own frequency table; host
-only, opt-in; also per tensor, against zipnn), and where ours' bytes go (header and shape, table,
-chunk directory, rANS states, padding, and the coded words and raw fields).
+than +0.0), ours in the other format versions (2 to 5 but the default; also per tensor, against
+zipnn, the one before the default), and where ours' bytes go (header and shape, tables, chunk
+directory, rANS states, padding, and the coded words and raw fields).
 Two layouts per kind: whole tensors (each tensor coded alone), and EP messages: the kind's values
 concatenated and reshaped to rows of H=7168 (the model's hidden size is 384), coded as separate
 64-token chunks. Reported: compressed/raw ratio, CPU encode/decode GB/s (of raw bf16 bytes) with
@@ -358,16 +358,21 @@ def order0_bound(tensors: list[torch.Tensor]) -> float:
 OVERHEAD_PARTS = ("header", "table", "directory", "states", "padding", "coded")
 
 
+# the format versions compared with the default: every other one, and per tensor the one before it
+OTHER_VERSIONS = tuple(v for v in lossless.FORMAT_VERSIONS if v != lossless.FORMAT_VERSION)
+PREVIOUS_VERSION = lossless.FORMAT_VERSION - 1
+
+
 def blob_parts(blob: torch.Tensor) -> dict[str, int]:
-    """Where a blob's bytes go (format version 2, 3 or 4, csrc/codec/lossless_core.h): header and
-    shape, frequency table (with its padding), chunk directory, rANS final states (128 bytes per
-    rANS chunk, 4 per one-state chunk), payload padding, and the rest (coded words, raw fields, raw
-    chunks)."""
+    """Where a blob's bytes go (format versions 2 to 5, csrc/codec/lossless_core.h): header and
+    shape, frequency tables (version 5: the extra tables too; with their padding), chunk directory,
+    rANS final states (128 bytes per rANS chunk, 4 per one-state chunk), payload padding, and the
+    rest (coded words, raw fields, raw chunks)."""
     import struct
 
     b = blob.numpy().tobytes()
     ndim, entries, cv = b[5], struct.unpack_from("<H", b, 6)[0], struct.unpack_from("<I", b, 8)[0]
-    if b[4] == 4:  # a 20-byte header, LEB128 dimensions; value and chunk counts from the shape
+    if b[4] >= 4:  # a 20-byte header, LEB128 dimensions; value and chunk counts from the shape
         header, n = 20, 1
         for _ in range(ndim):
             dim, shift = 0, 0
@@ -386,6 +391,7 @@ def blob_parts(blob: torch.Tensor) -> dict[str, int]:
     parts = {"header": header, "table": directory - header, "directory": 16 * chunks, "states": 0, "padding": 0}
     for c in range(chunks):
         mode, words, fields, _ = struct.unpack_from("<4I", b, directory + 16 * c)
+        mode &= 0xFF  # version 5: bits 8-15 name the chunk's table
         states = {0: 128, 2: 4}.get(mode, 0)
         used = 2 * min(cv, n - c * cv) if mode == 1 else 0 if mode == 3 else states + 2 * words + (6 * fields + 7) // 8
         parts["states"] += states
@@ -395,46 +401,25 @@ def blob_parts(blob: torch.Tensor) -> dict[str, int]:
 
 
 def format_sizes(tensors: list[torch.Tensor]) -> dict:
-    """Ours' blobs of ``tensors`` (each coded alone, on one thread): format versions 2's, 3's and
-    5's ratios (5: a chunk may carry its own frequency table; host only, opt-in), and version 4's
-    bytes by part (fractions of the raw bytes)."""
+    """Ours' blobs of ``tensors`` (each coded alone, on one thread): the ratio of each version of
+    OTHER_VERSIONS (``v<N>_ratio``), and the default version's bytes by part (fractions of the raw
+    bytes)."""
     raw = sum(t.numel() * 2 for t in tensors)
     parts = dict.fromkeys(OVERHEAD_PARTS, 0)
-    v2 = v3 = v5 = 0
+    sizes = dict.fromkeys(OTHER_VERSIONS, 0)
     for t in tensors:
         for k, v in blob_parts(lossless.encode(t, threads=1)).items():
             parts[k] += v
-        v2 += lossless.encode(t, threads=1, version=2).numel()
-        v3 += lossless.encode(t, threads=1, version=3).numel()
-        v5 += lossless.encode(t, threads=1, version=5).numel()
-    return {"v2_ratio": v2 / raw, "v3_ratio": v3 / raw, "v5_ratio": v5 / raw,
+        for version in OTHER_VERSIONS:
+            sizes[version] += lossless.encode(t, threads=1, version=version).numel()
+    return {**{f"v{v}_ratio": size / raw for v, size in sizes.items()},
             "parts": {k: v / raw for k, v in parts.items()}}
 
 
-def chunk_table_gain(t: torch.Tensor, chunk_values: int = lossless.DEFAULT_CHUNK_VALUES) -> float:
-    """Bytes a blob of ``t`` would save if each chunk could carry its own frequency table where
-    that pays (an estimate for a format change, not a format): per chunk, the order-0 cost of its
-    symbols at the blob's frequencies minus their cost at the chunk's own, less the bytes of the
-    table ours writes for that chunk coded alone; chunks that gain nothing keep the blob's table."""
-    sym = _symbols(t)
-    whole = torch.bincount(sym, minlength=1025).double()
-    p_whole = whole / whole.sum()
-    flat = t.reshape(-1)
-    gain = 0.0
-    for k, part in enumerate(sym.split(chunk_values)):
-        c = torch.bincount(part, minlength=1025).double()
-        m = c > 0
-        shared_bits = float(-(c[m] * p_whole[m].log2()).sum())
-        own_bits = _entropy_bits(c)
-        table = blob_parts(lossless.encode(flat[k * chunk_values:(k + 1) * chunk_values].contiguous(),
-                                           threads=1))["table"]
-        gain += max(0.0, (shared_bits - own_bits) / 8 - table)
-    return gain
-
-
 def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
-    """Each tensor coded alone (one thread) by ours (format version 4, and 5: ``ours_v5``) and by
-    zipnn, beside its order-0 bound: a row per tensor with its shape and the sizes in bytes."""
+    """Each tensor coded alone (one thread) by ours (the default format, and PREVIOUS_VERSION:
+    ``ours_previous``) and by zipnn, beside its order-0 bound: a row per tensor with its shape and
+    the sizes in bytes."""
     from zipnn import ZipNN
 
     z = ZipNN(method="huffman", input_format="torch", bytearray_dtype="bfloat16", threads=1)
@@ -442,11 +427,9 @@ def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
     for i, t in enumerate(tensors):
         rows.append({"index": i, "shape": list(t.shape), "raw": t.numel() * 2,
                      "ours": int(lossless.encode(t, threads=1).numel()),
-                     "ours_v5": int(lossless.encode(t, threads=1, version=5).numel()),
+                     "ours_previous": int(lossless.encode(t, threads=1, version=PREVIOUS_VERSION).numel()),
                      "zipnn": len(z.compress(_copy(t))),
                      "bound": order0_bound([t]) * t.numel() * 2})
-        if rows[-1]["ours"] > rows[-1]["zipnn"]:
-            rows[-1]["chunk_table_gain"] = chunk_table_gain(t)
     return rows
 
 
@@ -538,19 +521,19 @@ def print_report(report: dict) -> None:
                       f"{o['dec_all'] / z['dec_all']:.2f}x")
         table.add_row("", "", "", "ours/bound", f"{o['ratio'] / row['bound']:.4f}", "", "", "", "", end_section=True)
     console.print(table)
-    sizes = Table(title="ours' bytes by part (fractions of the raw bytes, format version 4) and format versions "
-                        "2, 3, 5 (5: per-chunk tables, host only, opt-in)")
-    for col in ("kind", "layout", "ours", "bound", "ours v2", "ours v3", "ours v5", *OVERHEAD_PARTS):
+    sizes = Table(title=f"ours' bytes by part (fractions of the raw bytes, format version {lossless.FORMAT_VERSION}) "
+                        f"and format versions {', '.join(map(str, OTHER_VERSIONS))}")
+    for col in ("kind", "layout", "ours", "bound", *(f"ours v{v}" for v in OTHER_VERSIONS), *OVERHEAD_PARTS):
         sizes.add_column(col)
     for row in report["results"]:
         parts = row["format"]["parts"]
         sizes.add_row(row["kind"], row["layout"], f"{row['ours']['ratio']:.5f}", f"{row['bound']:.5f}",
-                      f"{row['format']['v2_ratio']:.5f}", f"{row['format']['v3_ratio']:.5f}",
-                      f"{row['format']['v5_ratio']:.5f}", *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
+                      *(f"{row['format'][f'v{v}_ratio']:.5f}" for v in OTHER_VERSIONS),
+                      *(f"{parts[k]:.5f}" for k in OVERHEAD_PARTS))
     console.print(sizes)
     per = Table(title="per tensor: tensors where ours is larger than zipnn, and ours over the bound")
     for col in ("kind", "layout", "tensors", "ours > zipnn", "largest excess over zipnn (bytes)",
-                "of those, closed by per-chunk tables (estimate)", "ours v5 > zipnn", "largest v5 excess (bytes)",
+                f"ours v{PREVIOUS_VERSION} > zipnn", f"largest v{PREVIOUS_VERSION} excess (bytes)",
                 "ours/bound, worst tensor", "ours/bound, all"):
         per.add_column(col)
     for row in report["results"]:
@@ -559,21 +542,20 @@ def print_report(report: dict) -> None:
         excess = max((r["ours"] - r["zipnn"] for r in worse), default=0)
         worst = max((r["ours"] / r["bound"] for r in rows if r["bound"] > 0), default=float("nan"))
         total = sum(r["ours"] for r in rows) / max(sum(r["bound"] for r in rows), 1e-9)
-        closed = sum(1 for r in worse if r.get("chunk_table_gain", 0.0) > r["ours"] - r["zipnn"])
-        worse5 = [r for r in rows if r["ours_v5"] > r["zipnn"]]
-        excess5 = max((r["ours_v5"] - r["zipnn"] for r in worse5), default=0)
-        per.add_row(row["kind"], row["layout"], str(len(rows)), str(len(worse)), str(excess), str(closed),
-                    str(len(worse5)), str(excess5), f"{worst:.4f}", f"{total:.4f}")
+        worse_previous = [r for r in rows if r["ours_previous"] > r["zipnn"]]
+        excess_previous = max((r["ours_previous"] - r["zipnn"] for r in worse_previous), default=0)
+        per.add_row(row["kind"], row["layout"], str(len(rows)), str(len(worse)), str(excess),
+                    str(len(worse_previous)), str(excess_previous), f"{worst:.4f}", f"{total:.4f}")
     console.print(per)
     if report.get("per_tensor_rows"):
-        rows_table = Table(title="every tensor, bytes (ours, ours in format 5, zipnn, order-0 bound)")
-        for col in ("kind", "layout", "#", "shape", "raw", "ours", "ours v5", "zipnn", "bound", "ours/zipnn",
-                    "ours/bound"):
+        rows_table = Table(title=f"every tensor, bytes (ours, ours in format {PREVIOUS_VERSION}, zipnn, order-0 bound)")
+        for col in ("kind", "layout", "#", "shape", "raw", "ours", f"ours v{PREVIOUS_VERSION}", "zipnn", "bound",
+                    "ours/zipnn", "ours/bound"):
             rows_table.add_column(col)
         for row in report["results"]:
             for r in row["per_tensor"]:
                 rows_table.add_row(row["kind"], row["layout"], str(r["index"]), "x".join(map(str, r["shape"])) or "()",
-                                   str(r["raw"]), str(r["ours"]), str(r["ours_v5"]), str(r["zipnn"]),
+                                   str(r["raw"]), str(r["ours"]), str(r["ours_previous"]), str(r["zipnn"]),
                                    f"{r['bound']:.0f}",
                                    f"{r['ours'] / r['zipnn']:.4f}",
                                    f"{r['ours'] / r['bound']:.4f}" if r["bound"] > 0 else "-")

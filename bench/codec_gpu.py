@@ -9,6 +9,7 @@ Used by bench/codec_bench.py (GPU rows of its report), by tests/gpu/test_codec_l
     python bench/codec_gpu.py --build-lib LIB.so --arch 90   # here: the kernels, no GPU needed
     python bench/codec_gpu.py --tensors T.pt --lib LIB.so    # there: the GPU table (+ --json)
 
+Encode runs in format version 5 and, for comparison, 4 (``--versions``); each row names its version.
 Throughput counts raw bf16 bytes (2 per value) per second of the whole encode (resp. decode)
 call, every kernel of it included, timed with CUDA events over ``reps`` calls after a warm-up.
 The copy bandwidth counts bytes read plus bytes written (a device-to-device copy of the same
@@ -68,13 +69,14 @@ def gpu_library(prebuilt: str | os.PathLike | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     u64, vp = ctypes.c_uint64, ctypes.c_void_p
     lib.ep_lossless_encode_workspace_bytes.restype = ctypes.c_size_t
-    lib.ep_lossless_encode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
+    lib.ep_lossless_encode_workspace_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32]
     lib.ep_lossless_decode_workspace_bytes.restype = ctypes.c_size_t
     lib.ep_lossless_decode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
     lib.ep_lossless_max_blob_bytes.restype = ctypes.c_size_t
-    lib.ep_lossless_max_blob_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32]
-    lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, vp, vp, vp,
-                                            ctypes.c_size_t, vp]
+    lib.ep_lossless_max_blob_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
+    # (values, num_values, shape, ndim, chunk_values, version, out, out_size, workspace, workspace_bytes, stream)
+    lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, vp, vp,
+                                            vp, ctypes.c_size_t, vp]
     lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, vp, vp, ctypes.c_size_t, vp]
     return lib
 
@@ -95,17 +97,17 @@ def cuda_time(fn: Callable[[], None], reps: int) -> float:
 class DeviceCodec:
     """Encode/decode of one flat bf16 CUDA tensor with preallocated workspaces.
 
-    x: [n] bf16 (or int16) on the GPU; the blob lands in ``self.out[:self.blob_bytes()]`` (uint8)
-    and the decoded values in ``self.y`` ([n], x's dtype)."""
+    x: [n] bf16 (or int16) on the GPU; the blob (format ``version``, 4 or 5) lands in
+    ``self.out[:self.blob_bytes()]`` (uint8) and the decoded values in ``self.y`` ([n], x's dtype)."""
 
-    def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, chunk_values: int):
-        self.lib, self.x, self.cv = lib, x, chunk_values
+    def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, chunk_values: int, version: int = 5):
+        self.lib, self.x, self.cv, self.version = lib, x, chunk_values, version
         n = self.n = x.numel()
         self.shape = (ctypes.c_int64 * 1)(n)
-        self.ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, chunk_values),
+        self.ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, chunk_values, version),
                                   lib.ep_lossless_decode_workspace_bytes(n, chunk_values)),
                               dtype=torch.uint8, device=x.device)
-        self.out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, chunk_values), dtype=torch.uint8,
+        self.out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, chunk_values, version), dtype=torch.uint8,
                                device=x.device)
         self.size = torch.zeros(1, dtype=torch.int64, device=x.device)
         self.status = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -114,7 +116,7 @@ class DeviceCodec:
         self._blob_bytes = 0
 
     def encode(self) -> None:
-        rc = self.lib.ep_lossless_encode_cuda(self.x.data_ptr(), self.n, self.shape, 1, self.cv,
+        rc = self.lib.ep_lossless_encode_cuda(self.x.data_ptr(), self.n, self.shape, 1, self.cv, self.version,
                                               self.out.data_ptr(), self.size.data_ptr(), self.ws.data_ptr(),
                                               self.ws.numel(), self.stream)
         if rc:
@@ -149,6 +151,7 @@ class GpuRow:
     identical_to_host: bool   # device blob of the untiled real values == host encoder's blob
     exact: bool               # device decode of the tiled data is bit-exact, status 0
     kernels_us: dict[str, float]  # per-kernel device time of one encode + one decode (profiler)
+    version: int = 4          # the blob's format version (a report saved without it: 4)
 
 
 def kernel_times(codec: DeviceCodec) -> dict[str, float]:
@@ -181,14 +184,14 @@ def tile(values: torch.Tensor, target_bytes: int) -> torch.Tensor:
 
 
 def measure_kind(lib: ctypes.CDLL, kind: str, values: torch.Tensor, chunk_values: int, target_bytes: int,
-                 reps: int) -> GpuRow:
+                 reps: int, version: int = 5) -> GpuRow:
     """values: [n] bf16 CPU tensor of one kind's real values."""
-    real = DeviceCodec(lib, values.cuda(), chunk_values)
+    real = DeviceCodec(lib, values.cuda(), chunk_values, version)
     real.encode()
-    host_blob = lossless.encode(values, chunk_values=chunk_values)
+    host_blob = lossless.encode(values, chunk_values=chunk_values, version=version)
     identical = bool(torch.equal(real.out[:real.blob_bytes()].cpu(), host_blob))
     del real
-    codec = DeviceCodec(lib, tile(values, target_bytes).cuda(), chunk_values)
+    codec = DeviceCodec(lib, tile(values, target_bytes).cuda(), chunk_values, version)
     enc_s = cuda_time(codec.encode, reps)
     blob = codec.blob_bytes()
     dec_s = cuda_time(codec.decode, reps)
@@ -200,20 +203,21 @@ def measure_kind(lib: ctypes.CDLL, kind: str, values: torch.Tensor, chunk_values
     copy_gbs = 2 * raw / copy_s / 1e9
     enc_gbs, dec_gbs = raw / enc_s / 1e9, raw / dec_s / 1e9
     row = GpuRow(kind, chunk_values, raw / 1e6, blob / raw, enc_gbs, dec_gbs, copy_gbs, enc_gbs / copy_gbs,
-                 dec_gbs / copy_gbs, identical, exact, kernel_times(codec))
+                 dec_gbs / copy_gbs, identical, exact, kernel_times(codec), version)
     return row
 
 
 def measure(data: dict[str, torch.Tensor], reps: int = 10,
             chunk_values: tuple[int, ...] = (lossless.DEFAULT_CHUNK_VALUES,), target_bytes: int = 1 << 30,
-            lib: ctypes.CDLL | None = None) -> list[GpuRow]:
-    """data: kind -> [n] bf16 CPU tensor of real values. One row per kind and chunk size."""
+            lib: ctypes.CDLL | None = None, versions: tuple[int, ...] = (5, 4)) -> list[GpuRow]:
+    """data: kind -> [n] bf16 CPU tensor of real values. One row per kind, chunk size and version."""
     lib = lib or gpu_library()
     rows = []
     for cv in chunk_values:
         for kind in data:
-            rows.append(measure_kind(lib, kind, data[kind], cv, target_bytes, reps))
-            torch.cuda.empty_cache()
+            for version in versions:
+                rows.append(measure_kind(lib, kind, data[kind], cv, target_bytes, reps, version))
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -232,6 +236,7 @@ class MessageRow:
     dec_us: float             # median of isolated decode calls
     exact: bool               # decode bit-exact, status 0
     identical_to_host: bool   # device blob == host encoder's blob
+    version: int = 4          # the blob's format version (a report saved without it: 4)
 
 
 def isolated_us(fn: Callable[[], None], reps: int) -> float:
@@ -251,19 +256,21 @@ def isolated_us(fn: Callable[[], None], reps: int) -> float:
 
 
 def measure_message(lib: ctypes.CDLL, kind: str, values: torch.Tensor, chunk_values: int,
-                    reps: int) -> MessageRow:
+                    reps: int, version: int = 5) -> MessageRow:
     """values: [n] bf16 CPU tensor of one kind's real values; the message is its first 64x7168
     values (tiled when fewer)."""
     n = MESSAGE_SHAPE[0] * MESSAGE_SHAPE[1]
     x = tile(values, 2 * n)[:n].contiguous()
-    codec = DeviceCodec(lib, x.cuda(), chunk_values)
+    codec = DeviceCodec(lib, x.cuda(), chunk_values, version)
     codec.encode()
     blob = codec.blob_bytes()
-    identical = bool(torch.equal(codec.out[:blob].cpu(), lossless.encode(x, chunk_values=chunk_values)))
+    identical = bool(torch.equal(codec.out[:blob].cpu(), lossless.encode(x, chunk_values=chunk_values,
+                                                                         version=version)))
     enc_us = isolated_us(codec.encode, reps)
     dec_us = isolated_us(codec.decode, reps)
     exact = int(codec.status.item()) == 0 and bool(torch.equal(codec.y.view(torch.int16), codec.x.view(torch.int16)))
-    return MessageRow(kind, chunk_values, -(-n // chunk_values), blob / (2 * n), enc_us, dec_us, exact, identical)
+    return MessageRow(kind, chunk_values, -(-n // chunk_values), blob / (2 * n), enc_us, dec_us, exact, identical,
+                      version)
 
 
 def print_message_rows(rows: list[MessageRow], device: str) -> None:
@@ -272,10 +279,11 @@ def print_message_rows(rows: list[MessageRow], device: str) -> None:
 
     table = Table(title=f"one {MESSAGE_SHAPE[0]}x{MESSAGE_SHAPE[1]} bf16 message on the GPU: {device} "
                         "(target: encode and decode < 20 us each)")
-    for col in ("kind", "chunk", "chunks", "ratio", "encode us", "decode us", "== host", "exact"):
+    for col in ("kind", "chunk", "version", "chunks", "ratio", "encode us", "decode us", "== host", "exact"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.kind, str(r.chunk_values), str(r.chunks), f"{r.ratio:.4f}", f"{r.enc_us:.1f}",
+        table.add_row(r.kind, str(r.chunk_values), str(r.version), str(r.chunks), f"{r.ratio:.4f}",
+                      f"{r.enc_us:.1f}",
                       f"{r.dec_us:.1f}", str(r.identical_to_host), str(r.exact))
     Console(width=160).print(table)
 
@@ -285,17 +293,19 @@ def print_rows(rows: list[GpuRow], device: str) -> None:
     from rich.table import Table
 
     table = Table(title=f"lossless bf16 on the GPU: {device}")
-    for col in ("kind", "chunk", "MB", "ratio", "enc GB/s", "dec GB/s", "copy GB/s (r+w)", "enc/copy",
+    for col in ("kind", "chunk", "version", "MB", "ratio", "enc GB/s", "dec GB/s", "copy GB/s (r+w)", "enc/copy",
                 "dec/copy", "== host", "exact"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.kind, str(r.chunk_values), f"{r.mb:.0f}", f"{r.ratio:.4f}", f"{r.enc_gbs:.0f}",
+        table.add_row(r.kind, str(r.chunk_values), str(r.version), f"{r.mb:.0f}", f"{r.ratio:.4f}",
+                      f"{r.enc_gbs:.0f}",
                       f"{r.dec_gbs:.0f}", f"{r.copy_gbs:.0f}", f"{r.enc_of_copy:.3f}", f"{r.dec_of_copy:.3f}",
                       str(r.identical_to_host), str(r.exact))
     console = Console(width=160)
     console.print(table)
     for r in rows:
-        console.print(f"{r.kind} chunk {r.chunk_values} kernels (us, one encode + one decode): {r.kernels_us}")
+        console.print(f"{r.kind} chunk {r.chunk_values} version {r.version} kernels (us, one encode + one decode): "
+                      f"{r.kernels_us}")
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -316,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=Path, help="real tensors from codec_bench.py --save-tensors")
     parser.add_argument("--chunk-values", default=str(lossless.DEFAULT_CHUNK_VALUES),
                         help="comma-separated chunk sizes in values")
+    parser.add_argument("--versions", default="5,4",
+                        help="comma-separated format versions to encode (4, 5); the first for --once")
     parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path)
@@ -335,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = {k: v for k, v in load_tensors(args.tensors).items() if k in args.kinds.split(",")}
     cvs = tuple(int(c) for c in args.chunk_values.split(","))
+    versions = tuple(int(v) for v in args.versions.split(","))
     if args.once:
         codec = DeviceCodec(gpu_library(args.lib[0] if args.lib else None),
-                            tile(next(iter(data.values())), args.gpu_mb << 20).cuda(), cvs[0])
+                            tile(next(iter(data.values())), args.gpu_mb << 20).cuda(), cvs[0], versions[0])
         codec.encode()
         codec.blob_bytes()
         codec.decode()
@@ -349,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         for lib in args.lib or [None]:
             name = Path(lib).name if lib else "built now"
             library = gpu_library(lib)
-            rows = [measure_message(library, kind, data[kind], cv, max(args.reps, 50)) for cv in cvs for kind in data]
+            rows = [measure_message(library, kind, data[kind], cv, max(args.reps, 50), version)
+                    for cv in cvs for kind in data for version in versions]
             print_message_rows(rows, f"{torch.cuda.get_device_name()}, {name}")
             messages[name] = [asdict(r) for r in rows]
         if args.json:
@@ -358,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for lib in args.lib or [None]:
         name = Path(lib).name if lib else "built now"
-        rows = measure(data, args.reps, cvs, args.gpu_mb << 20, gpu_library(lib))
+        rows = measure(data, args.reps, cvs, args.gpu_mb << 20, gpu_library(lib), versions)
         print_rows(rows, f"{torch.cuda.get_device_name()}, {name}")
         results[name] = [asdict(r) for r in rows]
     if args.json:

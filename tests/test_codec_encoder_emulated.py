@@ -125,12 +125,12 @@ def test_unaligned_input_and_output_give_the_host_blob(lib, offset: int) -> None
     space = torch.zeros(n + 16, dtype=torch.int16)
     first = ((-space.data_ptr()) % 16 + offset) // 2
     space[first:first + n] = x.view(torch.int16)
-    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8)
-    out = torch.full((lib.ep_lossless_max_blob_bytes(n, 1, cv) + 8,), 0x5A, dtype=torch.uint8)
+    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv, 4),), 0xA5, dtype=torch.uint8)
+    out = torch.full((lib.ep_lossless_max_blob_bytes(n, 1, cv, 4) + 8,), 0x5A, dtype=torch.uint8)
     at = (-out.data_ptr()) % 4 + 1
     size = torch.zeros(1, dtype=torch.int64)
     shape = (ctypes.c_int64 * 1)(n)
-    rc = lib.ep_lossless_encode_cuda(space.data_ptr() + 2 * first, n, shape, 1, cv, out.data_ptr() + at,
+    rc = lib.ep_lossless_encode_cuda(space.data_ptr() + 2 * first, n, shape, 1, cv, 4, out.data_ptr() + at,
                                      size.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
     assert rc == 0
     assert torch.equal(out[at:at + int(size)], host)

@@ -36,7 +36,7 @@ from support.codec_kernel_cases import (
 )
 from support.emulated_cuda import build, build_racecheck, load
 from support.native import ROOT, compiler
-from test_codec_lossless_v5 import FORGERIES, _metadata_case, _mixed_message, forge
+from test_codec_lossless_v5 import FORGERIES, _metadata_case, _mixed_message, forge, one_state_blob, with_chunk_values
 
 from ep_comm.codecs import fp8, lossless
 
@@ -165,6 +165,19 @@ def test_decodes_format_version_5_with_255_extra_tables(libs, variant: str) -> N
     bad = forge(blob, "unused_table")
     assert MESSAGES[host_status(bad)] == "corrupted frequency table"
     assert device_decode(libs[variant], bad, x.numel(), 4096, "cpu")[0] == host_status(bad)
+
+
+@pytest.mark.parametrize("variant", ["default", "per_step"])
+def test_decodes_a_format_version_5_one_state_chunk_above_4096_values(libs, variant: str) -> None:
+    """A blob's only chunk of 12,288 values coded with one state (version 5 at chunk_values 65536):
+    exact on the kernels; the blob claiming chunk_values 8192 (one-state limit 4096) gets the
+    host's status, a corrupted chunk directory."""
+    x, blob = one_state_blob(12288)
+    status, y = device_decode(libs[variant], blob, x.numel(), 65536, "cpu")
+    assert status == 0 and torch.equal(y, bits(x))
+    bad = with_chunk_values(blob, 8192)
+    assert MESSAGES[host_status(bad)] == "corrupted chunk directory"
+    assert device_decode(libs[variant], bad, x.numel(), 8192, "cpu")[0] == host_status(bad)
 
 
 @pytest.mark.parametrize("variant", ["default", "per_step", "window", "early_loads"])

@@ -911,7 +911,7 @@ def test_chunk_values_is_checked_by_name():
         with pytest.raises(ValueError, match="chunk_values must be a multiple of 32"):
             lossless.encode(x, chunk_values=bad)
     assert torch.equal(lossless.encode(x, chunk_values=np.int64(64)), lossless.encode(x, chunk_values=64))
-    assert torch.equal(lossless.encode(x, chunk_values=None), lossless.encode(x, chunk_values=128))  # the default
+    assert torch.equal(lossless.encode(x, chunk_values=None), lossless.encode(x, chunk_values=65536))  # the default
 
 
 # ---- several blobs per call (one per message)
@@ -968,11 +968,12 @@ def test_default_chunking_is_even_for_large_inputs_too():
 
 
 @pytest.mark.parametrize("num_values,expected", [
-    (0, 32), (1, 32), (33, 64), (65536, 65536), (65537, 32800), (3 * 65536, 49152),
+    (0, 65536), (1, 65536), (33, 65536), (65536, 65536), (65537, 32800), (3 * 65536, 49152),
     (64 * 7168, 57344), (10 * 65536 + 5, 54624)])
 def test_default_chunking_gives_an_even_number_of_equal_chunks(num_values, expected):
-    """encode's default: the fewest chunks of at most 65,536 values, an even number of them when
-    more than one (the AVX-512 coders pair chunks), equal sizes rounded up to a multiple of 32."""
+    """encode's default: one chunk of 65,536 values up to that many, else the fewest chunks of at
+    most 65,536 values, an even number of them (the AVX-512 coders pair chunks), equal sizes
+    rounded up to a multiple of 32."""
     cv = lossless.default_chunk_values(num_values)
     assert cv == expected
     chunks = -(-num_values // cv)

@@ -28,25 +28,26 @@ class HostKernels:
     def __init__(self):
         self.calls: list[str] = []
 
-    def lossless_encode_workspace_bytes(self, num_values, chunk_values):
+    def lossless_encode_workspace_bytes(self, num_values, chunk_values, version):
         return 64 + num_values // 7
 
     def lossless_decode_workspace_bytes(self, num_values, chunk_values):
         return 32 + num_values // 9
 
-    def lossless_max_blob_bytes(self, num_values, ndim, chunk_values):
-        return _host.lossless_max_blob_bytes(num_values, ndim, chunk_values)
+    def lossless_max_blob_bytes(self, num_values, ndim, chunk_values, version):
+        return _host.lossless_max_blob_bytes(num_values, ndim, chunk_values, version)
 
-    def lossless_encode(self, values, num_values, shape, chunk_values, out, out_size, workspace, workspace_bytes,
-                        stream):
+    def lossless_encode(self, values, num_values, shape, chunk_values, version, out, out_size, workspace,
+                        workspace_bytes, stream):
         self.calls.append("encode")
-        assert workspace_bytes >= self.lossless_encode_workspace_bytes(num_values, chunk_values) and stream == 0
+        assert stream == 0
+        assert workspace_bytes >= self.lossless_encode_workspace_bytes(num_values, chunk_values, version)
         ctypes.memset(workspace, 0xEE, workspace_bytes)  # the workspace is the callee's to scribble on
         bits = np.ctypeslib.as_array((ctypes.c_int16 * num_values).from_address(values)) if num_values else \
             np.empty(0, np.int16)
         copy = bits.copy()  # alive for the call: the host binding reads it by address
-        blob = _host.lossless_encode(copy.ctypes.data, copy.size, list(shape), chunk_values, 1, True)
-        assert blob.size <= self.lossless_max_blob_bytes(num_values, len(shape), chunk_values)
+        blob = _host.lossless_encode(copy.ctypes.data, copy.size, list(shape), chunk_values, 1, True, version)
+        assert blob.size <= self.lossless_max_blob_bytes(num_values, len(shape), chunk_values, version)
         ctypes.memmove(out, blob.ctypes.data, blob.size)
         ctypes.c_int64.from_address(out_size).value = blob.size
 
@@ -147,16 +148,20 @@ def test_device_path_rejects_bad_blobs_before_the_kernel(kernels):
 
 
 def test_device_path_decodes_format_5(kernels):
-    """Format version 5 (a chunk may carry its own table): encode(version=5) codes on the host (the
-    encoder kernels write version 4; no kernel runs), and decode, decode_into and decode_into_many
-    of its blob run the decoder kernel, once per blob, and give the values back exactly; a
-    corrupted one raises the host decoder's ValueError from the kernel's status."""
+    """Format version 5 (a chunk may carry its own table): encode(version=5) runs the encoder
+    kernel, once per tensor, and gives the host encoder's version 5 blob; decode, decode_into and
+    decode_into_many of its blob run the decoder kernel, once per blob, and give the values back
+    exactly; a corrupted one raises the host decoder's ValueError from the kernel's status."""
     g = torch.Generator().manual_seed(9)
     x = torch.cat([torch.randn(8, 4096, generator=g) * 1e-4, torch.randn(8, 4096, generator=g) * 30]).bfloat16()
     z = torch.randn(3, 4096, generator=g).bfloat16()
     blob, other = lossless.encode(x, chunk_values=8192, version=5), lossless.encode(z, chunk_values=4096, version=5)
     assert int(blob[4]) == 5 and int(blob[17]) >= 1 and int(other[4]) == 5  # extra tables; none
-    assert kernels.calls == []
+    assert kernels.calls == ["encode", "encode"]
+    flat = _bits(x).reshape(-1).numpy()
+    assert torch.equal(blob, torch.from_numpy(_host.lossless_encode(flat.ctypes.data, flat.size, list(x.shape), 8192,
+                                                                    1, True, 5)))
+    kernels.calls.clear()
     assert torch.equal(_bits(lossless.decode(blob, expected_shape=(16, 4096))), _bits(x))
     out = torch.empty_like(x)
     assert lossless.decode_into(blob, out) is out and torch.equal(_bits(out), _bits(x))

@@ -87,8 +87,8 @@ def _inputs_v5() -> list[tuple[str, torch.Tensor, int | None]]:
 def test_version_5_round_trips_on_every_path_and_is_never_larger_than_4(name, x, chunk_values):
     """Every path writes the same version 5 bytes and decodes them to the input; the blob is at
     most version 4's size; its tables read back by the format's definition, every extra table used
-    by exactly one mode 0 chunk; without an extra table or an all-+0.0 chunk it is version 4's blob
-    but for the version byte and the checksum."""
+    by exactly one mode 0 chunk; without an extra table, an all-+0.0 chunk or a one-state chunk
+    above version 4's limit it is version 4's blob but for the version byte and the checksum."""
     paths = lossless.simd_paths()
     blobs = {p: lossless.encode(x, chunk_values=chunk_values, simd=p, version=5) for p in paths}
     assert len({bytes(b.numpy()) for b in blobs.values()}) == 1
@@ -105,7 +105,9 @@ def test_version_5_round_trips_on_every_path_and_is_never_larger_than_4(name, x,
     if layout["shared"]:
         assert sum(layout["shared"].values()) == 1 << layout["prob_bits"]
     zero_chunks = any(e["mode"] == 3 for e in layout["entries"])
-    if not layout["extra"] and not zero_chunks:
+    # a blob's only chunk of 4,097 to 16,384 values takes one state in version 5 only
+    one_state_5 = layout["entries"] and layout["entries"][0]["mode"] == 2 and x.numel() > 4096
+    if not layout["extra"] and not zero_chunks and not one_state_5:
         a, b = bytearray(blob.numpy().tobytes()), bytearray(v4.numpy().tobytes())
         a[4], a[12:16] = 4, b[12:16]
         assert a == b
@@ -379,3 +381,50 @@ def _chunks_of(blob: torch.Tensor) -> int:
     for d in lossless.shape_of(blob):
         n *= d
     return -(-n // struct.unpack_from("<I", b, 8)[0])
+
+
+# (values, chunk_values, the mode of the blob's only chunk): version 5 codes it with one state up
+# to a quarter of chunk_values, clamped to [4096, 16384] values
+ONE_STATE_CASES = [(4097, 65536, 2), (12288, 65536, 2), (16384, 65536, 2), (16385, 65536, 0),
+                   (16385, 1 << 17, 0), (8192, 32768, 2), (8193, 32768, 0), (4096, 8192, 2), (4097, 8192, 0)]
+
+
+@pytest.mark.parametrize("n,cv,mode", ONE_STATE_CASES)
+def test_one_chunk_blob_takes_one_state_up_to_the_version_5_limit(n, cv, mode):
+    """A blob of one chunk takes one state (mode 2) up to one_state_max_values(5, chunk_values);
+    every path writes the same bytes and decodes them; where version 4 needs 32 states, the one
+    state saves at least 64 of their 128 bytes."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    blobs = {p: lossless.encode(x, chunk_values=cv, simd=p, version=5) for p in lossless.simd_paths()}
+    assert len({bytes(b.numpy()) for b in blobs.values()}) == 1
+    blob = blobs["portable"]
+    assert _layout(blob)["entries"][0]["mode"] == mode
+    for path in lossless.simd_paths():
+        assert torch.equal(bits(lossless.decode(blob, simd=path)), bits(x)), path
+    v4 = lossless.encode(x, chunk_values=cv)
+    assert blob.numel() <= (v4.numel() - 64 if mode == 2 and n > 4096 else v4.numel()), (blob.numel(), v4.numel())
+
+
+def one_state_blob(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [n] bf16, its version 5 blob at the default chunk size, whose only chunk has one state)."""
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    blob = lossless.encode(x, version=5)
+    assert _layout(blob)["entries"][0]["mode"] == 2
+    return x, blob
+
+
+def with_chunk_values(blob: torch.Tensor, chunk_values: int) -> torch.Tensor:
+    """``blob`` claiming ``chunk_values`` in its header, its metadata checksum recomputed."""
+    bad = bytearray(blob.numpy().tobytes())
+    struct.pack_into("<I", bad, 8, chunk_values)
+    return _reseal(bad)
+
+
+def test_one_state_chunk_above_the_limit_of_its_chunk_values_is_rejected():
+    """A version 5 one-state chunk of 5,000 values is valid at chunk_values 65536 and a corrupted
+    directory at 8192 (limit 4096) on every path; at 32768 (limit 8192) it still decodes."""
+    x, blob = one_state_blob(5000)
+    assert "directory" in _same_error_everywhere(with_chunk_values(blob, 8192))
+    for path in lossless.simd_paths():
+        assert torch.equal(bits(lossless.decode(with_chunk_values(blob, 32768), simd=path)), bits(x)), path

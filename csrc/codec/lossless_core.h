@@ -39,8 +39,8 @@
 //                    kOneStateMaxValues values (the encoder uses it there, and stores the chunk raw
 //                    unless its payload plus the padded table is smaller than the values)
 //     mode 3 (+0.0): no payload, num_words = num_raw = 0, checksum 0 (every value +0.0)
-// Format version 5 (written on request, by the host encoder; decoded by the host build and the
-// CUDA decoder) is version 4 where a chunk coded with 32 states may carry a frequency table of its
+// Format version 5 (written on request by the host and CUDA encoders; decoded by the host build and
+// the CUDA decoder) is version 4 where a chunk coded with 32 states may carry a frequency table of its
 // own:
 //   header: the byte after prob_bits (0 in versions 3 and 4) is T, the number of extra tables
 //           (at most 255 and at most num_chunks; 0 unless the shared table is present), and
@@ -57,9 +57,12 @@
 //   directory entries: the u32 mode word is mode | t << 8 (bits 16-31 zero), t = 0 for the
 //           shared table, k >= 1 for extra table k - 1; only mode 0 takes t >= 1; every extra
 //           table must be some chunk's (kErrTable), a t above T or on another mode is kErrDirectory;
-//   the metadata checksum covers the whole table section (every byte before the directory).
-//   Which chunks take a table of their own is the host encoder's choice (own_table_saving_q10 in
-//   csrc/host/lossless.cpp); any choice decodes. A blob of +0.0 only is written with the largest
+//   the metadata checksum covers the whole table section (every byte before the directory);
+//   mode 2 (one state) takes a blob's only chunk of up to one_state_max_values(5, chunk_values)
+//   values (a quarter of chunk_values in [kOneStateMaxValues, kOneStateMaxValuesV5]): 124 bytes
+//   fewer than 32 states, at the cost of a serial decode;
+//   Which chunks take a table of their own is the encoders' choice (csrc/codec/lossless_tables.h,
+//   shared by the host and CUDA encoders); any choice decodes. A blob of +0.0 only is written with the largest
 //   chunk_values its values allow (one mode 3 chunk per 2^24 values): header, shape and a 16-byte
 //   entry per chunk.
 // Format version 3 (still decoded; written on request) differs in the header (32 bytes: u32
@@ -90,8 +93,8 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 4;     // what the encoder writes by default (the CUDA encoder's only one)
-constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host), decoded everywhere
+constexpr uint32_t kVersion = 4;     // what the encoders write by default
+constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host and CUDA), decoded everywhere
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;
@@ -111,7 +114,8 @@ constexpr uint32_t kModeRans = 0;
 constexpr uint32_t kModeRaw = 1;
 constexpr uint32_t kModeOneState = 2;  // version 4: one rANS state (a blob's only chunk, at most kOneStateMaxValues)
 constexpr uint32_t kModeZero = 3;      // version 4: every value +0.0, no payload
-constexpr uint32_t kOneStateMaxValues = 4096;
+constexpr uint32_t kOneStateMaxValues = 4096;     // version 4's limit, and the least version 5 takes
+constexpr uint32_t kOneStateMaxValuesV5 = 16384;  // version 5's largest limit (one_state_max_values)
 constexpr uint32_t kMaxExtraTables = 255;  // version 5: a directory entry's table index is 8 bits
 constexpr uint32_t kModeMask = 0xFF;       // version 5: a directory entry's mode word is mode | table << 8
 constexpr uint32_t kDefaultChunkValues = 65536;
@@ -407,10 +411,11 @@ EP_HD uint64_t table_entry_code_v4(uint32_t gap, uint32_t freq, uint32_t kg, uin
   return eg_code(gap, kg) | (eg_code(freq - 1, kf) << gbits);
 }
 
-// The orders of freq[1025]'s version 4 table: the lowest of the cheapest, each on its own.
-// (Host: the present entries gathered first, so a table of few symbols costs few steps.)
-EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
-  uint32_t gaps[kNumSymbols], f1[kNumSymbols], present = 0;
+// The orders of freq[1025]'s version 4 table: the lowest of the cheapest, each on its own. The
+// present entries are gathered first (into the caller's gaps[1025] and f1[1025]: device callers
+// pass workspace, not local arrays), so a table of few symbols costs few steps.
+EP_HD void table_orders_v4_in(const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps, uint32_t* f1) {
+  uint32_t present = 0;
   int previous = -1;
   for (int s = 0; s < kNumSymbols; ++s) {
     if (freq[s] == 0) continue;
@@ -429,6 +434,10 @@ EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
     if (k <= kMaxGapOrder && cg < best_g) best_g = cg, kg = k;
     if (cf < best_f) best_f = cf, kf = k;
   }
+}
+EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
+  uint32_t gaps[kNumSymbols], f1[kNumSymbols];
+  table_orders_v4_in(freq, kg, kf, gaps, f1);
 }
 
 // Bytes of freq[1025]'s version 4 table with orders kg, kf (0 when no symbol is present).
@@ -674,6 +683,16 @@ EP_HD uint64_t num_chunks_for(uint64_t num_values, uint32_t chunk_values) {
 // dimensions: 7 bits a byte, low first, the high bit set on every byte but the last, shortest form)
 // Whether format `version` has version 4's 20-byte header and LEB128 dimensions (4 and 5).
 EP_HD bool compact_header(uint32_t version) { return version >= kVersion; }
+// The most values a one-state chunk (mode 2, a blob's only chunk) may hold: kOneStateMaxValues in
+// version 4; in version 5 a quarter of chunk_values, clamped to [kOneStateMaxValues,
+// kOneStateMaxValuesV5]. One state saves 124 state bytes but decodes serially (one GPU lane), so a
+// caller that picks small chunks for parallel decoding (the transport's 8192 on a GPU) keeps
+// version 4's limit; with the default 65536 it is 16384.
+EP_HD uint32_t one_state_max_values(uint32_t version, uint32_t chunk_values) {
+  if (version != kVersion5) return kOneStateMaxValues;
+  const uint32_t quarter = chunk_values / 4;
+  return quarter < kOneStateMaxValues ? kOneStateMaxValues : quarter > kOneStateMaxValuesV5 ? kOneStateMaxValuesV5 : quarter;
+}
 EP_HD uint64_t header_bytes(uint32_t version) { return compact_header(version) ? kHeaderBytesV4 : kHeaderBytes; }
 EP_HD uint64_t meta_checksum_offset(uint32_t version) {
   return compact_header(version) ? kMetaChecksumOffsetV4 : kMetaChecksumOffset;
@@ -1054,7 +1073,8 @@ EP_HD int check_entry(const Header& h, const ChunkEntry& entry, uint32_t n) {
   if (e.mode == kModeZero)  // versions 4 and 5; all +0.0: no fields, checksum 0
     return (compact_header(h.version) && e.num_words == 0 && e.num_raw == 0 && e.checksum == 0) ? int(kOk)
                                                                                                 : int(kErrDirectory);
-  if (e.mode == kModeOneState && (!compact_header(h.version) || n > kOneStateMaxValues)) return kErrDirectory;
+  if (e.mode == kModeOneState && (!compact_header(h.version) || n > one_state_max_values(h.version, h.chunk_values)))
+    return kErrDirectory;
   if ((e.mode != kModeRans && e.mode != kModeOneState) || h.num_table_entries == 0) return kErrDirectory;
   // 32-state chunks: 11 or 12 probability bits (the SIMD decoders' constants; an extra table has
   // them); fewer: one-state only

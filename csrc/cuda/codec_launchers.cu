@@ -5,22 +5,22 @@
 
 namespace ep_comm::cuda {
 
-size_t lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values) {
-  return ep_lossless_encode_workspace_bytes(num_values, chunk_values);
+size_t lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint32_t version) {
+  return ep_lossless_encode_workspace_bytes(num_values, chunk_values, version);
 }
 
 size_t lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values) {
   return ep_lossless_decode_workspace_bytes(num_values, chunk_values);
 }
 
-size_t lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values) {
-  return ep_lossless_max_blob_bytes(num_values, ndim, chunk_values);
+size_t lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version) {
+  return ep_lossless_max_blob_bytes(num_values, ndim, chunk_values, version);
 }
 
 int launch_lossless_encode(const uint16_t* values, uint64_t num_values, const int64_t* host_shape, uint32_t ndim,
-                           uint32_t chunk_values, uint8_t* out, uint64_t* out_size, void* workspace,
+                           uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size, void* workspace,
                            size_t workspace_bytes, void* stream) {
-  return ep_lossless_encode_cuda(values, num_values, host_shape, ndim, chunk_values, out, out_size, workspace,
+  return ep_lossless_encode_cuda(values, num_values, host_shape, ndim, chunk_values, version, out, out_size, workspace,
                                  workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 

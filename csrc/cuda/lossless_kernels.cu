@@ -1,34 +1,55 @@
 // CUDA build of the lossless BF16 codec (format and coding steps: csrc/codec/lossless_core.h).
 // Blobs are byte-identical to the host encoder's; decoding reports the host decoder's statuses.
 //
-// Encode (one memset of the histogram and two tickets, then three kernels):
+// Encode, format version 4 or 5 (one memset of the histogram, the tickets and a flag, then three
+// kernels):
 //   histogram_kernel  one warp per chunk, 32 per block, each lane reading 8 values per 16-byte
 //                  load one tile ahead: the chunk's checksum and raw-field (non-zero) count, the
 //                  block's symbol histogram (shared, merged by one atomic per seen symbol) -- the
-//                  values are read once for all three. The last block to merge (a ticket taken
-//                  after a fence) builds the symbol table (build_table): the host's normalisation
-//                  with 11 and 12 bits (parallel argmax for the corrections), the host's choice
-//                  between them (prefer_12_bits, block sums), or for a blob of one small chunk the
-//                  host's choice of 6 to 12 bits (choose_one_state_prob_bits, each trial's sums in
-//                  parallel), the version 4 table's orders and size, the cumulative starts (block
-//                  scan) and the encoder's symbol table;
-//   rans_kernel    one warp per chunk, chunks handed out in order by a ticket; lanes = the core's
-//                  32 interleaved states, symbol table in shared memory, values read in 512-byte
-//                  tiles one tile ahead; the raw fields packed in the same backward pass (their
-//                  count is known, so each field's index is). Words and fields go to the warp's
-//                  scratch slot (words ending where the fields begin); the chunk's mode as on the
-//                  host (raw when coding does not pay; a blob's only chunk of at most
-//                  kOneStateMaxValues values coded by lane 0 with one state, mode 2; chunks of +0.0
-//                  only as mode 3); its offset by a decoupled look-back over the chunks before it
-//                  (which were handed out before it, so are running: no schedule deadlocks); then
-//                  a coded chunk's payload goes to its final place (states, then the slot's words
-//                  and fields in one contiguous copy of 4-byte stores, zero padding). A coded chunk
-//                  implies a table, so its place is known; raw chunks wait for layout_kernel;
-//   layout_kernel  block 0: header, format 4 table (none when no chunk is rANS-coded, as on the
-//                  host; entries' gaps by a block max-scan, their first bits by a sum-scan of their
-//                  code lengths, codes added into shared words), metadata checksum (block
-//                  reduction), blob size; the other blocks, one warp per chunk: directory entries
-//                  and raw chunks' values into place.
+//                  values are read once for all three; version 5 with chunks that may take tables
+//                  of their own (own_tables_allowed) reads them a second time for the chunk's
+//                  symbol counts (u32 x 1025 a chunk in the workspace). The last block to merge (a
+//                  ticket taken after a fence) builds the symbol table (build_table): the host's
+//                  normalisation with 11 and 12 bits (parallel argmax for the corrections), the
+//                  host's choice between them (prefer_12_bits, block sums), or for a blob of one
+//                  chunk of at most one_state_max_values (4,096 values in version 4; in version 5
+//                  a quarter of chunk_values in [4096, 16384]) the host's choice of 6 to 12 bits
+//                  (choose_one_state_prob_bits, each trial's sums in parallel), the version 4
+//                  table's orders and size, the cumulative starts (block scan) and the encoder's
+//                  symbol table; version 5: each symbol's cost under it (the surveys' reference);
+//   rans_kernel    version 5 with own tables, phase A: chunks handed out by a ticket, each
+//                  chunk's saving from a table of its own computed by one lane with the host's
+//                  own_table_saving_q10 (csrc/codec/lossless_tables.h, in the warp's scratch
+//                  slot); the block that finishes the last survey picks the takers as the host
+//                  does (largest saving first, ties by lower chunk index, at most 255 and
+//                  kMaxExtraTableSectionBytes, never every coding chunk: one block-wide argmax a
+//                  taker), builds their tables (choose_prob_bits, one warp's lane each) and the
+//                  shared table refitted to the other chunks where refit_pays, then publishes a
+//                  flag that the other blocks wait for (no deadlock: see rans_kernel). Phase B
+//                  (every version): one warp per chunk, chunks handed out in order by a ticket;
+//                  lanes = the core's 32 interleaved states, the shared table in shared memory (a
+//                  chunk's own table read from the workspace), values read in 512-byte tiles one
+//                  tile ahead; the raw fields packed in the same backward pass (their count is
+//                  known, so each field's index is). Words and fields go to the warp's scratch
+//                  slot (words ending where the fields begin); the chunk's mode as on the host (raw
+//                  when coding does not pay; a blob's only small chunk coded by lane 0 with one
+//                  state, mode 2; chunks of +0.0 only as mode 3); its offset by a decoupled
+//                  look-back over the chunks before it (which were handed out before it, so are
+//                  running: no schedule deadlocks); then a coded chunk's payload goes to its place
+//                  after every table chosen (states, then the slot's words and fields in one
+//                  contiguous copy of 4-byte stores, zero padding). A coded chunk implies the
+//                  shared table, so its place is known; raw chunks wait for layout_kernel;
+//   layout_kernel  block 0: header (version 5: the extra tables' count T in byte 17), the shared
+//                  table (none when no chunk is rANS-coded, as on the host; entries' gaps by a
+//                  block max-scan, their first bits by a sum-scan of their code lengths, codes
+//                  added into shared words), version 5's extra tables (one warp each: prob_bits,
+//                  LEB128 length, write_table_v4), metadata checksum over the whole table section
+//                  (block reduction), blob size; the other blocks, one warp per chunk: directory
+//                  entries (version 5: the chunk's table in the mode word) and raw chunks' values
+//                  into place. Version 5 as the host's pass after coding: a chunk with a table of
+//                  its own that was stored raw drops it (the others renumbered; block 0 alone then
+//                  moves the coded payloads down by the bytes dropped and places every chunk), and
+//                  a blob of +0.0 only in several chunks is written as the fewest chunks.
 // Decode (three launches; formats 2 to 5):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
@@ -53,6 +74,7 @@
 #include <cuda_runtime.h>
 
 #include "codec/lossless_core.h"
+#include "codec/lossless_tables.h"
 #include "codec_launch.h"
 #include "common/device_sync.h"
 #include "launch.h"
@@ -159,27 +181,63 @@ struct Carver {
   }
 };
 
+// The encoder's SharedSym of a table (the encoder's symbol info in 16 bytes instead of EncSym's 32).
+struct SharedSym {
+  uint64_t rcp;
+  uint32_t start;
+  uint32_t freq;
+};
+
+// ws.table_info's words.
+enum TableInfo : int {
+  kInfoGapOrder = 0,   // the shared table's version 4 orders and bytes
+  kInfoFreqOrder,
+  kInfoSharedBytes,
+  kInfoCoded,          // 1 when some chunk is rANS-coded (the blob has its tables)
+  kInfoNotZero,        // 1 when some chunk is not +0.0 only (mode 3)
+  kInfoTakerRaw,       // version 5: 1 when a chunk with a table of its own is stored raw (the table dropped)
+  kInfoExtraTables,    // version 5: the extra tables chosen (before any is dropped)
+  kInfoExtraBytes,     // version 5: their bytes with framing
+  kInfoWords
+};
+
 // Encoder workspace, carved out of one allocation.
 struct EncWs {
   unsigned long long* counts;        // [kNumSymbols]: the histogram (zeroed by the launcher, kSyncBytes
-                                     // with the two tickets)
+                                     // with the tickets and the flag below)
   unsigned long long* block_ticket;  // [1]: histogram_kernel's blocks that have merged their histogram
-  unsigned long long* chunk_ticket;  // [1]: rans_kernel's chunks handed out
-  EncSym* syms;                      // [kNumSymbols]
+  unsigned long long* chunk_ticket;  // [1]: rans_kernel's chunks handed out to be coded (phase B)
+  unsigned long long* survey_ticket; // [1]: version 5: rans_kernel's chunks handed out to be surveyed (phase A)
+  unsigned long long* surveyed;      // [1]: version 5: the chunks surveyed
+  unsigned long long* tables_ready;  // [1]: version 5: 1 once the final tables are built (release / acquire)
+  EncSym* syms;                      // [kNumSymbols]: the shared table (version 5: the final one after phase A)
   ChunkEntry* entries;               // [chunks]: num_raw and checksum by histogram_kernel, the rest by rans_kernel
   unsigned long long* lookback;      // [chunks]: rans_kernel's look-back words (zeroed by histogram_kernel)
   uint64_t* offsets;                 // [chunks]: a chunk's payload offset from the first payload's
-  uint32_t* table_info;              // [4]: the version 4 table's gap order, frequency order and bytes;
-                                     // then 1 when some chunk is rANS-coded (the blob has the table)
+  uint32_t* table_info;              // [kInfoWords]: TableInfo
   uint8_t* scratch;                  // [slots * slot_bytes]: one slot per rans_kernel warp that codes
   uint64_t slots;                    // min(chunks, the warps of rans_kernel's grid)
   uint64_t slot_values;              // min(cv, n): the most values of a chunk
-  uint64_t slot_bytes;               // kSlotGuard, words [2 slot_values], raw fields, slack
+  uint64_t slot_bytes;               // kSlotGuard, words [2 slot_values], raw fields, slack (own tables:
+                                     // at least kSurveyScratchBytes)
+  // version 5 with own tables (own_tables_allowed), else null:
+  uint32_t* chunk_counts;            // [chunks * kNumSymbols]: each chunk's symbol counts (histogram_kernel)
+  uint64_t* shared_cost;             // [kNumSymbols]: symbol_cost_q10 under the first shared table
+  uint64_t* saving;                  // [chunks]: own_table_saving_q10 (phase A)
+  uint32_t* section;                 // [chunks]: the own table's bytes with framing (phase A)
+  uint32_t* chunk_table;             // [chunks]: 0 = the shared table, k >= 1 = extra table k - 1
+  uint32_t* extra_chunk;             // [extra = min(chunks, kMaxExtraTables)]: extra table k's chunk
+  uint32_t* extra_info;              // [extra * 4]: prob_bits, gap order, frequency order, bytes
+  uint32_t* extra_freq;              // [extra * kNumSymbols]
+  SharedSym* extra_syms;             // [extra * kNumSymbols]
 };
 
-constexpr size_t kSyncBytes = 8 * (kNumSymbols + 2);  // counts and the two tickets
+constexpr size_t kSyncBytes = 8 * (kNumSymbols + 5);  // counts, the four tickets and the flag
+// A survey's scratch in a warp's slot: u64 counts[1025], then own_table_saving_q10's words.
+constexpr uint64_t kSurveyScratchBytes = 8 * kNumSymbols + 4 * kOwnTableScratchWords;
 constexpr uint64_t kSlotGuard = 16;  // below the words: rans_encode_one_state's store below its cursor
 constexpr uint64_t kRansMaxBlocks = 2048;  // rans_kernel's grid at most (its warps take chunks by ticket)
+constexpr int kRansMinBlocks = 4;          // rans_kernel's blocks resident per SM (its register bound)
 constexpr uint64_t kGridMax = 65535;
 
 uint64_t blocks_for(uint64_t items, uint64_t per_block, uint64_t most) {
@@ -194,22 +252,44 @@ uint64_t slot_bytes_for(uint64_t values) {
   return (kSlotGuard + 2 * values + 6 * ((values + 7) / 8) + 8 + 15) & ~15ull;
 }
 
-size_t carve(uint64_t n, uint32_t cv, char* base, EncWs* ws) {
+size_t carve(uint64_t n, uint32_t cv, uint32_t version, char* base, EncWs* ws) {
   const uint64_t chunks = num_chunks_for(n, cv), warps = kWarpsPerBlock * blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks);
+  const bool own = own_tables_allowed(version, chunks, cv);
   Carver c{base};
   EncWs w;
   w.counts = c.take<unsigned long long>(kSyncBytes);
   w.block_ticket = base ? w.counts + kNumSymbols : nullptr;
   w.chunk_ticket = base ? w.counts + kNumSymbols + 1 : nullptr;
+  w.survey_ticket = base ? w.counts + kNumSymbols + 2 : nullptr;
+  w.surveyed = base ? w.counts + kNumSymbols + 3 : nullptr;
+  w.tables_ready = base ? w.counts + kNumSymbols + 4 : nullptr;
   w.syms = c.take<EncSym>(sizeof(EncSym) * kNumSymbols);
   w.entries = c.take<ChunkEntry>(sizeof(ChunkEntry) * chunks);
   w.lookback = c.take<unsigned long long>(8 * chunks);
   w.offsets = c.take<uint64_t>(8 * chunks);
-  w.table_info = c.take<uint32_t>(4 * 4);
+  w.table_info = c.take<uint32_t>(4 * kInfoWords);
   w.slots = chunks < warps ? chunks : warps;
   w.slot_values = n < cv ? n : cv;
   w.slot_bytes = slot_bytes_for(w.slot_values);
+  if (own && w.slot_bytes < kSurveyScratchBytes) w.slot_bytes = (kSurveyScratchBytes + 15) & ~15ull;
   w.scratch = c.take<uint8_t>(w.slots * w.slot_bytes);
+  // extra tables: at most one a chunk, kMaxExtraTables in all
+  const uint64_t extra = own ? (chunks < kMaxExtraTables ? chunks : kMaxExtraTables) : 0;
+  const uint64_t own_chunks = own ? chunks : 0;
+  w.chunk_counts = c.take<uint32_t>(4 * kNumSymbols * own_chunks);
+  w.shared_cost = c.take<uint64_t>(own ? 8 * kNumSymbols : 0);
+  w.saving = c.take<uint64_t>(8 * own_chunks);
+  w.section = c.take<uint32_t>(4 * own_chunks);
+  w.chunk_table = c.take<uint32_t>(4 * own_chunks);
+  w.extra_chunk = c.take<uint32_t>(4 * extra);
+  w.extra_info = c.take<uint32_t>(16 * extra);
+  w.extra_freq = c.take<uint32_t>(4 * kNumSymbols * extra);
+  w.extra_syms = c.take<SharedSym>(sizeof(SharedSym) * kNumSymbols * extra);
+  if (!own) {
+    w.chunk_counts = w.chunk_table = w.section = w.extra_chunk = w.extra_info = w.extra_freq = nullptr;
+    w.shared_cost = w.saving = nullptr;
+    w.extra_syms = nullptr;
+  }
   if (ws) *ws = w;
   return c.off;
 }
@@ -369,10 +449,11 @@ __device__ uint32_t table_v4_block(const uint32_t* freq, int* scratch_int, uint3
 
 // One symbol table from the blob's histogram counts[1025] (shared memory), normalised exactly as the
 // host encoder does (11 and 12 bits, then prefer_12_bits; for a blob of one chunk of at most
-// kOneStateMaxValues values, choose_one_state_prob_bits; all zero for n == 0): ws.syms and
-// ws.table_info (orders, bytes; no chunk coded yet). One block of kMetaThreads threads, every thread
-// calls.
-__device__ void build_table(const unsigned long long* counts, uint64_t n, uint64_t chunks, const EncWs& ws) {
+// `one_state_max` values (one_state_max_values), choose_one_state_prob_bits; all zero for n == 0):
+// ws.syms and ws.table_info (orders, bytes; no chunk coded yet, no extra table), and with own tables
+// (version 5) ws.shared_cost. One block of kMetaThreads threads, every thread calls.
+__device__ void build_table(const unsigned long long* counts, uint64_t n, uint64_t chunks, uint32_t one_state_max,
+                            const EncWs& ws) {
   __shared__ uint32_t freq[kNumSymbols], freq12[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
@@ -380,7 +461,7 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
   __shared__ int64_t diff;
   const int t = threadIdx.x;
   int prob_bits = kProbBits;
-  if (n > 0 && chunks == 1 && n <= kOneStateMaxValues) {
+  if (n > 0 && chunks == 1 && n <= one_state_max) {
     // choose_one_state_prob_bits, each trial normalised into freq12 and its sums in parallel
     uint32_t present_mine = 0;
     for (int s = t; s < kNumSymbols; s += kMetaThreads) present_mine += counts[s] != 0;
@@ -438,12 +519,11 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
   __syncthreads();
   uint32_t kg = 0, kf = 0;
   const uint32_t table_bytes = table_v4_block(freq, scratch_int, scratch32, kg, kf);
-  if (t == 0) {
-    ws.table_info[0] = kg;
-    ws.table_info[1] = kf;
-    ws.table_info[2] = table_bytes;
-    ws.table_info[3] = 0;
-  }
+  if (t < kInfoWords)
+    ws.table_info[t] = t == kInfoGapOrder ? kg : t == kInfoFreqOrder ? kf : t == kInfoSharedBytes ? table_bytes : 0u;
+  if (ws.shared_cost != nullptr)
+    for (int s = t; s < kNumSymbols; s += kMetaThreads)
+      ws.shared_cost[s] = freq[s] == 0 ? 0ull : symbol_cost_q10(freq[s], uint32_t(prob_bits));
   // cumulative starts: thread t owns symbol t; thread 0 also owns the last symbol (after the scan)
   uint32_t total = 0;
   const uint32_t start = block_exclusive_scan<uint32_t>(t < kNumSymbols - 1 ? freq[t] : 0u, scratch32, &total);
@@ -458,7 +538,8 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
 // histogram (build_table): each block's adds are ordered before its ticket, so that block sees
 // them all.
 __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
-                                                                uint64_t chunks, bool aligned, EncWs ws) {
+                                                                uint64_t chunks, bool aligned, uint32_t one_state_max,
+                                                                EncWs ws) {
   __shared__ unsigned int hist[kNumSymbols];
   __shared__ unsigned long long merged[kNumSymbols];
   __shared__ int last_block;
@@ -498,6 +579,15 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
       ws.entries[c] = ChunkEntry{kModeRans, 0, nr, checksum};
       ws.lookback[c] = 0;
     }
+    if (ws.chunk_counts != nullptr) {  // version 5 with own tables: the chunk's symbol counts, a second read
+      uint32_t* own = ws.chunk_counts + c * kNumSymbols;
+      for (int s = lane; s < kNumSymbols; s += kLanes) own[s] = s == kZeroSymbol ? zeros : 0u;
+      __syncwarp();
+      for (uint32_t i = lane; i < cn; i += kLanes) {
+        const uint16_t x = v[i];
+        if (x != 0) atomicAdd(&own[symbol_of(x)], 1u);
+      }
+    }
   }
   __syncthreads();
   for (int s = t; s < kNumSymbols; s += kMetaThreads)
@@ -511,15 +601,8 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
   for (int s = t; s < kNumSymbols; s += kMetaThreads)
     merged[s] = *reinterpret_cast<volatile unsigned long long*>(&ws.counts[s]);  // from L2, not a stale L1 line
   __syncthreads();
-  build_table(merged, n, chunks, ws);
+  build_table(merged, n, chunks, one_state_max, ws);
 }
-
-// The encoder's symbol info in shared memory: 16 bytes instead of EncSym's 32.
-struct SharedSym {
-  uint64_t rcp;
-  uint32_t start;
-  uint32_t freq;
-};
 
 // Look-back words (ws.lookback): 0 until published, then kAggregate | the chunk's padded payload
 // bytes, then kInclusive | the padded payload bytes of chunks [0, c].
@@ -601,41 +684,334 @@ __device__ void pack_groups(const uint8_t* ring, uint32_t first, uint32_t end, u
   }
 }
 
-// Kernel 2: one warp per chunk, chunks handed out by ticket (ws.chunk_ticket) in order; lane l owns
-// values i with i % 32 == l, as in the core (rans_encode_chunk). Symbol table in shared memory,
-// values read in 512-byte tiles one tile ahead, steps backwards (in a step lane 31 codes first, so
-// its word lands highest). The same pass packs the raw fields: their count per chunk is known
-// (histogram_kernel), so a value's field index is known going backwards; staged one byte a field
-// in a shared ring, packed 8 to 6 bytes once a group is complete. Words and packed fields go to the
-// warp's scratch slot, words ending where the fields begin. The chunk's mode as on the host (raw
-// when coding does not pay; +0.0 only: mode 3; a blob's only chunk of at most kOneStateMaxValues
-// values: one state, mode 2, coded by lane 0), then its offset (lookback_offset) and its payload
-// into its final place: states from registers, then the slot's words and fields as one contiguous
-// copy. Raw chunks are left to layout_kernel, which knows whether the blob has a table (the first
-// payload's offset); a coded chunk means it does.
+// The rANS pass of chunk values v[0, cn) (nr of them not +0.0) with `table` (2^prob_bits slots),
+// one warp (every lane calls): lane l owns values i with i % 32 == l, as in the core
+// (rans_encode_chunk); values read in 512-byte tiles one tile ahead, steps backwards (in a step lane
+// 31 codes first, so its word lands highest). The same pass packs the raw fields: their count is
+// known (histogram_kernel), so a value's field index is known going backwards; staged one byte a
+// field in the warp's shared ring, packed 8 to 6 bytes once a group is complete. Words end at
+// words_end, where the packed fields (`raw`) begin. `one_state`: only the fields here, the symbols
+// coded by lane 0 after (rans_encode_one_state). Returns the words' count; x gets the lane's final
+// state. Inlined at each call, so a table in shared memory is read with shared loads.
+__device__ __forceinline__ uint32_t code_chunk_warp(const SharedSym* table, uint32_t prob_bits, const uint16_t* v,
+                                                    uint32_t cn, uint32_t nr, bool aligned, bool one_state,
+                                                    uint16_t* tile, uint8_t* ring, uint16_t* words_end, uint8_t* raw,
+                                                    int lane, uint32_t& x) {
+  const unsigned below = (1u << lane) - 1u;
+  const uint32_t steps = (cn + kLanes - 1) / kLanes;
+  const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
+  // raw fields: those of values at or after the current step (`after`); groups from `packed` on
+  // are packed; zero fields fill the last group (the last byte's unused bits)
+  const uint32_t groups = (nr + 7) / 8;
+  uint32_t after = 0, packed = groups;
+  __syncwarp();
+  if (uint32_t(lane) < 8 * groups - nr) ring[(nr + lane) % kFieldRing] = 0;
+  uint32_t nw = 0;
+  x = kStateLow;
+  Tile8 next = fetch_tile(v, cn, (num_tiles - 1) * kTileValues, aligned, lane);
+  for (uint32_t tt = num_tiles; tt-- > 0;) {
+    __syncwarp();
+    store_tile(tile, next, lane);
+    __syncwarp();
+    if (tt > 0) next = fetch_tile(v, cn, (tt - 1) * kTileValues, aligned, lane);
+    for (int s = int(kTileValues / kLanes) - 1; s >= 0; --s) {
+      const uint32_t t = tt * (kTileValues / kLanes) + uint32_t(s);
+      if (t >= steps) continue;  // warp-uniform
+      const uint32_t i = t * kLanes + lane;
+      const bool valid = i < cn;
+      const uint16_t value = tile[uint32_t(s) * kLanes + lane];  // 0 past the end: no field
+      const unsigned nz = __ballot_sync(kFull, value != 0);
+      if (value != 0) ring[(nr - after - __popc(nz) + __popc(nz & below)) % kFieldRing] = uint8_t(raw_of(value));
+      after += __popc(nz);
+      if (one_state) continue;
+      const SharedSym sym = table[valid ? symbol_of(value) : 0];
+      const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - prob_bits));  // enc_needs_word
+      const unsigned mask = __ballot_sync(kFull, need);
+      const uint32_t k = __popc(mask);
+      if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
+      nw += k;
+      if (need) x >>= 16;
+      if (valid) {  // enc_put
+        const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
+        x = (q << prob_bits) + (x - q * sym.freq) + sym.start;
+      }
+    }
+    // every field of groups [ceil((nr - after) / 8), packed) is in the ring (at most 263 pending)
+    __syncwarp();
+    const uint32_t complete = (nr - after + 7) / 8;
+    pack_groups(ring, complete, packed, raw, lane);
+    packed = complete;
+  }
+  return nw;
+}
+
+// A survey's scratch in a warp's slot: u64 counts[1025], then own_table_saving_q10's words.
+__device__ uint64_t* survey_counts(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
+__device__ uint32_t* survey_scratch(uint8_t* slot) { return reinterpret_cast<uint32_t*>(slot + 8 * kNumSymbols); }
+
+// Version 5, phase A: chunk c's saving from a table of its own (own_table_saving_q10 of its counts,
+// by lane 0 in the warp's slot; 0 for a chunk under kMinOwnTableValues values or of +0.0 only, as
+// on the host) into ws.saving[c] and ws.section[c]; its table 0 until final_tables. One warp, every lane
+// calls.
+__device__ void survey_chunk(uint64_t n, uint32_t cv, uint64_t c, const EncWs& ws, uint8_t* slot, int lane) {
+  const uint32_t cn = chunk_values_of(n, cv, c), zeros = cn - ws.entries[c].num_raw;
+  uint64_t saving = 0;
+  uint32_t section = 0;
+  if (cn >= kMinOwnTableValues && zeros != cn) {
+    uint64_t* counts = survey_counts(slot);
+    const uint32_t* own = ws.chunk_counts + c * kNumSymbols;
+    for (int s = lane; s < kNumSymbols; s += kLanes) counts[s] = own[s];
+    __syncwarp();
+    if (lane == 0) saving = own_table_saving_q10(counts, cn, zeros, ws.shared_cost, section, survey_scratch(slot));
+    __syncwarp();  // the slot is read before the warp's next survey writes it
+  }
+  if (lane == 0) {
+    ws.saving[c] = saving;
+    ws.section[c] = section;
+    ws.chunk_table[c] = 0;
+  }
+}
+
+// The later of two candidates (saving, chunk) in own_table_before's order; chunk ~0: none.
+__device__ void keep_first_taker(uint64_t& s, uint64_t& c, uint64_t os, uint64_t oc) {
+  if (oc != ~0ull && (c == ~0ull || own_table_before(os, oc, s, c))) s = os, c = oc;
+}
+
+// Version 5, phase A's end: the host's build_final_tables, by one block of kBlockThreads threads
+// (every thread calls) while no chunk is surveyed or coded (every survey is done, no chunk coded
+// before ws.tables_ready): the takers, their extra tables (ws.chunk_table, extra_chunk, extra_info,
+// extra_freq, extra_syms; table_info's kInfoExtraTables and kInfoExtraBytes) and the shared table,
+// refitted where refit_pays (ws.syms, table_info's orders and bytes). `pool`: 16,400 bytes of
+// shared memory.
+__device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const EncWs& ws, unsigned char* pool) {
+  __shared__ uint32_t picked[kMaxExtraTables];
+  __shared__ uint32_t num_picked, fitted_bits;
+  __shared__ unsigned long long used, keepers, zero_values, total;
+  __shared__ uint64_t best_saving[kWarpsPerBlock], best_chunk[kWarpsPerBlock];
+  const int t = threadIdx.x, lane = t & 31, warp = t / 32;
+  if (t == 0) {
+    num_picked = fitted_bits = 0;
+    used = keepers = zero_values = total = 0;
+  }
+  __syncthreads();
+  // The takers, one a round: the first in own_table_before's order, after the previous taker, of
+  // the chunks with a saving whose table fits in the bytes left. The host's greedy pass over the
+  // chunks sorted in that order takes the same ones: a chunk it passes over did not fit in bytes
+  // left that only shrink after, and the bytes left only change at a taker.
+  uint64_t prev_s = 0, prev_c = ~0ull;
+  for (;;) {
+    if (num_picked == kMaxExtraTables) break;  // (block-uniform)
+    const uint64_t room_used = used;
+    uint64_t bs = 0, bc = ~0ull;
+    for (uint64_t c = t; c < chunks; c += kBlockThreads) {
+      const uint64_t s = ws.saving[c];
+      if (s == 0 || (prev_c != ~0ull && !own_table_before(prev_s, prev_c, s, c))) continue;
+      if (own_table_fits(room_used, ws.section[c])) keep_first_taker(bs, bc, s, c);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const uint64_t os = __shfl_xor_sync(kFull, bs, o), oc = __shfl_xor_sync(kFull, bc, o);
+      keep_first_taker(bs, bc, os, oc);
+    }
+    if (lane == 0) best_saving[warp] = bs, best_chunk[warp] = bc;
+    __syncthreads();
+    for (int w = 0; w < kWarpsPerBlock; ++w) keep_first_taker(bs, bc, best_saving[w], best_chunk[w]);
+    __syncthreads();  // best_* read before the next round writes them; num_picked and used read
+    if (bc == ~0ull) break;  // (block-uniform)
+    if (t == 0) {
+      picked[num_picked++] = static_cast<uint32_t>(bc);
+      used += ws.section[bc];
+    }
+    prev_s = bs, prev_c = bc;
+    __syncthreads();
+  }
+  uint32_t np = num_picked;
+  for (uint32_t k = t; k < np; k += kBlockThreads) ws.chunk_table[picked[k]] = 1;
+  __syncthreads();
+  // keepers: the chunks that keep the shared table and code symbols; the +0.0 of chunks of +0.0 only
+  unsigned long long my_keepers = 0, my_zeros = 0;
+  for (uint64_t c = t; c < chunks; c += kBlockThreads) {
+    if (ws.entries[c].num_raw == 0) my_zeros += chunk_values_of(n, cv, c);
+    else if (ws.chunk_table[c] == 0) ++my_keepers;
+  }
+  atomicAdd(&keepers, my_keepers);
+  atomicAdd(&zero_values, my_zeros);
+  __syncthreads();
+  if (keepers == 0 && np > 0) {  // (block-uniform: every thread reads keepers before thread 0 sets it)
+    __syncthreads();  // never every chunk that codes symbols: the lowest taker keeps the shared table
+    if (t == 0) {
+      uint32_t lowest = 0;
+      for (uint32_t k = 1; k < np; ++k) lowest = picked[k] < picked[lowest] ? k : lowest;
+      ws.chunk_table[picked[lowest]] = 0;
+      picked[lowest] = picked[np - 1];
+      num_picked = np - 1;
+      keepers = 1;
+    }
+    __syncthreads();
+    np = num_picked;
+  }
+  const uint64_t kp = keepers;
+  // extra tables numbered in chunk order, as on the host
+  for (uint32_t k = t; k < np; k += kBlockThreads) {
+    uint32_t rank = 0;
+    for (uint32_t j = 0; j < np; ++j) rank += picked[j] < picked[k];
+    ws.chunk_table[picked[k]] = rank + 1;
+    ws.extra_chunk[rank] = picked[k];
+  }
+  __syncthreads();
+  // each extra table (the host's choose_frequencies and finish_table): lane 0 of a warp with a slot
+  // in the slot's scratch, the warp's lanes fill its symbol table
+  const uint32_t table_warps = ws.slots < uint64_t(kWarpsPerBlock) ? uint32_t(ws.slots) : uint32_t(kWarpsPerBlock);
+  if (uint32_t(warp) < table_warps) {
+    uint8_t* slot = ws.scratch + uint64_t(warp) * ws.slot_bytes;
+    uint64_t* counts = survey_counts(slot);
+    uint32_t* scratch = survey_scratch(slot);
+    for (uint32_t k = warp; k < np; k += table_warps) {
+      const uint64_t c = ws.extra_chunk[k];
+      const uint32_t* own = ws.chunk_counts + c * kNumSymbols;
+      for (int s = lane; s < kNumSymbols; s += kLanes) counts[s] = own[s];
+      __syncwarp();
+      uint32_t* freq = ws.extra_freq + uint64_t(k) * kNumSymbols;
+      uint32_t* info = ws.extra_info + 4ull * k;
+      if (lane == 0) {
+        const int pb = choose_prob_bits(counts, chunk_values_of(n, cv, c), 1, freq, scratch);
+        uint32_t kg = 0, kf = 0;
+        table_orders_v4_in(freq, kg, kf, scratch, scratch + kNumSymbols);
+        info[0] = uint32_t(pb);
+        info[1] = kg;
+        info[2] = kf;
+        info[3] = table_bytes_v4(freq, kg, kf);
+        cumulative(freq, scratch, pb);
+      }
+      __syncwarp();
+      const int pb = int(info[0]);
+      for (int s = lane; s < kNumSymbols; s += kLanes) {
+        const EncSym e = make_enc_sym(scratch[s], freq[s], pb);
+        ws.extra_syms[uint64_t(k) * kNumSymbols + s] = SharedSym{e.rcp, e.start, e.freq};
+      }
+      __syncwarp();  // the slot is read before the warp's next table writes it
+    }
+  }
+  __syncthreads();
+  // the shared table: refitted to the keepers' symbols (the blob's less the takers' and the +0.0
+  // of chunks of +0.0 only) where refit_pays, else the first one (already in ws.syms)
+  uint64_t* counts = reinterpret_cast<uint64_t*>(pool);
+  uint32_t* fitted = reinterpret_cast<uint32_t*>(pool + 8 * kNumSymbols);
+  uint32_t* freq12 = fitted + kNumSymbols;
+  unsigned long long my_total = 0;
+  for (int s = t; s < kNumSymbols; s += kBlockThreads) {
+    uint64_t v = ws.counts[s];
+    for (uint32_t k = 0; k < np; ++k) v -= ws.chunk_counts[uint64_t(ws.extra_chunk[k]) * kNumSymbols + s];
+    if (s == kZeroSymbol) v -= zero_values;
+    counts[s] = v;
+    my_total += v;
+  }
+  atomicAdd(&total, my_total);
+  __syncthreads();
+  if (t == 0) {
+    uint32_t extra_bytes = 0;
+    for (uint32_t k = 0; k < np; ++k) extra_bytes += extra_table_bytes(ws.extra_info[4 * k + 3]);
+    ws.table_info[kInfoExtraTables] = np;
+    ws.table_info[kInfoExtraBytes] = extra_bytes;
+    if (total > 0) {
+      uint32_t* scratch = survey_scratch(ws.scratch);  // slot 0's: its warp's tables are done
+      const int fb = choose_prob_bits(counts, total, kp, fitted, freq12);
+      uint32_t kg = 0, kf = 0;
+      table_orders_v4_in(fitted, kg, kf, scratch, scratch + kNumSymbols);
+      const uint32_t fitted_bytes = table_bytes_v4(fitted, kg, kf);
+      if (refit_pays(counts, total, kp, ws.shared_cost, ws.table_info[kInfoSharedBytes], fitted, uint32_t(fb),
+                     fitted_bytes)) {
+        ws.table_info[kInfoGapOrder] = kg;
+        ws.table_info[kInfoFreqOrder] = kf;
+        ws.table_info[kInfoSharedBytes] = fitted_bytes;
+        cumulative(fitted, freq12, fb);
+        fitted_bits = uint32_t(fb);
+      }
+    }
+  }
+  __syncthreads();
+  if (fitted_bits != 0)
+    for (int s = t; s < kNumSymbols; s += kBlockThreads)
+      ws.syms[s] = make_enc_sym(freq12[s], fitted[s], int(fitted_bits));
+}
+
+// Kernel 2: one warp per chunk, 8 per block.
+// Version 5 with own tables (own_tables_allowed), phase A first: chunks handed out by a ticket
+// (ws.survey_ticket) to the warps with a scratch slot, each chunk's saving from a table of its own
+// (survey_chunk); the block whose warp finishes the last survey (a count taken after a fence)
+// builds the final tables (final_tables) and publishes ws.tables_ready (release); every other block
+// waits for it (acquire). No schedule deadlocks: a block waits only once its warps found the
+// survey tickets exhausted, so every survey was handed to a running warp, which finishes it
+// without waiting on anything, and the block that finishes the last one is running and builds the
+// tables without waiting on another block.
+// Phase B (every version): chunks handed out by ticket (ws.chunk_ticket) in order, each coded with
+// its table (code_chunk_warp: the shared table from shared memory, an extra table from the
+// workspace) into the warp's scratch slot. The chunk's mode as on the host (raw when coding does
+// not pay; +0.0 only: mode 3; a blob's only chunk of at most one_state_max values: one state,
+// mode 2, coded by lane 0), then its offset (lookback_offset) and its payload into its final place
+// after every table chosen (a chunk with a table of its own stored raw drops it: layout_kernel
+// then moves the payloads down): states from registers, then the slot's words and fields as one
+// contiguous copy. Raw chunks are left to layout_kernel, which knows whether the blob has a table
+// (the first payload's offset); a coded chunk means it does.
 // Traffic per value: the values read once (2 bytes), words and fields written to the slot and read
 // back by the same warp right after the look-back, the payload written once.
-__global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
-                                                            uint64_t chunks, bool aligned, EncWs ws,
-                                                            uint64_t table_at, uint8_t* out, bool out_aligned) {
-  __shared__ SharedSym syms[kNumSymbols];
+// (__launch_bounds__: at most 64 registers a thread, so that 4 blocks, 32 warps, stay resident on an
+// SM for the coding pass; unbounded, version 5's serial table code takes the kernel to 96
+// registers and 2 blocks. Bounded, it compiles without spills: tests/test_sass_codec.py.)
+__global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
+    rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
+                uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
+  // the shared table's SharedSym[kNumSymbols]; in phase A's last block, final_tables' arrays first
+  __shared__ __align__(16) unsigned char pool[sizeof(SharedSym) * kNumSymbols];
   __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
   __shared__ __align__(8) uint8_t rings[kWarpsPerBlock][kFieldRing];
+  __shared__ int last_survey;
+  SharedSym* syms = reinterpret_cast<SharedSym*>(pool);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const uint64_t slot_index = uint64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  const bool has_slot = slot_index < ws.slots;  // more warps than chunks: this one takes none
+  uint8_t* slot = ws.scratch + (has_slot ? slot_index : 0) * ws.slot_bytes;
+  const bool own_tables = ws.chunk_table != nullptr;
+  if (own_tables) {
+    if (threadIdx.x == 0) last_survey = 0;
+    __syncthreads();
+    while (has_slot) {
+      unsigned long long ticket = 0;
+      if (lane == 0) ticket = atomicAdd(ws.survey_ticket, 1ull);
+      const uint64_t c = __shfl_sync(kFull, ticket, 0);
+      if (c >= chunks) break;
+      survey_chunk(n, cv, c, ws, slot, lane);
+      if (lane == 0) {
+        __threadfence();  // the survey's stores before its count
+        if (atomicAdd(ws.surveyed, 1ull) == chunks - 1) last_survey = 1;
+      }
+    }
+    __syncthreads();
+    if (last_survey) {
+      __threadfence();  // every survey's stores, ordered before the counts this block saw
+      final_tables(n, cv, chunks, ws, pool);
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) ep_comm::st_release_sys(reinterpret_cast<int*>(ws.tables_ready), 1);
+    } else {
+      if (threadIdx.x == 0)
+        while (ep_comm::ld_acquire_sys(reinterpret_cast<const int*>(ws.tables_ready)) == 0) ep_comm::spin_pause();
+      __syncthreads();
+      __threadfence();
+    }
+  }
   for (int s = threadIdx.x; s < kNumSymbols; s += blockDim.x) {
     const EncSym e = ws.syms[s];
     syms[s] = SharedSym{e.rcp, e.start, e.freq};
   }
   __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const unsigned below = (1u << lane) - 1u;
-  const uint32_t prob_bits = ws.syms[0].prob_bits, table_bytes = ws.table_info[2];
-  const uint64_t data_at = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(chunks));  // with the table
-  const bool one_state = chunks == 1 && n <= kOneStateMaxValues;
+  if (!has_slot) return;
+  const uint32_t prob_bits = ws.syms[0].prob_bits, shared_bytes = ws.table_info[kInfoSharedBytes];
+  // every table chosen: a coded chunk's payload goes after them
+  const uint64_t data_at = data_offset_at(table_at, shared_bytes + ws.table_info[kInfoExtraBytes],
+                                          static_cast<uint32_t>(chunks));
+  const bool one_state = chunks == 1 && n <= one_state_max;
   uint16_t* tile = tiles[warp];
   uint8_t* ring = rings[warp];
-  const uint64_t slot_index = uint64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (slot_index >= ws.slots) return;  // more warps than chunks: this one takes none
-  uint8_t* slot = ws.scratch + slot_index * ws.slot_bytes;
   uint16_t* words_end = reinterpret_cast<uint16_t*>(slot + kSlotGuard) + ws.slot_values;
   uint8_t* raw = reinterpret_cast<uint8_t*>(words_end);
   for (;;) {
@@ -647,48 +1023,13 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
     const uint16_t* v = values + c * cv;
     const ChunkEntry counted = ws.entries[c];
     const uint32_t nr = counted.num_raw;
-    const uint32_t steps = (cn + kLanes - 1) / kLanes;
-    const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
-    // raw fields: those of values at or after the current step (`after`); groups from `packed` on
-    // are packed; zero fields fill the last group (the last byte's unused bits)
-    const uint32_t groups = (nr + 7) / 8;
-    uint32_t after = 0, packed = groups;
-    __syncwarp();
-    if (uint32_t(lane) < 8 * groups - nr) ring[(nr + lane) % kFieldRing] = 0;
+    const uint32_t table = own_tables ? ws.chunk_table[c] : 0u;
     uint32_t x = kStateLow, nw = 0;
-    Tile8 next = fetch_tile(v, cn, (num_tiles - 1) * kTileValues, aligned, lane);
-    for (uint32_t tt = num_tiles; tt-- > 0;) {
-      __syncwarp();
-      store_tile(tile, next, lane);
-      __syncwarp();
-      if (tt > 0) next = fetch_tile(v, cn, (tt - 1) * kTileValues, aligned, lane);
-      for (int s = int(kTileValues / kLanes) - 1; s >= 0; --s) {
-        const uint32_t t = tt * (kTileValues / kLanes) + uint32_t(s);
-        if (t >= steps) continue;  // warp-uniform
-        const uint32_t i = t * kLanes + lane;
-        const bool valid = i < cn;
-        const uint16_t value = tile[uint32_t(s) * kLanes + lane];  // 0 past the end: no field
-        const unsigned nz = __ballot_sync(kFull, value != 0);
-        if (value != 0) ring[(nr - after - __popc(nz) + __popc(nz & below)) % kFieldRing] = uint8_t(raw_of(value));
-        after += __popc(nz);
-        if (one_state) continue;
-        const SharedSym sym = syms[valid ? symbol_of(value) : 0];
-        const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - prob_bits));  // enc_needs_word
-        const unsigned mask = __ballot_sync(kFull, need);
-        const uint32_t k = __popc(mask);
-        if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
-        nw += k;
-        if (need) x >>= 16;
-        if (valid) {  // enc_put
-          const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
-          x = (q << prob_bits) + (x - q * sym.freq) + sym.start;
-        }
-      }
-      // every field of groups [ceil((nr - after) / 8), packed) is in the ring (at most 263 pending)
-      __syncwarp();
-      const uint32_t complete = (nr - after + 7) / 8;
-      pack_groups(ring, complete, packed, raw, lane);
-      packed = complete;
+    if (table == 0) {
+      nw = code_chunk_warp(syms, prob_bits, v, cn, nr, aligned, one_state, tile, ring, words_end, raw, lane, x);
+    } else {
+      nw = code_chunk_warp(ws.extra_syms + uint64_t(table - 1) * kNumSymbols, ws.extra_info[4 * (table - 1)], v, cn,
+                           nr, aligned, false, tile, ring, words_end, raw, lane, x);
     }
     if (one_state) {
       uint32_t state = 0, words = 0;
@@ -697,7 +1038,7 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
       x = state;
     }
     ChunkEntry e{one_state ? kModeOneState : kModeRans, nw, nr, counted.checksum};
-    const bool raw_pays = one_state ? align4(table_bytes) + align4(payload_bytes(e, cn)) >= align4(2ull * cn)
+    const bool raw_pays = one_state ? align4(shared_bytes) + align4(payload_bytes(e, cn)) >= align4(2ull * cn)
                                     : payload_bytes(e, cn) >= 2ull * cn;
     if (raw_pays) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
     if (nr == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
@@ -707,9 +1048,11 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
     if (lane == 0) {
       ws.entries[c] = e;
       ws.offsets[c] = offset;
+      if (e.mode != kModeZero) atomicMax(&ws.table_info[kInfoNotZero], 1u);  // several warps may set them
+      if (e.mode == kModeRaw && table != 0) atomicMax(&ws.table_info[kInfoTakerRaw], 1u);
     }
     if (e.mode != kModeRans && e.mode != kModeOneState) continue;
-    if (lane == 0) atomicMax(&ws.table_info[3], 1u);  // several warps may set it
+    if (lane == 0) atomicMax(&ws.table_info[kInfoCoded], 1u);
     uint8_t* q = out + data_at + offset;
     const uint64_t states = state_bytes(e);
     if (uint64_t(lane) < states / 4) {
@@ -721,42 +1064,113 @@ __global__ void __launch_bounds__(kBlockThreads) rans_kernel(const uint16_t* val
   }
 }
 
-// Kernel 3: block 0 writes the metadata (header, shape, the table -- none when no chunk is
+// The directory entries of chunks c = first, first + stride, ... below `chunks` (one warp each;
+// every lane calls) at `dir`, and the payloads of raw chunks (the values themselves) at their
+// offsets from data_at. A rANS chunk's table is ws.chunk_table's, mapped through new_table (version
+// 5's renumbering after a dropped table) when given.
+__device__ void place_chunks(const uint16_t* values, const EncWs& ws, uint64_t n, uint32_t cv, uint64_t chunks,
+                             uint64_t first, uint64_t stride, uint64_t dir, uint64_t data_at,
+                             const uint32_t* new_table, uint8_t* out, bool out_aligned, int lane) {
+  for (uint64_t c = first; c < chunks; c += stride) {
+    const ChunkEntry e = ws.entries[c];
+    uint32_t table = e.mode == kModeRans && ws.chunk_table != nullptr ? ws.chunk_table[c] : 0u;
+    if (new_table != nullptr) table = new_table[table];
+    if (lane < 4) {
+      const uint32_t field =
+          lane == 0 ? e.mode | (table << 8) : lane == 1 ? e.num_words : lane == 2 ? e.num_raw : e.checksum;
+      store_le<uint32_t>(out + dir + sizeof(ChunkEntry) * c + 4 * lane, field);
+    }
+    if (e.mode != kModeRaw) continue;
+    const uint64_t len = 2ull * chunk_values_of(n, cv, c);
+    copy_padded(out + data_at + ws.offsets[c], reinterpret_cast<const uint8_t*>(values + c * cv), len, align4(len),
+                false, out_aligned, lane);
+  }
+}
+
+// Kernel 3: block 0 writes the metadata (header, shape, the tables -- none when no chunk is
 // rANS-coded, as on the host --, metadata checksum) and the blob's size; every other block, one
-// warp per chunk (grid-stride), writes directory entries and the payloads of raw chunks (the values
-// themselves) at their offsets after the directory.
+// warp per chunk (grid-stride), writes directory entries and the payloads of raw chunks at their
+// offsets after the directory. Version 5, as the host's pass after coding: T and the extra tables
+// (prob_bits, LEB128 length, table) after the shared one; a chunk with a table of its own stored
+// raw drops it (the others renumbered) and block 0 alone then moves the coded payloads down by
+// the bytes dropped (in ascending order, one block-wide word step at a time: every step's reads
+// come before its writes, which land below the next step's reads) before it writes the entries
+// and raw payloads; a blob of +0.0 only in more than one chunk is written as the fewest chunks
+// (chunk_values as large as the values allow, at most 2^24).
 __global__ void __launch_bounds__(kMetaThreads) layout_kernel(const uint16_t* values, EncWs ws, uint64_t n,
                                                              ShapeArg shape, uint32_t ndim, uint32_t cv,
                                                              uint64_t chunks, uint64_t table_at, uint8_t* out,
-                                                             uint64_t* out_size, bool out_aligned) {
-  const int t = threadIdx.x;
-  const bool table = ws.table_info[3] != 0;
-  const uint32_t table_bytes = table ? ws.table_info[2] : 0u;
-  const uint64_t dir = directory_offset_at(table_at, table_bytes);
-  const uint64_t data_at = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(chunks));
+                                                             uint64_t* out_size, bool out_aligned, uint32_t version) {
+  const int t = threadIdx.x, lane = t & 31, warp = t / 32;
+  const bool table = ws.table_info[kInfoCoded] != 0;
+  const bool all_zero = version == kVersion5 && chunks > 1 && ws.table_info[kInfoNotZero] == 0;
+  const uint32_t chosen = table ? ws.table_info[kInfoExtraTables] : 0u;
+  const bool renumber = table && ws.table_info[kInfoTakerRaw] != 0;  // an extra table dropped
+  const uint32_t shared_bytes = table ? ws.table_info[kInfoSharedBytes] : 0u;
+  const uint32_t chosen_bytes = table ? ws.table_info[kInfoExtraBytes] : 0u;
+  uint32_t out_cv = cv;
+  uint64_t out_chunks = chunks;
+  if (all_zero) {
+    const uint64_t wide = (n + kLanes - 1) / kLanes * kLanes;
+    out_cv = static_cast<uint32_t>(wide < kMaxChunkValues ? wide : kMaxChunkValues);
+    out_chunks = num_chunks_for(n, out_cv);
+  }
   if (blockIdx.x > 0) {
-    const int lane = t & 31, warp = t / 32;
-    for (uint64_t c = (blockIdx.x - 1ull) * kMetaWarps + warp; c < chunks; c += (gridDim.x - 1ull) * kMetaWarps) {
-      const ChunkEntry e = ws.entries[c];
-      if (lane < 4) {
-        const uint32_t field = lane == 0 ? e.mode : lane == 1 ? e.num_words : lane == 2 ? e.num_raw : e.checksum;
-        store_le<uint32_t>(out + dir + sizeof(ChunkEntry) * c + 4 * lane, field);
-      }
-      if (e.mode != kModeRaw) continue;
-      const uint64_t len = 2ull * chunk_values_of(n, cv, c);
-      copy_padded(out + data_at + ws.offsets[c], reinterpret_cast<const uint8_t*>(values + c * cv), len, align4(len),
-                  false, out_aligned, lane);
-    }
+    if (renumber) return;  // block 0 places every chunk
+    const uint32_t table_bytes = shared_bytes + chosen_bytes;
+    place_chunks(values, ws, n, cv, out_chunks, (blockIdx.x - 1ull) * kMetaWarps + warp,
+                 (gridDim.x - 1ull) * kMetaWarps,
+                 directory_offset_at(table_at, table_bytes),
+                 data_offset_at(table_at, table_bytes, static_cast<uint32_t>(out_chunks)), nullptr, out, out_aligned,
+                 lane);
     return;
   }
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ int scratch_int[kMetaThreads / 32];
   __shared__ uint32_t table_words[(kMaxTableBytes + 3) / 4 + 2];
+  // version 5: extra table k's place after the shared table (~0 when dropped), a table index's
+  // index after the drops, and the kept tables' count and bytes
+  __shared__ uint32_t extra_at[kMaxExtraTables], new_table[kMaxExtraTables + 1], kept_tables, kept_bytes;
+  if (t == 0) {
+    new_table[0] = 0;
+    kept_tables = kept_bytes = 0;
+  }
+  __syncthreads();
+  for (uint32_t k = t; k < chosen; k += kMetaThreads) {
+    const auto kept = [&](uint32_t j) { return !renumber || ws.entries[ws.extra_chunk[j]].mode != kModeRaw; };
+    uint32_t before = 0, bytes_before = 0;
+    for (uint32_t j = 0; j < k; ++j)
+      if (kept(j)) ++before, bytes_before += extra_table_bytes(ws.extra_info[4 * j + 3]);
+    const bool mine = kept(k);
+    extra_at[k] = mine ? bytes_before : ~0u;
+    new_table[k + 1] = mine ? before + 1 : 0u;
+    if (k + 1 == chosen) {
+      kept_tables = before + (mine ? 1u : 0u);
+      kept_bytes = bytes_before + (mine ? extra_table_bytes(ws.extra_info[4 * k + 3]) : 0u);
+    }
+  }
+  __syncthreads();
+  const uint32_t table_bytes = shared_bytes + kept_bytes;
+  const uint64_t dir = directory_offset_at(table_at, table_bytes);
+  const uint64_t data_at = data_offset_at(table_at, table_bytes, static_cast<uint32_t>(out_chunks));
+  const uint64_t payload_bytes_all = chunks > 0 && !all_zero ? ws.lookback[chunks - 1] & kLookBytes : 0ull;
+  if (renumber) {
+    const uint64_t coded_at = data_offset_at(table_at, shared_bytes + chosen_bytes, static_cast<uint32_t>(chunks));
+    for (uint64_t base = 0; coded_at != data_at && base < payload_bytes_all; base += 4ull * kMetaThreads) {
+      const uint64_t at = base + 4ull * t;  // offsets and padded payloads are multiples of 4
+      uint32_t word = 0;
+      if (at < payload_bytes_all) word = load_le<uint32_t>(out + coded_at + at);
+      __syncthreads();
+      if (at < payload_bytes_all) store_le<uint32_t>(out + data_at + at, word);
+      __syncthreads();
+    }
+    place_chunks(values, ws, n, cv, out_chunks, warp, kMetaWarps, dir, data_at, new_table, out, out_aligned, lane);
+  }
   // the version 4 table (write_table_v4), entries in symbol order: thread t owns symbol t, thread 0
   // also the last one; an entry's gap from the previous present symbol (a block max-scan) and its
   // first bit (a block sum-scan of the entries' code lengths); codes added into shared words (the
   // entries' bits do not overlap: adding is or-ing), then copied out
-  const uint32_t kg = ws.table_info[0], kf = ws.table_info[1];
+  const uint32_t kg = ws.table_info[kInfoGapOrder], kf = ws.table_info[kInfoFreqOrder];
   for (uint32_t w = t; w < (kMaxTableBytes + 3) / 4 + 2; w += kMetaThreads) table_words[w] = 0;
   const uint32_t f_mine = t < kNumSymbols - 1 ? ws.syms[t].freq : 0u;
   const uint32_t f_last = ws.syms[kNumSymbols - 1].freq;
@@ -782,12 +1196,22 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(const uint16_t* va
   if (table && t == 0 && f_last != 0) add_code(code_last, mine_bits);
   __syncthreads();
   if (table && t == 0) out[table_at] = static_cast<uint8_t>(kg | (kf << 4));
-  for (uint32_t b = t; table && b + 1 < table_bytes; b += kMetaThreads)
+  for (uint32_t b = t; table && b + 1 < shared_bytes; b += kMetaThreads)
     out[table_at + 1 + b] = static_cast<uint8_t>(table_words[b / 4] >> (8 * (b % 4)));
+  // version 5's extra tables, one warp each (lane 0 writes it: write_table_v4)
+  for (uint32_t k = warp; k < chosen; k += kMetaWarps) {
+    if (lane != 0 || extra_at[k] == ~0u) continue;
+    const uint32_t* info = ws.extra_info + 4ull * k;
+    uint8_t* p = out + table_at + shared_bytes + extra_at[k];
+    *p++ = static_cast<uint8_t>(info[0]);
+    p += store_leb128(p, info[3]);
+    write_table_v4(p, ws.extra_freq + uint64_t(k) * kNumSymbols, info[1], info[2]);
+  }
   for (uint64_t p = table_at + table_bytes + t; p < dir; p += kMetaThreads) out[p] = 0;
   if (t == 0) {  // store_header, store_shape (constant indices: a parameter array indexed by a
                  // variable would be copied to local memory)
-    store_header(out, ndim, entries, cv, static_cast<uint32_t>(chunks), n, prob_bits, table_bytes);
+    store_header(out, ndim, entries, out_cv, static_cast<uint32_t>(out_chunks), n, prob_bits, table_bytes, version,
+                 kept_tables);
     uint8_t* p = out + kHeaderBytesV4;
 #pragma unroll
     for (uint32_t d = 0; d < uint32_t(kMaxDims); ++d) {
@@ -802,13 +1226,13 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(const uint16_t* va
   }
   __syncthreads();  // the metadata bytes are written; the checksum reads them
   uint32_t part = 0;
-  const uint64_t checksum_at = meta_checksum_offset(kVersion);
+  const uint64_t checksum_at = meta_checksum_offset(version);
   for (uint64_t i = t; i < dir; i += kMetaThreads)
     if (i < checksum_at || i >= checksum_at + 4) part += uint32_t(out[i]) * uint32_t(2 * i + 1);
   const uint32_t checksum = block_sum<uint32_t>(part, scratch32);
   if (t == 0) {
     store_le<uint32_t>(out + checksum_at, checksum);
-    *out_size = data_at + (chunks > 0 ? ws.lookback[chunks - 1] & kLookBytes : 0ull);
+    *out_size = data_at + payload_bytes_all;
   }
 }
 
@@ -1551,20 +1975,20 @@ __global__ void report_kernel(DecWs ws, int* status) {
 
 extern "C" {
 
-size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values) {
+size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint32_t version) {
   if (chunk_values == 0) return 0;
-  return carve(num_values, chunk_values, nullptr, nullptr);
+  return carve(num_values, chunk_values, version, nullptr, nullptr);
 }
 
-size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values) {
-  return max_blob_bytes(num_values, ndim, chunk_values);
+size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version) {
+  return max_blob_bytes_v(num_values, ndim, chunk_values, version);
 }
 
 int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const int64_t* host_shape,
-                            uint32_t ndim, uint32_t chunk_values, uint8_t* out, uint64_t* out_size,
+                            uint32_t ndim, uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (ndim > uint32_t(kMaxDims) || chunk_values < kMinChunkValues || chunk_values > kMaxChunkValues ||
-      chunk_values % kLanes != 0 || num_values > kMaxValues)
+      chunk_values % kLanes != 0 || num_values > kMaxValues || (version != kVersion && version != kVersion5))
     return cudaErrorInvalidValue;
   ShapeArg shape{};
   uint64_t product = 1;
@@ -1576,24 +2000,26 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   if (product != num_values) return cudaErrorInvalidValue;
   const uint64_t chunks = num_chunks_for(num_values, chunk_values);
   if (chunks > 0xFFFFFFFFull) return cudaErrorInvalidValue;
-  if (workspace_bytes < ep_lossless_encode_workspace_bytes(num_values, chunk_values)) return cudaErrorInvalidValue;
+  if (workspace_bytes < ep_lossless_encode_workspace_bytes(num_values, chunk_values, version))
+    return cudaErrorInvalidValue;
   EncWs ws;
-  carve(num_values, chunk_values, static_cast<char*>(workspace), &ws);
+  carve(num_values, chunk_values, version, static_cast<char*>(workspace), &ws);
+  const uint32_t one_state_max = one_state_max_values(version, chunk_values);
   uint64_t table_at = kHeaderBytesV4;  // the header's and shape's bytes
   for (uint32_t d = 0; d < ndim; ++d) table_at += dim_bytes_v4(shape.dims[d]);
   // chunk starts are 64-byte multiples (chunk_values % 32 == 0): 16-byte loads when the base is aligned
   const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 3) == 0;
-  // one memset (the histogram and both tickets), then three kernels
+  // one memset (the histogram, the tickets and version 5's flag), then three kernels
   cudaMemsetAsync(ws.counts, 0, kSyncBytes, stream);
   EP_LAUNCH(histogram_kernel, static_cast<int>(blocks_for(chunks, kMetaWarps, kGridMax)), kMetaThreads,
-            stream)(values, num_values, chunk_values, chunks, aligned, ws);
+            stream)(values, num_values, chunk_values, chunks, aligned, one_state_max, ws);
   if (chunks > 0)
     EP_LAUNCH(rans_kernel, static_cast<int>(blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks)), kBlockThreads,
-              stream)(values, num_values, chunk_values, chunks, aligned, ws, table_at, out, out_aligned);
+              stream)(values, num_values, chunk_values, chunks, aligned, ws, table_at, out, out_aligned, one_state_max);
   const int layout_grid = static_cast<int>(chunks > 0 ? 1 + blocks_for(chunks, kMetaWarps, kGridMax - 1) : 1);
   EP_LAUNCH(layout_kernel, layout_grid, kMetaThreads, stream)(values, ws, num_values, shape, ndim, chunk_values, chunks,
-                                                              table_at, out, out_size, out_aligned);
+                                                              table_at, out, out_size, out_aligned, version);
   return static_cast<int>(cudaGetLastError());
 }
 

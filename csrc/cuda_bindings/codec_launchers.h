@@ -8,17 +8,19 @@
 
 namespace ep_comm::cuda {
 
-// Bytes of device workspace the lossless encoder / decoder needs for num_values values coded in
-// chunks of chunk_values (for the decoder: the smallest chunk size a blob may declare).
-size_t lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
+// Bytes of device workspace the lossless encoder (in format `version`, 4 or 5) / decoder needs for
+// num_values values coded in chunks of chunk_values (for the decoder: the smallest chunk size a
+// blob may declare).
+size_t lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint32_t version);
 size_t lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
-// The largest blob num_values values of an ndim-dimensional tensor can code to.
-size_t lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values);
+// The largest blob num_values values of an ndim-dimensional tensor can code to in format `version`.
+size_t lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version);
 
-// values [num_values] bf16 bits -> blob in out (lossless_max_blob_bytes capacity), its byte count
-// in *out_size (device u64); byte-identical to the host encoder's blob.
+// values [num_values] bf16 bits -> blob in format `version` (4 or 5) in out
+// (lossless_max_blob_bytes capacity), its byte count in *out_size (device u64); byte-identical to
+// the host encoder's blob of that version.
 int launch_lossless_encode(const uint16_t* values, uint64_t num_values, const int64_t* host_shape, uint32_t ndim,
-                           uint32_t chunk_values, uint8_t* out, uint64_t* out_size, void* workspace,
+                           uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size, void* workspace,
                            size_t workspace_bytes, void* stream);
 
 // blob [blob_bytes] -> out [num_values] bf16 bits; *status (device int32) = 0 or the

@@ -29,24 +29,26 @@ void check_rc(int rc, const char* what) {
 
 void register_codecs(py::module_& m) {
   m.def("lossless_encode_workspace_bytes", &lossless_encode_workspace_bytes, py::arg("num_values"),
-        py::arg("chunk_values"));
+        py::arg("chunk_values"), py::arg("version"));
   m.def("lossless_decode_workspace_bytes", &lossless_decode_workspace_bytes, py::arg("num_values"),
         py::arg("chunk_values"));
   m.def("lossless_max_blob_bytes", &lossless_max_blob_bytes, py::arg("num_values"), py::arg("ndim"),
-        py::arg("chunk_values"));
+        py::arg("chunk_values"), py::arg("version"));
   m.def(
       "lossless_encode",
       [](uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape, uint32_t chunk_values,
-         uintptr_t out, uintptr_t out_size, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+         uint32_t version, uintptr_t out, uintptr_t out_size, uintptr_t workspace, size_t workspace_bytes,
+         uintptr_t stream) {
         check_rc(launch_lossless_encode(device_ptr<const uint16_t>(values), num_values, shape.data(),
-                                        static_cast<uint32_t>(shape.size()), chunk_values, device_ptr<uint8_t>(out),
-                                        device_ptr<uint64_t>(out_size), device_ptr<void>(workspace),
-                                        workspace_bytes, device_ptr<void>(stream)),
+                                        static_cast<uint32_t>(shape.size()), chunk_values, version,
+                                        device_ptr<uint8_t>(out), device_ptr<uint64_t>(out_size),
+                                        device_ptr<void>(workspace), workspace_bytes, device_ptr<void>(stream)),
                  "lossless encode launch");
       },
-      py::arg("values"), py::arg("num_values"), py::arg("shape"), py::arg("chunk_values"), py::arg("out"),
-      py::arg("out_size"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-      "bf16 bits [num_values] -> blob at out, its size at out_size (device u64); asynchronous");
+      py::arg("values"), py::arg("num_values"), py::arg("shape"), py::arg("chunk_values"), py::arg("version"),
+      py::arg("out"), py::arg("out_size"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+      "bf16 bits [num_values] -> blob in format `version` (4 or 5) at out, its size at out_size (device u64); "
+      "asynchronous");
   m.def(
       "lossless_decode",
       [](uintptr_t blob, uint64_t blob_bytes, uintptr_t out, uint64_t num_values, uint32_t min_chunk_values,

@@ -25,6 +25,7 @@
 #include "codec/host_parallel.h"
 #include "codec/lossless_core.h"
 #include "codec/lossless_scalar.h"
+#include "codec/lossless_tables.h"
 #include "page_array.h"
 
 namespace py = pybind11;
@@ -97,17 +98,14 @@ struct CodingTable {
 // values (`one_state`), choose_one_state_prob_bits; else 12 bits where prefer_12_bits says so.
 void choose_frequencies(const uint64_t* counts, uint64_t total, uint64_t chunks, bool one_state, int version,
                         CodingTable& t) {
-  t.prob_bits = kProbBits;
-  normalize_counts(counts, total, t.freq, kProbBits);
   if (one_state) {
     t.prob_bits = choose_one_state_prob_bits(counts, total, t.freq);
   } else if (version != int(kOldVersion)) {
     uint32_t freq12[kNumSymbols];
-    normalize_counts(counts, total, freq12, kMaxProbBits);
-    if (prefer_12_bits(counts, t.freq, freq12, chunks)) {
-      std::memcpy(t.freq, freq12, sizeof(freq12));
-      t.prob_bits = kMaxProbBits;
-    }
+    t.prob_bits = choose_prob_bits(counts, total, chunks, t.freq, freq12);
+  } else {
+    t.prob_bits = kProbBits;
+    normalize_counts(counts, total, t.freq, kProbBits);
   }
 }
 
@@ -219,52 +217,8 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
   }
 }
 
-// Version 5's per-chunk tables (the encoder's choices; the format allows any table on any rANS
-// chunk): a chunk of at least kMinOwnTableValues values takes a table of its own when its
-// estimated size with it (the symbols' cross-entropy under the table's frequencies, in integer
-// 1/1024 bits as prefer_12_bits computes it, plus the table's bytes and framing) is smaller than
-// with version 4's table (the blob's first) by more than the margin, and its payload would not be
-// stored raw. The own table's frequencies are normalize_counts' with prefer_12_bits' choice, as a
-// blob's. The margin: kOwnTableMarginBytes (a rANS lane's bytes are its symbols' information plus
-// 2 to 4 bytes, so two tables' chunks differ from their estimates' difference by under 2 bytes a
-// lane, 64 bytes a chunk) plus one 1/1024 bit per value (each estimate rounds log2 down by less
-// than that): a chunk that takes its own table is then smaller than with version 4's, table
-// included. Likewise the chunks that keep the shared table get one refitted to their symbols only
-// when it is estimated to save more than that margin per chunk, table included; else version 4's:
-// no version 5 blob is larger than version 4's.
-constexpr uint32_t kMinOwnTableValues = 4096;
-constexpr uint64_t kOwnTableMarginBytes = 64;
-// Bytes the extra tables may take: the table section's u16 size less the largest shared table.
-constexpr uint64_t kMaxExtraTableSectionBytes = 0xFFFF - kMaxTableBytes;
-
-// The estimate of a chunk's saving from a table of its own (0 when it does not pay), in 1/1024
-// bits: counts[1025] of its n values (`zeros` of them +0.0), shared_cost[s] the cost of symbol s
-// under the blob's first table in 1/1024 bits; `section` gets the own table's bytes with framing.
-uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t zeros, const uint64_t* shared_cost,
-                              uint32_t& section) {
-  uint32_t f11[kNumSymbols], f12[kNumSymbols];
-  normalize_counts(counts, n, f11, kProbBits);
-  normalize_counts(counts, n, f12, kMaxProbBits);
-  const bool wide = prefer_12_bits(counts, f11, f12, 1);
-  const uint32_t* f = wide ? f12 : f11;
-  const uint64_t pb = wide ? kMaxProbBits : kProbBits;
-  uint64_t shared_q10 = 0, own_q10 = 0;
-  for (int s = 0; s < kNumSymbols; ++s) {
-    if (counts[s] == 0) continue;
-    shared_q10 += counts[s] * shared_cost[s];
-    own_q10 += counts[s] * ((pb << 10) - log2_q10(f[s]));
-  }
-  uint32_t kg = 0, kf = 0;
-  table_orders_v4(f, kg, kf);
-  section = extra_table_bytes(table_bytes_v4(f, kg, kf));
-  constexpr uint64_t kByte = 8 << 10;
-  const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
-  const uint64_t margin = kByte * kOwnTableMarginBytes + n;
-  const uint64_t own_payload = own_q10 + fixed;
-  if (own_payload + margin >= raw) return 0;  // it would be stored raw
-  const uint64_t shared_size = std::min(shared_q10 + fixed, raw), own_size = own_payload + kByte * section;
-  return own_size + margin < shared_size ? shared_size - own_size : 0;
-}
+// Version 5's per-chunk tables: the choice of csrc/codec/lossless_tables.h (own_table_saving_q10,
+// own_table_before, own_table_fits, refit_pays), which the CUDA encoder shares.
 
 // bf16 bit patterns at `values` (num_values u16) with `shape` -> blob (1-D uint8 array).
 // Two passes: the symbol histogram, then each chunk coded in its worker's scratch and copied to
@@ -300,9 +254,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
   uint64_t dims[kMaxDims] = {};
   for (uint32_t d = 0; d < ndim; ++d) dims[d] = static_cast<uint64_t>(shape[d]);
   const uint64_t table_off = header_bytes(uint32_t(version)) + shape_bytes(dims, ndim, uint32_t(version));
-  const bool v5 = version == int(kVersion5);
   // the largest blob any tables allow; pages past the blob's end are never touched
-  const uint64_t capacity = max_blob_bytes(num_values, ndim, cv) + (v5 ? kMaxExtraTableSectionBytes : 0);
+  const uint64_t capacity = max_blob_bytes_v(num_values, ndim, cv, uint32_t(version));
   py::array_t<uint8_t> out = page_backed_array<uint8_t>(capacity);
   uint8_t* o = out.mutable_data();
 
@@ -316,9 +269,10 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
   std::vector<uint64_t> offsets(num_chunks + 1);
   // per chunk: 0 = the shared table, k >= 1 = extra table k - 1 (version 5)
   std::vector<uint8_t> chunk_table(num_chunks, 0);
-  const bool one_state = compact_header(uint32_t(version)) && num_chunks == 1 && num_values <= kOneStateMaxValues;
+  const bool one_state = compact_header(uint32_t(version)) && num_chunks == 1 &&
+                         num_values <= one_state_max_values(uint32_t(version), cv);
   // version 5 with chunks that may take a table of their own (all but maybe the last have cv values)
-  const bool own_tables = v5 && num_chunks >= 2 && cv >= kMinOwnTableValues;
+  const bool own_tables = own_tables_allowed(uint32_t(version), num_chunks, cv);
   without_gil([&] {
     const int level = simd_level(simd);
     [[maybe_unused]] const bool use_simd = level >= kSimdAvx2;
@@ -374,7 +328,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       choose_frequencies(global_counts.data(), num_values, num_chunks, one_state, version, *shared);
       if (own_tables) {
         for (int s = 0; s < kNumSymbols; ++s)
-          shared_cost[s] = shared->freq[s] == 0 ? 0 : (uint64_t(shared->prob_bits) << 10) - log2_q10(shared->freq[s]);
+          shared_cost[s] = shared->freq[s] == 0 ? 0 : symbol_cost_q10(shared->freq[s], uint32_t(shared->prob_bits));
       } else {
         finish_table(*shared, version);
         table_bytes = shared->bytes;
@@ -389,7 +343,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       for (uint64_t p = 0; p < parts; ++p)
         for (int s = 0; s < kNumSymbols; ++s) counts[s] += kept[p * kNumSymbols + s];
       for (int s = 0; s < kNumSymbols; ++s) kept[s] = static_cast<uint32_t>(counts[s]);  // n <= 2^24
-      saving[c] = own_table_saving_q10(counts, n, surveys[c].zeros, shared_cost.data(), section_bytes[c]);
+      uint32_t scratch[kOwnTableScratchWords];
+      saving[c] = own_table_saving_q10(counts, n, surveys[c].zeros, shared_cost.data(), section_bytes[c], scratch);
     };
     // version 5: picks the chunks that take a table of their own (the largest savings first, as
     // many as kMaxExtraTables and kMaxExtraTableSectionBytes allow, and never every chunk that
@@ -401,13 +356,13 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       for (uint64_t c = 0; c < num_chunks; ++c)
         if (saving[c] > 0) by_saving[takers++] = static_cast<uint32_t>(c);
       std::sort(by_saving.begin(), by_saving.begin() + takers, [&](uint32_t a, uint32_t b) {
-        return saving[a] != saving[b] ? saving[a] > saving[b] : a < b;
+        return own_table_before(saving[a], a, saving[b], b);
       });
       uint64_t section = 0;
       uint32_t kept = 0;
       for (uint32_t i = 0; i < takers && kept < kMaxExtraTables; ++i) {
         const uint32_t c = by_saving[i];
-        if (section + section_bytes[c] > kMaxExtraTableSectionBytes) continue;
+        if (!own_table_fits(section, section_bytes[c])) continue;
         section += section_bytes[c];
         chunk_table[c] = 1;
         ++kept;
@@ -450,19 +405,13 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       if (total > 0) {  // else every chunk is +0.0 only or has its own table: the first table stays
         CodingTable& fitted = *refitted;
         choose_frequencies(counts, total, keepers, false, version, fitted);
-        constexpr uint64_t kByte = 8 << 10;
-        uint64_t first_q10 = 0, fitted_q10 = 0;
-        for (int s = 0; s < kNumSymbols; ++s) {
-          if (counts[s] == 0) continue;
-          first_q10 += counts[s] * shared_cost[s];
-          fitted_q10 += counts[s] * ((uint64_t(fitted.prob_bits) << 10) - log2_q10(fitted.freq[s]));
-        }
         uint32_t kg = 0, kf = 0;
         table_orders_v4(shared->freq, kg, kf);
-        first_q10 += kByte * table_bytes_v4(shared->freq, kg, kf);
+        const uint32_t first_bytes = table_bytes_v4(shared->freq, kg, kf);
         table_orders_v4(fitted.freq, kg, kf);
-        fitted_q10 += kByte * table_bytes_v4(fitted.freq, kg, kf);
-        if (fitted_q10 + kByte * kOwnTableMarginBytes * keepers + total < first_q10) {
+        const uint32_t fitted_bytes = table_bytes_v4(fitted.freq, kg, kf);
+        if (refit_pays(counts, total, keepers, shared_cost.data(), first_bytes, fitted.freq, uint32_t(fitted.prob_bits),
+                       fitted_bytes)) {
           std::memcpy(shared->freq, fitted.freq, sizeof(fitted.freq));
           shared->prob_bits = fitted.prob_bits;
         }
@@ -913,9 +862,10 @@ void register_lossless(py::module_& m) {
         "blob, or one declaring another shape than expected_shape (checked before allocating)");
   m.def("lossless_empty_u16", [](uint64_t count) { return page_backed_array<uint16_t>(count); }, py::arg("count"),
         "uninitialised 1-D uint16 array; from 2 MiB in its own huge-page mapping (see page_array.h)");
-  m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv) {
-    return max_blob_bytes(n, ndim, cv);
-  }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues);
+  m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv, uint32_t version) {
+    return max_blob_bytes_v(n, ndim, cv, version);
+  }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues,
+     py::arg("version") = kVersion);
   m.attr("LOSSLESS_DEFAULT_CHUNK_VALUES") = kDefaultChunkValues;
   m.def("lossless_simd_available", &simd_available,
         "highest SIMD level this CPU runs: 0 portable, 1 AVX2, 2 AVX-512 (F, BW, VL, VBMI, VBMI2)");

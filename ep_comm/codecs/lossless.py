@@ -110,8 +110,8 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         version: the blob format, ``FORMAT_VERSION`` (4); 5, where a chunk may carry a frequency
             table of its own (smaller blobs of messages that join values of different
             statistics; ``decode`` reads it on the CPU and on the GPU); or 3 or 2 (the older
-            formats, for comparisons). Versions other than 4 are always coded on the CPU, the
-            blob then moved to ``x``'s device.
+            formats, for comparisons). Versions 4 and 5 are coded by the CUDA kernels on a GPU;
+            3 and 2 always on the CPU, the blob then moved to ``x``'s device.
 
     Returns:
         1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when
@@ -123,8 +123,8 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
     _check_simd(simd)
     if version not in FORMAT_VERSIONS:
         raise ValueError(f"version must be one of {FORMAT_VERSIONS}, got {version!r}")
-    if version == FORMAT_VERSION and lossless_device.available(x.device):
-        return lossless_device.encode(x, chunk_values)
+    if version in lossless_device.ENCODE_VERSIONS and lossless_device.available(x.device):
+        return lossless_device.encode(x, chunk_values, version)
     blob = _encode_host(x, chunk_values, threads, _simd_level(simd), version)
     return blob if x.is_cpu else blob.to(x.device)
 
@@ -153,7 +153,7 @@ def encode_many(xs: list[torch.Tensor], *, chunk_values: int | None = None, thre
         blobs: list[torch.Tensor | None] = [None] * len(xs)
         for size in dict.fromkeys(sizes):  # one device call per distinct chunk size
             picked = [i for i, s in enumerate(sizes) if s == size]
-            for i, blob in zip(picked, lossless_device.encode_many([xs[i] for i in picked], size)):
+            for i, blob in zip(picked, lossless_device.encode_many([xs[i] for i in picked], size, FORMAT_VERSION)):
                 blobs[i] = blob
         return blobs  # type: ignore[return-value]
     return [encode(x, chunk_values=size, threads=threads, simd=simd) for x, size in zip(xs, sizes)]
@@ -214,12 +214,13 @@ def message_chunk_values(device: torch.device | str) -> int | None:
 
 
 def default_chunk_values(num_values: int) -> int:
-    """The chunk size :func:`encode` uses for ``num_values`` values when none is given: the fewest
-    chunks of at most DEFAULT_CHUNK_VALUES, made even when more than one (the AVX-512 coders take
-    chunks two at a time, in lockstep: a 64x7168 message as 8 chunks instead of 7 decoded in
-    0.91-0.96x the time on 1 thread, for 144 more bytes), of equal sizes rounded up to a multiple
-    of 32 (above about 2^27 values, 32 values less per chunk, as many times as keeps the count
-    even)."""
+    """The chunk size :func:`encode` uses for ``num_values`` values when none is given:
+    DEFAULT_CHUNK_VALUES up to that many values (one chunk; with format 5 a chunk of up to 16,384
+    values then takes one rANS state, the smallest blob, decoded serially); above it the fewest
+    chunks of at most DEFAULT_CHUNK_VALUES, an even number (the AVX-512 coders take chunks two at a
+    time, in lockstep: a 64x7168 message as 8 chunks instead of 7 decoded in 0.91-0.96x the time on
+    1 thread, for 144 more bytes), of equal sizes rounded up to a multiple of 32 (above about 2^27
+    values, 32 values less per chunk, as many times as keeps the count even)."""
     try:
         count = operator.index(num_values)
     except TypeError:
@@ -228,7 +229,9 @@ def default_chunk_values(num_values: int) -> int:
         raise ValueError(f"num_values must be a non-negative int, got {num_values!r}")
     num_values = count
     chunks = max(1, -(-num_values // DEFAULT_CHUNK_VALUES))
-    if chunks > 1 and chunks % 2:
+    if chunks == 1:
+        return DEFAULT_CHUNK_VALUES
+    if chunks % 2:
         chunks += 1
     per_chunk = -(-num_values // chunks)
     size = min(DEFAULT_CHUNK_VALUES, max(MIN_CHUNK_VALUES, -(-per_chunk // 32) * 32))

@@ -3,7 +3,8 @@
 the GPU is coded there and its blob stays there.
 
 The kernels compile the same core as the host build, so a device blob is byte-identical to the
-host encoder's and either side decodes the other's blobs. Each call synchronises its stream once:
+host encoder's of the same format version (4 or 5; the decoder reads 2 to 5) and either side
+decodes the other's blobs. Each call synchronises its stream once:
 an encode to learn the blob's size, a decode to read the kernels' status (a corrupted blob raises
 the ``ValueError`` the host decoder raises for it). Workspaces come from torch's caching
 allocator, on the current stream of the tensor's device.
@@ -30,17 +31,23 @@ def available(device: torch.device) -> bool:
 _BLOB_ALIGN = 16  # blobs coded into one buffer start 16-byte aligned (the encoder's aligned stores)
 
 
-def encode(x: torch.Tensor, chunk_values: int) -> torch.Tensor:
-    """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob on ``x``'s device.
+ENCODE_VERSIONS = (4, 5)  # the formats the kernels write
 
-    ``chunk_values`` is checked by the caller (a multiple of 32 in [32, 2**24])."""
+
+def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
+    """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob in format ``version`` (4 or 5) on
+    ``x``'s device.
+
+    ``chunk_values`` and ``version`` are checked by the caller (a multiple of 32 in [32, 2**24];
+    one of ENCODE_VERSIONS)."""
     # an exact-size copy: the capacity-sized buffer goes back to the allocator
-    return encode_many([x], chunk_values)[0].clone()
+    return encode_many([x], chunk_values, version)[0].clone()
 
 
-def encode_many(xs: list[torch.Tensor], chunk_values: int) -> list[torch.Tensor]:
-    """Blobs of several bf16 CUDA tensors on one device (e.g. one message per destination),
-    coded one after another on the current stream with one synchronisation for all.
+def encode_many(xs: list[torch.Tensor], chunk_values: int, version: int) -> list[torch.Tensor]:
+    """Blobs of several bf16 CUDA tensors on one device (e.g. one message per destination) in
+    format ``version`` (4 or 5), coded one after another on the current stream with one
+    synchronisation for all.
 
     Returns:
         1-D uint8 blobs, in order: views into one buffer of their capacities (a blob keeps that
@@ -55,18 +62,19 @@ def encode_many(xs: list[torch.Tensor], chunk_values: int) -> list[torch.Tensor]
     shapes = [[int(d) for d in x.shape] for x in xs]
     starts = [0]
     for flat, shape in zip(flats, shapes):
-        capacity = kernels.lossless_max_blob_bytes(flat.numel(), len(shape), chunk_values)
+        capacity = kernels.lossless_max_blob_bytes(flat.numel(), len(shape), chunk_values, version)
         starts.append(starts[-1] + (capacity + _BLOB_ALIGN - 1) // _BLOB_ALIGN * _BLOB_ALIGN)
     with device_kernels.launch_context(device):
         # one workspace for all: the launches run in stream order, each done before the next starts
-        workspace = torch.empty(max(kernels.lossless_encode_workspace_bytes(f.numel(), chunk_values) for f in flats),
-                                dtype=torch.uint8, device=device)
+        workspace = torch.empty(max(kernels.lossless_encode_workspace_bytes(f.numel(), chunk_values, version)
+                                    for f in flats), dtype=torch.uint8, device=device)
         out = torch.empty(starts[-1], dtype=torch.uint8, device=device)
         sizes = torch.zeros(len(xs), dtype=torch.int64, device=device)
         stream = device_kernels.current_stream(device)
         for i, (flat, shape) in enumerate(zip(flats, shapes)):
-            kernels.lossless_encode(flat.data_ptr(), flat.numel(), shape, chunk_values, out.data_ptr() + starts[i],
-                                    sizes.data_ptr() + 8 * i, workspace.data_ptr(), workspace.numel(), stream)
+            kernels.lossless_encode(flat.data_ptr(), flat.numel(), shape, chunk_values, version,
+                                    out.data_ptr() + starts[i], sizes.data_ptr() + 8 * i, workspace.data_ptr(),
+                                    workspace.numel(), stream)
         blob_bytes = sizes.tolist()  # the one synchronisation
     return [out[start:start + size] for start, size in zip(starts, blob_bytes)]
 

@@ -1,6 +1,6 @@
 """The lossless codec's CUDA kernels (csrc/cuda/lossless_kernels.cu, built as a small library by
 bench/codec_gpu.py) against the host build of the same core: device blobs are byte-identical to
-the host encoder's, device decoding is exact, and the device rejects corrupted blobs with the
+the host encoder's (format versions 4 and 5), device decoding is exact, and the device rejects corrupted blobs with the
 status the host decoder reports. The cases and checks are tests/support/codec_kernel_cases.py's, which
 tests/test_codec_kernels_emulated.py also runs on the CPU through the CUDA emulation."""
 from __future__ import annotations
@@ -21,6 +21,7 @@ from support.codec_kernel_cases import (
     check_blob_is_byte_identical_and_decodes,
     check_rejects_corrupted_blobs_like_the_host,
     device_decode,
+    device_encode,
     many_tables,
 )
 
@@ -74,3 +75,25 @@ def test_device_decodes_format_version_5_with_255_extra_tables(lib: ctypes.CDLL)
 def test_device_rejects_corrupted_format_version_5_blobs_like_the_host(lib: ctypes.CDLL, case: str,
                                                                        chunk_values: int) -> None:
     check_rejects_corrupted_blobs_like_the_host(lib, "cuda", case, chunk_values, trials=60, version=5)
+
+
+# (case, chunk values, extra tables: 0 for none, else at least this many) of the version 5 encodes
+V5_ENCODE_CASES = [("mixed_rows", 4096, 4), ("mixed_rows", 14336, 4), ("mixed_rows_tail", 7168, 4),
+                   ("many_tables", 4096, 255), ("mixed", 4096, 1), ("normal", 4096, 0), ("one_state", 65536, 0),
+                   ("zeros", 64, 0), ("random_bits", 4096, 0), ("n0", 4096, 0), ("many_chunks", 96, 0)]
+
+
+@pytest.mark.parametrize("case,chunk_values,tables", V5_ENCODE_CASES)
+def test_device_encodes_format_version_5_like_the_host(lib: ctypes.CDLL, case: str, chunk_values: int,
+                                                       tables: int) -> None:
+    """The kernels' version 5 blob (chunks with tables of their own, 255 of them, a tail chunk, +0.0
+    only in several chunks as the fewest chunks, no table, one-state chunks) is the host
+    encoder's, byte for byte, and decodes exactly on the GPU: phase A's surveys and final tables
+    across the whole grid, phase B waiting for them on a real schedule."""
+    x = {**CASES, **V5_CASES, "many_tables": many_tables}[case]()
+    host = lossless.encode(x, chunk_values=chunk_values, version=5)
+    assert int(host[17]) >= tables if tables else int(host[17]) == 0
+    dev = device_encode(lib, x, chunk_values, "cuda", version=5)
+    assert dev.numel() == host.numel() and torch.equal(dev, host)
+    status, y = device_decode(lib, dev, x.numel(), chunk_values, "cuda")
+    assert status == 0 and torch.equal(y.cpu(), bits(x))

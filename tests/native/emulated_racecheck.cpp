@@ -30,13 +30,14 @@ std::vector<uint16_t> make_values(size_t n, int centre, int spread, double zeros
   return v;
 }
 
-bool round_trip(const std::vector<uint16_t>& v, uint32_t cv) {
+bool round_trip(const std::vector<uint16_t>& v, uint32_t cv, uint32_t version) {
   const uint64_t n = v.size();
   const int64_t shape[1] = {int64_t(n)};
-  std::vector<uint8_t> ws(ep_lossless_encode_workspace_bytes(n, cv), 0xA5);
-  std::vector<uint8_t> blob(ep_lossless_max_blob_bytes(n, 1, cv), 0x5A);
+  std::vector<uint8_t> ws(ep_lossless_encode_workspace_bytes(n, cv, version), 0xA5);
+  std::vector<uint8_t> blob(ep_lossless_max_blob_bytes(n, 1, cv, version), 0x5A);
   uint64_t size = 0;
-  if (ep_lossless_encode_cuda(v.data(), n, shape, 1, cv, blob.data(), &size, ws.data(), ws.size(), nullptr) != 0)
+  if (ep_lossless_encode_cuda(v.data(), n, shape, 1, cv, version, blob.data(), &size, ws.data(), ws.size(),
+                              nullptr) != 0)
     return false;
   std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv), 0xA5);
   std::vector<uint16_t> out(n + 1, 0x5A5A);
@@ -92,9 +93,11 @@ int main(int argc, char** argv) {
     ep_emu_set_schedule(reverse);
     for (const Case& c : cases) {
       const auto v = make_values(c.n, c.centre, c.spread, c.zeros, uint32_t(c.n + c.cv));
-      if (!round_trip(v, c.cv)) {
-        std::printf("round trip failed: n=%zu cv=%u reverse=%d\n", c.n, c.cv, reverse);
-        ++failures;
+      for (uint32_t version = 4; version <= 5; ++version) {
+        if (!round_trip(v, c.cv, version)) {
+          std::printf("round trip failed: n=%zu cv=%u version=%u reverse=%d\n", c.n, c.cv, version, reverse);
+          ++failures;
+        }
       }
     }
     if (!fp8_runs(make_values(64 * 512, 120, 6, 0.0, 7), 512)) ++failures;

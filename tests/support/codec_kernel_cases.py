@@ -30,17 +30,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str) -> torch.Tensor:
-    """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk, as a CPU uint8 tensor."""
+def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str, version: int = 4) -> torch.Tensor:
+    """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk in format ``version``
+    (4 or 5), as a CPU uint8 tensor."""
     flat = x.contiguous().view(torch.int16).reshape(-1).to(device)
     n = flat.numel()
     shape = (ctypes.c_int64 * max(x.dim(), 1))(*x.shape)
     # stale bytes in the workspace and the output must not reach the blob
-    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8, device=device)
-    out = torch.full((lib.ep_lossless_max_blob_bytes(n, x.dim(), cv),), 0x5A, dtype=torch.uint8, device=device)
+    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv, version),), 0xA5, dtype=torch.uint8,
+                    device=device)
+    out = torch.full((lib.ep_lossless_max_blob_bytes(n, x.dim(), cv, version),), 0x5A, dtype=torch.uint8,
+                     device=device)
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    rc = lib.ep_lossless_encode_cuda(flat.data_ptr(), n, shape, x.dim(), cv, out.data_ptr(), size.data_ptr(),
-                                     ws.data_ptr(), ws.numel(), _stream(device))
+    rc = lib.ep_lossless_encode_cuda(flat.data_ptr(), n, shape, x.dim(), cv, version, out.data_ptr(),
+                                     size.data_ptr(), ws.data_ptr(), ws.numel(), _stream(device))
     assert rc == 0
     _sync(device)
     return out[:int(size.item())].cpu()

@@ -1,0 +1,117 @@
+// Format version 5's choice of tables (which chunks take a table of their own, and the shared
+// table the others keep), shared by the host encoder (csrc/host/lossless.cpp) and the CUDA encoder
+// (csrc/cuda/lossless_kernels.cu) so that both make it with the same integer arithmetic in the
+// same order: their blobs are byte-identical. The format allows any table on any rANS chunk
+// (csrc/codec/lossless_core.h); this is the encoders' policy.
+//
+// A chunk of at least kMinOwnTableValues values takes a table of its own when its estimated size
+// with it (the symbols' cross-entropy under the table's frequencies, in integer 1/1024 bits as
+// prefer_12_bits computes it, plus the table's bytes and framing) is smaller than with version 4's
+// table (the blob's first) by more than the margin, and its payload would not be stored raw. The
+// own table's frequencies are choose_prob_bits' (normalize_counts with prefer_12_bits' choice), as
+// a blob's. The margin: kOwnTableMarginBytes (a rANS lane's bytes are its symbols' information
+// plus 2 to 4 bytes, so two tables' chunks differ from their estimates' difference by under 2
+// bytes a lane, 64 bytes a chunk) plus one 1/1024 bit per value (each estimate rounds log2 down by
+// less than that): a chunk that takes its own table is then smaller than with version 4's, table
+// included. The takers: the largest savings first (ties: the lower chunk index, own_table_before),
+// as many as kMaxExtraTables and kMaxExtraTableSectionBytes allow (a taker whose table does not
+// fit in the bytes left is passed over, the next considered), never every chunk that codes
+// symbols (the lowest taker then keeps the shared table). Likewise the chunks that keep the shared
+// table get one refitted to their symbols (all-+0.0 chunks left out) only when it is estimated to
+// save more than that margin per chunk, table included (refit_pays); else version 4's: no version
+// 5 blob is larger than version 4's.
+#pragma once
+#include <cstdint>
+
+#include "codec/lossless_core.h"
+
+namespace ep_comm::lossless {
+
+constexpr uint32_t kMinOwnTableValues = 4096;
+constexpr uint64_t kOwnTableMarginBytes = 64;
+// Bytes the extra tables may take: the table section's u16 size less the largest shared table.
+constexpr uint64_t kMaxExtraTableSectionBytes = 0xFFFF - kMaxTableBytes;
+// Scratch (u32 words) own_table_saving_q10 takes.
+constexpr uint32_t kOwnTableScratchWords = 4 * kNumSymbols;
+
+// Whether a blob of `num_chunks` chunks of `chunk_values` values in format `version` lets its
+// chunks take tables of their own (all but maybe the last have chunk_values values).
+EP_HD bool own_tables_allowed(uint32_t version, uint64_t num_chunks, uint32_t chunk_values) {
+  return version == kVersion5 && num_chunks >= 2 && chunk_values >= kMinOwnTableValues;
+}
+
+// The largest blob of `num_values` values in `ndim` dims in format `version` (max_blob_bytes, and
+// version 5's extra tables).
+EP_HD uint64_t max_blob_bytes_v(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version) {
+  return max_blob_bytes(num_values, ndim, chunk_values) + (version == kVersion5 ? kMaxExtraTableSectionBytes : 0);
+}
+
+// The cost of one symbol of frequency `freq` (> 0) out of 2^prob_bits, in 1/1024 bits (rounded up).
+EP_HD uint64_t symbol_cost_q10(uint32_t freq, uint32_t prob_bits) {
+  return (uint64_t(prob_bits) << 10) - log2_q10(freq);
+}
+
+// The frequencies of a table for `chunks` 32-state chunks with symbol counts[1025] (total > 0
+// values), version 3's to 5's: normalize_counts with 11 bits, or with 12 where prefer_12_bits says
+// so. freq[1025] gets them, freq12[1025] is scratch; returns the probability bits.
+EP_HD int choose_prob_bits(const uint64_t* counts, uint64_t total, uint64_t chunks, uint32_t* freq, uint32_t* freq12) {
+  normalize_counts(counts, total, freq, kProbBits);
+  normalize_counts(counts, total, freq12, kMaxProbBits);
+  if (!prefer_12_bits(counts, freq, freq12, chunks)) return kProbBits;
+  for (int s = 0; s < kNumSymbols; ++s) freq[s] = freq12[s];
+  return kMaxProbBits;
+}
+
+// The estimate of a chunk's saving from a table of its own (0 when it does not pay), in 1/1024
+// bits: counts[1025] of its n values (`zeros` of them +0.0), shared_cost[s] the cost of symbol s
+// under the blob's first table in 1/1024 bits (symbol_cost_q10); `section` gets the own table's
+// bytes with framing. scratch: kOwnTableScratchWords words.
+EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t zeros, const uint64_t* shared_cost,
+                                    uint32_t& section, uint32_t* scratch) {
+  uint32_t* f = scratch;
+  const uint64_t pb = uint64_t(choose_prob_bits(counts, n, 1, f, scratch + kNumSymbols));
+  uint64_t shared_q10 = 0, own_q10 = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (counts[s] == 0) continue;
+    shared_q10 += counts[s] * shared_cost[s];
+    own_q10 += counts[s] * symbol_cost_q10(f[s], uint32_t(pb));
+  }
+  uint32_t kg = 0, kf = 0;
+  table_orders_v4_in(f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
+  section = extra_table_bytes(table_bytes_v4(f, kg, kf));
+  constexpr uint64_t kByte = 8 << 10;
+  const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
+  const uint64_t margin = kByte * kOwnTableMarginBytes + n;
+  const uint64_t own_payload = own_q10 + fixed;
+  if (own_payload + margin >= raw) return 0;  // it would be stored raw
+  const uint64_t shared_size = (shared_q10 + fixed < raw ? shared_q10 + fixed : raw), own_size = own_payload + kByte * section;
+  return own_size + margin < shared_size ? shared_size - own_size : 0;
+}
+
+// The order in which chunks are offered a table of their own: chunk a (saving sa) before chunk b
+// (saving sb) when its saving is larger, or equal and its index lower.
+EP_HD bool own_table_before(uint64_t sa, uint64_t a, uint64_t sb, uint64_t b) { return sa != sb ? sa > sb : a < b; }
+
+// Whether a taker (its table's bytes with framing `section`) fits beside the `used` bytes of the
+// extra tables taken before it.
+EP_HD bool own_table_fits(uint64_t used, uint32_t section) { return used + section <= kMaxExtraTableSectionBytes; }
+
+// The shared table's refit: whether frequencies `fitted` (2^fitted_bits, its version 4 table
+// `fitted_bytes` bytes) code the symbols counts[1025] (total > 0) of the `keepers` chunks that keep
+// the shared table smaller than the blob's first table (shared_cost[s]: its symbols' costs, its
+// table `first_bytes` bytes) by more than kOwnTableMarginBytes a chunk and a 1/1024 bit a value.
+EP_HD bool refit_pays(const uint64_t* counts, uint64_t total, uint64_t keepers, const uint64_t* shared_cost,
+                      uint32_t first_bytes, const uint32_t* fitted, uint32_t fitted_bits, uint32_t fitted_bytes) {
+  constexpr uint64_t kByte = 8 << 10;
+  uint64_t first_q10 = 0, fitted_q10 = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (counts[s] == 0) continue;
+    first_q10 += counts[s] * shared_cost[s];
+    fitted_q10 += counts[s] * symbol_cost_q10(fitted[s], fitted_bits);
+  }
+  first_q10 += kByte * first_bytes;
+  fitted_q10 += kByte * fitted_bytes;
+  return fitted_q10 + kByte * kOwnTableMarginBytes * keepers + total < first_q10;
+}
+
+}  // namespace ep_comm::lossless
