@@ -115,22 +115,23 @@ def _directory_modes(blob: torch.Tensor, n: int, chunk_values: int) -> list[int]
             for c in range(chunks)]
 
 
+@pytest.mark.parametrize("version", [4, 5])
 @pytest.mark.parametrize("offset", [2, 6])
-def test_unaligned_input_and_output_give_the_host_blob(lib, offset: int) -> None:
+def test_unaligned_input_and_output_give_the_host_blob(lib, offset: int, version: int) -> None:
     """Values that start 2 or 6 bytes past a 16-byte boundary (no 16-byte loads) coded into an
     output that is not 4-byte aligned: the host's blob, raw and rANS-coded chunks alike."""
     x = CASES["mixed"]()
     n, cv = x.numel(), 4096
-    host = lossless.encode(x, chunk_values=cv)
+    host = lossless.encode(x, chunk_values=cv, version=version)
     space = torch.zeros(n + 16, dtype=torch.int16)
     first = ((-space.data_ptr()) % 16 + offset) // 2
     space[first:first + n] = x.view(torch.int16)
-    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv, 4),), 0xA5, dtype=torch.uint8)
-    out = torch.full((lib.ep_lossless_max_blob_bytes(n, 1, cv, 4) + 8,), 0x5A, dtype=torch.uint8)
+    ws = torch.full((lib.ep_lossless_encode_workspace_bytes(n, cv, version),), 0xA5, dtype=torch.uint8)
+    out = torch.full((lib.ep_lossless_max_blob_bytes(n, 1, cv, version) + 8,), 0x5A, dtype=torch.uint8)
     at = (-out.data_ptr()) % 4 + 1
     size = torch.zeros(1, dtype=torch.int64)
     shape = (ctypes.c_int64 * 1)(n)
-    rc = lib.ep_lossless_encode_cuda(space.data_ptr() + 2 * first, n, shape, 1, cv, 4, out.data_ptr() + at,
+    rc = lib.ep_lossless_encode_cuda(space.data_ptr() + 2 * first, n, shape, 1, cv, version, out.data_ptr() + at,
                                      size.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
     assert rc == 0
     assert torch.equal(out[at:at + int(size)], host)
@@ -138,11 +139,12 @@ def test_unaligned_input_and_output_give_the_host_blob(lib, offset: int) -> None
 
 @pytest.mark.parametrize("n,zero_share", [(100, 1.0), (4096, 0.3), (4097, 0.3), (2, 0.0)])
 def test_blobs_of_one_chunk_around_the_one_state_limit(lib, n: int, zero_share: float) -> None:
-    """A blob's only chunk: one state (mode 2) up to 4,096 values, raw when that does not pay
-    (2 values), +0.0 only (mode 3) through the one-state path; 32 states from 4,097 values."""
+    """A version 4 blob's only chunk: one state (mode 2) up to 4,096 values, raw when that does not
+    pay (2 values), +0.0 only (mode 3) through the one-state path; 32 states from 4,097 values
+    (version 5's limits: tests/test_codec_encoder_v5_emulated.py)."""
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g) * 0.02).bfloat16()
     x = torch.where(torch.rand(n, generator=g) < zero_share, torch.zeros_like(x), x)
-    blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cpu", x, lossless.DEFAULT_CHUNK_VALUES)
+    blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cpu", x, lossless.DEFAULT_CHUNK_VALUES, version=4)
     (mode,) = _directory_modes(blob, n, lossless.DEFAULT_CHUNK_VALUES)
     assert mode == {100: 3, 4096: 2, 4097: 0, 2: 1}[n], mode

@@ -833,7 +833,7 @@ def test_encode_version_argument():
         lossless.encode(torch.zeros(4, dtype=torch.bfloat16), version=1)
     from ep_comm import _host
 
-    assert lossless.FORMAT_VERSION == 4 and _host.LOSSLESS_FORMAT_VERSION == 4
+    assert lossless.FORMAT_VERSION == 5 and _host.LOSSLESS_FORMAT_VERSION == 5
 
 
 # ---- what the device path reads on the host: the fixed header, and the error texts

@@ -14,6 +14,11 @@ from support.codec_kernel_cases import blob_layout, read_table_v4
 from ep_comm.codecs import lossless
 
 
+def _encode(x: torch.Tensor, version: int = 4, **kwargs) -> torch.Tensor:
+    """lossless.encode writing version 4 unless told otherwise (the default is 5)."""
+    return lossless.encode(x, version=version, **kwargs)
+
+
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).view(torch.int16)
 
@@ -69,11 +74,11 @@ def test_version_4_round_trips_on_every_path_and_is_never_larger_than_3(name, x,
     the same tensor) to the input; version 4 is at most version 3's size; its table reads back as
     frequencies of the table's symbols summing to 2^prob_bits."""
     paths = lossless.simd_paths()
-    blobs = {p: lossless.encode(x, chunk_values=chunk_values, simd=p) for p in paths}
+    blobs = {p: _encode(x, chunk_values=chunk_values, simd=p) for p in paths}
     assert len({bytes(b.numpy()) for b in blobs.values()}) == 1
     blob = blobs["portable"]
     assert int(blob[4]) == 4
-    older = {v: lossless.encode(x, chunk_values=chunk_values, version=v) for v in (2, 3)}
+    older = {v: _encode(x, chunk_values=chunk_values, version=v) for v in (2, 3)}
     assert blob.numel() <= older[3].numel(), (blob.numel(), older[3].numel())
     for b in (blob, *older.values()):
         for path in paths:
@@ -92,14 +97,14 @@ def test_modes_where_they_pay():
     values), and above 4,096 values chunks keep 32 states."""
     g = torch.Generator().manual_seed(5)
     bias = (torch.randn(384, generator=g) * 0.01).bfloat16()
-    blob = lossless.encode(bias)
+    blob = _encode(bias)
     assert [e[0] for e in _directory(blob)] == [2]
-    assert blob.numel() + 100 < lossless.encode(bias, version=3).numel()
-    zeros = lossless.encode(torch.zeros(64, 7168, dtype=torch.bfloat16))
+    assert blob.numel() + 100 < _encode(bias, version=3).numel()
+    zeros = _encode(torch.zeros(64, 7168, dtype=torch.bfloat16))
     assert {e for e in _directory(zeros)} == {(3, 0, 0, 0)} and int(zeros[6]) == 0
     assert zeros.numel() == 20 + 2 + 2 + 16 * len(_directory(zeros))  # header, shape 64 and 7168, directory
-    assert [e[0] for e in _directory(lossless.encode(torch.randn(10, generator=g).bfloat16()))] == [1]
-    assert {e[0] for e in _directory(lossless.encode(torch.randn(4097, generator=g).bfloat16()))} == {0}
+    assert [e[0] for e in _directory(_encode(torch.randn(10, generator=g).bfloat16()))] == [1]
+    assert {e[0] for e in _directory(_encode(torch.randn(4097, generator=g).bfloat16()))} == {0}
 
 
 def _reseal(blob: bytearray) -> torch.Tensor:
@@ -126,18 +131,18 @@ def test_forged_modes_are_rejected():
     """Mode 3 with a field or checksum set, mode 2 in a version 3 blob or on more than 4,096 values,
     an unknown mode: a corrupted directory on every path."""
     g = torch.Generator().manual_seed(8)
-    zeros = lossless.encode(torch.zeros(2, 7168, dtype=torch.bfloat16), chunk_values=7168)
+    zeros = _encode(torch.zeros(2, 7168, dtype=torch.bfloat16), chunk_values=7168)
     raw = bytearray(zeros.numpy().tobytes())
     at = blob_layout(zeros)["directory"]
     for field in (4, 8, 12):
         bad = bytearray(raw)
         struct.pack_into("<I", bad, at + field, 1)
         assert "directory" in _same_error_everywhere(torch.frombuffer(bad, dtype=torch.uint8))
-    v3 = lossless.encode((torch.randn(384, generator=g) * 0.01).bfloat16(), version=3)
+    v3 = _encode((torch.randn(384, generator=g) * 0.01).bfloat16(), version=3)
     bad = bytearray(v3.numpy().tobytes())
     struct.pack_into("<I", bad, blob_layout(v3)["directory"], 2)
     assert "directory" in _same_error_everywhere(_reseal(bad))
-    big = lossless.encode(torch.randn(8192, generator=g).bfloat16(), chunk_values=8192)
+    big = _encode(torch.randn(8192, generator=g).bfloat16(), chunk_values=8192)
     for mode in (2, 4):
         bad = bytearray(big.numpy().tobytes())
         struct.pack_into("<I", bad, blob_layout(big)["directory"], mode)
@@ -155,7 +160,7 @@ def test_every_byte_corruption_is_rejected(name):
     else:
         x = torch.randn(3, 1024, generator=g).bfloat16()
         x[1] = 0
-    blob = lossless.encode(x, chunk_values=1024)
+    blob = _encode(x, chunk_values=1024)
     assert {2, 3} & {e[0] for e in _directory(blob)}
     for pos in range(blob.numel()):
         bad = blob.clone()
@@ -187,9 +192,9 @@ def test_version_4_header_and_shape():
     """A 20-byte header, then each dimension in LEB128 (300 -> 0xAC 0x02); a dimension in a longer
     form than its shortest, or of more than 7 bytes, is a bad shape; a blob cut inside the shape is
     truncated."""
-    blob = lossless.encode(torch.randn(300, 7).bfloat16())
+    blob = _encode(torch.randn(300, 7).bfloat16())
     assert list(blob[20:23]) == [0xAC, 0x02, 0x07] and blob_layout(blob)["table_at"] == 23
-    scalar = lossless.encode(torch.tensor(1.5).bfloat16())
+    scalar = _encode(torch.tensor(1.5).bfloat16())
     assert scalar.numel() == 20 + 16 + 4  # header, one directory entry, the raw value padded
     for shape_bytes in (bytes([0x87, 0x00]), bytes([0x80] * 7 + [0x01])):
         header = bytearray(struct.pack("<IBBHIII", 0x424C5045, 4, 1, 0, 32, 0, 11)) + shape_bytes

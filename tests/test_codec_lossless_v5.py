@@ -96,7 +96,7 @@ def test_version_5_round_trips_on_every_path_and_is_never_larger_than_4(name, x,
     for path in paths:
         out = lossless.decode(blob, simd=path)
         assert out.shape == x.shape and torch.equal(bits(out), bits(x)), path
-    v4 = lossless.encode(x, chunk_values=chunk_values)
+    v4 = lossless.encode(x, chunk_values=chunk_values, version=4)
     assert blob.numel() <= v4.numel(), (blob.numel(), v4.numel())
     layout = _layout(blob)
     used = [e["table"] for e in layout["entries"] if e["table"]]
@@ -119,7 +119,7 @@ def test_mixed_message_takes_extra_tables_and_shrinks():
     4's; encode_rows takes the version too."""
     x = _mixed_message()
     blob = lossless.encode_rows(x, version=5)
-    v4 = lossless.encode(x)
+    v4 = lossless.encode(x, version=4)
     layout = _layout(blob)
     assert len(layout["entries"]) == 8 and len(layout["extra"]) >= 4, layout["entries"]
     assert any(e["table"] == 0 and e["mode"] == 0 for e in layout["entries"])
@@ -156,7 +156,7 @@ def test_never_larger_than_version_4_over_many_tensors():
     took = 0
     for x, cv in _many_tensors():
         b5 = lossless.encode(x, chunk_values=cv, version=5)
-        b4 = lossless.encode(x, chunk_values=cv)
+        b4 = lossless.encode(x, chunk_values=cv, version=4)
         assert b5.numel() <= b4.numel(), (tuple(x.shape), cv, b5.numel(), b4.numel())
         took += int(b5[17]) > 0
         assert torch.equal(bits(lossless.decode(b5)), bits(x))
@@ -323,7 +323,7 @@ def test_version_5_is_accepted_and_others_rejected_by_encode():
     for version in (1, 6):
         with pytest.raises(ValueError, match="version must be one of"):
             lossless.encode(x, version=version)
-    assert lossless.FORMAT_VERSION == 4 and int(lossless.encode(x)[4]) == 4
+    assert lossless.FORMAT_VERSION == 5 and int(lossless.encode(x)[4]) == 5
 
 
 def test_same_bytes_on_any_thread_count():
@@ -346,7 +346,7 @@ def test_at_most_255_extra_tables():
     layout = _layout(blob)
     assert len(layout["extra"]) == 255
     assert sum(1 for e in layout["entries"] if e["table"] == 0) == 65
-    assert blob.numel() < lossless.encode(x, chunk_values=4096).numel()
+    assert blob.numel() < lossless.encode(x, chunk_values=4096, version=4).numel()
     for path in lossless.simd_paths():
         assert torch.equal(bits(lossless.decode(blob, simd=path)), bits(x)), path
 
@@ -364,14 +364,15 @@ def test_all_zero_blob_is_the_fewest_chunks(shape):
     assert struct.unpack_from("<I", blob.numpy().tobytes(), 8)[0] == min(-(-n // 32) * 32, 2**24)
     assert layout["chunks"] == chunks and [e["mode"] for e in layout["entries"]] == [3] * chunks
     assert layout["table_bytes"] == 0 and blob.numel() == layout["directory"] + 16 * chunks
-    default = lossless.encode(x)
-    assert _chunks_of(default) > chunks and blob.numel() < default.numel()
+    v4 = lossless.encode(x, version=4)
+    assert _chunks_of(v4) > chunks and blob.numel() < v4.numel()
+    assert torch.equal(lossless.encode(x), blob)  # the default
     for simd in lossless.simd_paths():
         y = lossless.decode(blob, simd=simd, expected_shape=shape)
         assert torch.equal(y.view(torch.int16), x.view(torch.int16))
     negative = x.clone()
     negative.view(-1)[n // 2] = -0.0
-    assert _layout(lossless.encode(negative, version=5))["chunks"] == _chunks_of(lossless.encode(negative))
+    assert _layout(lossless.encode(negative, version=5))["chunks"] == _chunks_of(lossless.encode(negative, version=4))
 
 
 def _chunks_of(blob: torch.Tensor) -> int:
@@ -402,7 +403,7 @@ def test_one_chunk_blob_takes_one_state_up_to_the_version_5_limit(n, cv, mode):
     assert _layout(blob)["entries"][0]["mode"] == mode
     for path in lossless.simd_paths():
         assert torch.equal(bits(lossless.decode(blob, simd=path)), bits(x)), path
-    v4 = lossless.encode(x, chunk_values=cv)
+    v4 = lossless.encode(x, chunk_values=cv, version=4)
     assert blob.numel() <= (v4.numel() - 64 if mode == 2 and n > 4096 else v4.numel()), (blob.numel(), v4.numel())
 
 

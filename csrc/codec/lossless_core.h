@@ -93,7 +93,8 @@
 namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
-constexpr uint32_t kVersion = 4;     // what the encoders write by default
+constexpr uint32_t kVersion4 = 4;    // the compact header (20 bytes, LEB128 shape) from here on
+constexpr uint32_t kDefaultVersion = 5;  // what the encoders (host and CUDA) write by default
 constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host and CUDA), decoded everywhere
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
@@ -649,7 +650,7 @@ EP_HD uint32_t dec_step(uint32_t& x, const DecodeTable& t) {
 
 // ---- header ----
 struct Header {
-  uint32_t version = kVersion;
+  uint32_t version = kVersion4;
   uint32_t ndim = 0;
   uint32_t num_table_entries = 0;
   uint32_t prob_bits = kProbBits;
@@ -682,7 +683,7 @@ EP_HD uint64_t num_chunks_for(uint64_t num_values, uint32_t chunk_values) {
 // ---- header layout: versions 2 and 3 (32 bytes, u64 dimensions), version 4 (20 bytes, LEB128
 // dimensions: 7 bits a byte, low first, the high bit set on every byte but the last, shortest form)
 // Whether format `version` has version 4's 20-byte header and LEB128 dimensions (4 and 5).
-EP_HD bool compact_header(uint32_t version) { return version >= kVersion; }
+EP_HD bool compact_header(uint32_t version) { return version >= kVersion4; }
 // The most values a one-state chunk (mode 2, a blob's only chunk) may hold: kOneStateMaxValues in
 // version 4; in version 5 a quarter of chunk_values, clamped to [kOneStateMaxValues,
 // kOneStateMaxValuesV5]. One state saves 124 state bytes but decodes serially (one GPU lane), so a
@@ -750,7 +751,7 @@ EP_HD uint64_t data_offset_for(uint32_t ndim, uint32_t table_bytes, uint32_t chu
 // version 2's zero.
 EP_HD void store_header(uint8_t* o, uint32_t ndim, uint32_t entries, uint32_t chunk_values, uint32_t chunks,
                         uint64_t num_values, uint32_t prob_bits = kProbBits, uint32_t table_bytes = 0,
-                        uint32_t version = kVersion, uint32_t extra_tables = 0) {
+                        uint32_t version = kVersion4, uint32_t extra_tables = 0) {
   store_le<uint32_t>(o, kMagic);
   o[4] = static_cast<uint8_t>(version);
   o[5] = static_cast<uint8_t>(ndim);
@@ -780,11 +781,11 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end, uint32_t version
 // newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion5
 // for the host and CUDA decoders.
 EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull,
-                              uint32_t newest_version = kVersion) {
+                              uint32_t newest_version = kVersion4) {
   if (readable > size) readable = size;
   if (readable < kHeaderBytesV4) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
-  if (blob[4] != kVersion && blob[4] != kVersion3 && blob[4] != kOldVersion &&
+  if (blob[4] != kVersion4 && blob[4] != kVersion3 && blob[4] != kOldVersion &&
       !(blob[4] == kVersion5 && newest_version >= kVersion5))
     return kErrVersion;
   h.version = blob[4];
@@ -815,7 +816,7 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
       // every entry takes 2 to 4 bytes
       if (h.table_bytes < 2 * h.num_table_entries || h.table_bytes > 4 * h.num_table_entries) return kErrTable;
     } else if ((h.table_bytes == 0) != (h.num_table_entries == 0) ||
-               (h.version == kVersion && h.table_bytes > kMaxTableBytes)) {
+               (h.version == kVersion4 && h.table_bytes > kMaxTableBytes)) {
       return kErrTable;  // versions 4 and 5: the orders' byte and at least 2 bits an entry
     }
     // version 5: extra tables only beside a shared table
@@ -874,7 +875,7 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
 
 // Parses and validates the fixed header, the shape, that table and directory fit, the table's
 // zero padding and the metadata checksum (newest_version as in parse_header_fields).
-EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h, uint32_t newest_version = kVersion) {
+EP_HD int parse_header(const uint8_t* blob, uint64_t size, Header& h, uint32_t newest_version = kVersion4) {
   const int st = parse_header_fields(blob, size, h, ~0ull, newest_version);
   if (st != kOk) return st;
   for (uint64_t p = h.table_offset + h.table_bytes; p < h.directory_offset; ++p)

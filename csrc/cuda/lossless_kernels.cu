@@ -1988,7 +1988,7 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
                             uint32_t ndim, uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (ndim > uint32_t(kMaxDims) || chunk_values < kMinChunkValues || chunk_values > kMaxChunkValues ||
-      chunk_values % kLanes != 0 || num_values > kMaxValues || (version != kVersion && version != kVersion5))
+      chunk_values % kLanes != 0 || num_values > kMaxValues || (version != kVersion4 && version != kVersion5))
     return cudaErrorInvalidValue;
   ShapeArg shape{};
   uint64_t product = 1;

@@ -229,10 +229,10 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
 // table of its own (own_table_saving_q10), from its symbol counts, kept per piece of pass 1.
 py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd, int version) {
-  if (version != int(kVersion) && version != int(kVersion3) && version != int(kOldVersion) &&
+  if (version != int(kVersion4) && version != int(kVersion3) && version != int(kOldVersion) &&
       version != int(kVersion5))
     throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + ", " + std::to_string(kVersion3) +
-                                ", " + std::to_string(kVersion) + " or " + std::to_string(kVersion5));
+                                ", " + std::to_string(kVersion4) + " or " + std::to_string(kVersion5));
   const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
@@ -843,13 +843,13 @@ py::array decode_new(uintptr_t blob, uint64_t size, int threads, int simd,
 void register_lossless(py::module_& m) {
   m.def("lossless_encode", &encode, py::arg("values"), py::arg("num_values"), py::arg("shape"),
         py::arg("chunk_values") = int64_t(kDefaultChunkValues), py::arg("threads") = 0, py::arg("simd") = kSimdAvx512,
-        py::arg("version") = int(kVersion),
+        py::arg("version") = int(kDefaultVersion),
         "bf16 bit patterns (address of num_values contiguous 2-byte values, kept alive by the caller)\n"
         "and their shape -> self-describing blob (uint8 array);\n"
         "simd: highest SIMD level to use (0 portable, 1 AVX2, 2 AVX-512; the output is identical);\n"
         "version: the blob format to write (4; 5: chunks may carry their own tables, written on the host;\n"
         "or 3 or 2 for comparisons and tests of the older decoder paths)");
-  m.attr("LOSSLESS_FORMAT_VERSION") = kVersion;
+  m.attr("LOSSLESS_FORMAT_VERSION") = kDefaultVersion;
   m.def("lossless_shape", &header_shape, py::arg("blob"), py::arg("blob_bytes"),
         "validates a blob's header and table (address and size); returns the encoded tensor's shape");
   m.def("lossless_decode_into", &decode_into, py::arg("blob"), py::arg("blob_bytes"), py::arg("out"),
@@ -865,7 +865,7 @@ void register_lossless(py::module_& m) {
   m.def("lossless_max_blob_bytes", [](uint64_t n, uint32_t ndim, uint32_t cv, uint32_t version) {
     return max_blob_bytes_v(n, ndim, cv, version);
   }, py::arg("num_values"), py::arg("ndim"), py::arg("chunk_values") = kDefaultChunkValues,
-     py::arg("version") = kVersion);
+     py::arg("version") = kDefaultVersion);
   m.attr("LOSSLESS_DEFAULT_CHUNK_VALUES") = kDefaultChunkValues;
   m.def("lossless_simd_available", &simd_available,
         "highest SIMD level this CPU runs: 0 portable, 1 AVX2, 2 AVX-512 (F, BW, VL, VBMI, VBMI2)");

@@ -46,10 +46,10 @@ MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
-# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h). Version 5
-# (a chunk may carry its own frequency table) is written on request, by the host encoder only (the
-# CUDA encoder writes version 4), so the default stays 4; the host and CUDA decoders read 2 to 5.
-FORMAT_VERSION = 4
+# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 5
+# (a chunk may carry its own frequency table), written by the host and the CUDA encoders alike;
+# versions 2 to 4 are written on request, and the host and CUDA decoders read 2 to 5.
+FORMAT_VERSION = 5
 FORMAT_VERSIONS = (2, 3, 4, 5)
 
 
@@ -107,10 +107,9 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: True: the fastest path this CPU has; False: the portable core; or a path of
             :func:`simd_paths` by name. The bytes are the same on every path.
-        version: the blob format, ``FORMAT_VERSION`` (4); 5, where a chunk may carry a frequency
-            table of its own (smaller blobs of messages that join values of different
-            statistics; ``decode`` reads it on the CPU and on the GPU); or 3 or 2 (the older
-            formats, for comparisons). Versions 4 and 5 are coded by the CUDA kernels on a GPU;
+        version: the blob format, ``FORMAT_VERSION`` (5: a chunk may carry a frequency table of
+            its own, which shrinks messages that join values of different statistics); or 4, 3 or
+            2 (the older formats, for comparisons). Versions 4 and 5 are coded by the CUDA kernels on a GPU;
             3 and 2 always on the CPU, the blob then moved to ``x``'s device.
 
     Returns:

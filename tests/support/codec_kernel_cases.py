@@ -30,7 +30,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str, version: int = 4) -> torch.Tensor:
+def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
+                  version: int = lossless.FORMAT_VERSION) -> torch.Tensor:
     """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk in format ``version``
     (4 or 5), as a CPU uint8 tensor."""
     flat = x.contiguous().view(torch.int16).reshape(-1).to(device)
@@ -183,11 +184,12 @@ CORRUPTION_CASES = [("sparse", 1024), ("mixed", 4096), ("normal", 4096), ("zeros
 
 
 def check_blob_is_byte_identical_and_decodes_tensor(lib: ctypes.CDLL, device: str, x: torch.Tensor,
-                                                    chunk_values: int) -> torch.Tensor:
-    """The kernels' blob of ``x`` (bf16) is the host encoder's, and they decode it exactly; returns
-    the blob."""
-    host = lossless.encode(x, chunk_values=chunk_values)
-    dev = device_encode(lib, x, chunk_values, device)
+                                                    chunk_values: int,
+                                                    version: int = lossless.FORMAT_VERSION) -> torch.Tensor:
+    """The kernels' blob of ``x`` (bf16) in format ``version`` is the host encoder's, and they
+    decode it exactly; returns the blob."""
+    host = lossless.encode(x, chunk_values=chunk_values, version=version)
+    dev = device_encode(lib, x, chunk_values, device, version=version)
     assert dev.numel() == host.numel() and torch.equal(dev, host)
     status, y = device_decode(lib, dev, x.numel(), chunk_values, device)
     assert status == 0 and torch.equal(y, bits(x))
