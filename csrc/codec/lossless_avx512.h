@@ -220,41 +220,52 @@ struct ChunkCursor512 {
 };
 
 // Decodes `count` (1 or 2) rANS chunks in lockstep: chunk k's payload[k] (payload_bytes(*e[k],
-// n[k]) bytes, bounds-checked by the caller) into out[k]; status[k] = its Status.
+// n[k]) bytes, bounds-checked by the caller) into out[k] with table[k] (the two tables alike in
+// prob_bits and in having a +0.0 range: the template's); status[k] = its Status.
 template <bool kHasZero, int kProbBitsT>
 EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* const* payload,
                                                      const ChunkEntry* const* e, const uint32_t* n,
-                                                     const DecodeTable& table, uint16_t* const* out, int* status) {
+                                                     const DecodeTable* const* table, uint16_t* const* out,
+                                                     int* status) {
   using Cursor = ChunkCursor512<kHasZero, kProbBitsT>;
-  const __m512i last_nonzero_slot = _mm512_set1_epi32(int(table.zero_start) - 1);
+  __m512i last_nonzero_slot[2];
   alignas(Cursor) unsigned char storage[2][sizeof(Cursor)];
   Cursor* c[2];
-  for (int k = 0; k < count; ++k) c[k] = new (storage[k]) Cursor(payload[k], *e[k], n[k], out[k]);
+  for (int k = 0; k < count; ++k) {
+    c[k] = new (storage[k]) Cursor(payload[k], *e[k], n[k], out[k]);
+    last_nonzero_slot[k] = _mm512_set1_epi32(int(table[k]->zero_start) - 1);
+  }
   if (count == 2) {
     while (c[0]->can_step() && c[1]->can_step()) {
-      c[0]->step(table, last_nonzero_slot);
-      c[1]->step(table, last_nonzero_slot);
+      c[0]->step(*table[0], last_nonzero_slot[0]);
+      c[1]->step(*table[1], last_nonzero_slot[1]);
     }
   }
   for (int k = 0; k < count; ++k) {
-    while (c[k]->can_step()) c[k]->step(table, last_nonzero_slot);
-    status[k] = c[k]->finish(table);
+    while (c[k]->can_step()) c[k]->step(*table[k], last_nonzero_slot[k]);
+    status[k] = c[k]->finish(*table[k]);
     c[k]->~Cursor();
   }
 }
 
-// Same results as decode_chunk on each of `count` (1 or 2) chunks, decoded together.
+// Same results as decode_chunk on each of `count` (1 or 2) chunks, chunk k with table[k], decoded
+// together when their tables agree in prob_bits and in having a +0.0 range (a version 5 pair of
+// the shared table and an extra one usually does), else one after the other.
 inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const ChunkEntry* const* e,
-                                 const uint32_t* n, const DecodeTable& table, uint16_t* const* out, int* status) {
+                                 const uint32_t* n, const DecodeTable* const* table, uint16_t* const* out,
+                                 int* status) {
+  const auto kind = [](const DecodeTable& t) { return int(t.prob_bits == uint32_t(kMaxProbBits)) | (t.zero_freq != 0) << 1; };
+  if (count == 2 && kind(*table[0]) != kind(*table[1])) {
+    for (int k = 0; k < 2; ++k) decode_chunks_avx512(1, payload + k, e + k, n + k, table + k, out + k, status + k);
+    return;
+  }
   // +0.0 lanes are told apart by slot (one compare per 16 lanes) whenever the table has a +0.0
   // range, so a crafted chunk whose directory denies +0.0 still decodes as the portable core does
-  const bool wide = table.prob_bits == uint32_t(kMaxProbBits);
-  if (table.zero_freq == 0) {
-    if (wide) decode_chunks_avx512_impl<false, kMaxProbBits>(count, payload, e, n, table, out, status);
-    else decode_chunks_avx512_impl<false, kProbBits>(count, payload, e, n, table, out, status);
-  } else {
-    if (wide) decode_chunks_avx512_impl<true, kMaxProbBits>(count, payload, e, n, table, out, status);
-    else decode_chunks_avx512_impl<true, kProbBits>(count, payload, e, n, table, out, status);
+  switch (kind(*table[0])) {
+    case 0: decode_chunks_avx512_impl<false, kProbBits>(count, payload, e, n, table, out, status); break;
+    case 1: decode_chunks_avx512_impl<false, kMaxProbBits>(count, payload, e, n, table, out, status); break;
+    case 2: decode_chunks_avx512_impl<true, kProbBits>(count, payload, e, n, table, out, status); break;
+    default: decode_chunks_avx512_impl<true, kMaxProbBits>(count, payload, e, n, table, out, status); break;
   }
 }
 

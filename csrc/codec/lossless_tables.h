@@ -21,6 +21,7 @@
 // save more than that margin per chunk, table included (refit_pays); else version 4's: no version
 // 5 blob is larger than version 4's.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "codec/lossless_core.h"
@@ -66,25 +67,60 @@ EP_HD int choose_prob_bits(const uint64_t* counts, uint64_t total, uint64_t chun
 // bits: counts[1025] of its n values (`zeros` of them +0.0), shared_cost[s] the cost of symbol s
 // under the blob's first table in 1/1024 bits (symbol_cost_q10); `section` gets the own table's
 // bytes with framing. scratch: kOwnTableScratchWords words.
+//
+// First a bound that decides most chunks without normalising: any frequencies summing to
+// 2^prob_bits cost the symbols at least their empirical entropy n H (Gibbs' inequality; the cost
+// rounds log2 down, so up), so when n H, less 1 bit and a 1e-9 share for the floating-point sums,
+// plus the fixed bytes and the margin already reach the shared table's size, the own table cannot
+// pay and the exact estimate below would return 0 as well: the choice is the same, made cheaper
+// (chunks of the blob's statistics skip both normalisations); then the same with the own table's
+// least bytes.
 EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t zeros, const uint64_t* shared_cost,
                                     uint32_t& section, uint32_t* scratch) {
-  uint32_t* f = scratch;
-  const uint64_t pb = uint64_t(choose_prob_bits(counts, n, 1, f, scratch + kNumSymbols));
-  uint64_t shared_q10 = 0, own_q10 = 0;
-  for (int s = 0; s < kNumSymbols; ++s) {
-    if (counts[s] == 0) continue;
-    shared_q10 += counts[s] * shared_cost[s];
-    own_q10 += counts[s] * symbol_cost_q10(f[s], uint32_t(pb));
-  }
-  uint32_t kg = 0, kf = 0;
-  table_orders_v4_in(f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
-  section = extra_table_bytes(table_bytes_v4(f, kg, kf));
   constexpr uint64_t kByte = 8 << 10;
   const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
   const uint64_t margin = kByte * kOwnTableMarginBytes + n;
+  uint64_t shared_q10 = 0;
+  double sum_c_log_c = 0.0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (counts[s] == 0) continue;
+    shared_q10 += counts[s] * shared_cost[s];
+    sum_c_log_c += double(counts[s]) * log2(double(counts[s]));
+  }
+  const uint64_t shared_size = shared_q10 + fixed < raw ? shared_q10 + fixed : raw;
+  const double entropy_q10 = 1024.0 * (double(n) * log2(double(n)) - sum_c_log_c);
+  const double floor_q10 = entropy_q10 * (1.0 - 1e-9) - 1024.0;
+  section = 0;
+  if (floor_q10 > 0.0 && double(fixed + margin) + floor_q10 >= double(shared_size)) return 0;
+  // the same bound with the own table's least bytes: its gaps' (the symbols present fix them) at
+  // their cheapest order, one bit a frequency at least, its framing
+  uint32_t present = 0;
+  int previous = -1;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    if (counts[s] == 0) continue;
+    scratch[present++] = uint32_t(s - previous - 1);
+    previous = s;
+  }
+  uint64_t gap_bits = ~0ull;
+  for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
+    uint64_t bits = 0;
+    for (uint32_t i = 0; i < present; ++i) bits += eg_bits(scratch[i], k);
+    gap_bits = bits < gap_bits ? bits : gap_bits;
+  }
+  const uint32_t least_table = uint32_t(1 + (gap_bits + present + 7) / 8);
+  const uint64_t least_section = extra_table_bytes(least_table);
+  if (floor_q10 > 0.0 && double(fixed + margin + kByte * least_section) + floor_q10 >= double(shared_size)) return 0;
+  uint32_t* f = scratch;
+  const uint64_t pb = uint64_t(choose_prob_bits(counts, n, 1, f, scratch + kNumSymbols));
+  uint64_t own_q10 = 0;
+  for (int s = 0; s < kNumSymbols; ++s)
+    if (counts[s] != 0) own_q10 += counts[s] * symbol_cost_q10(f[s], uint32_t(pb));
+  uint32_t kg = 0, kf = 0;
+  table_orders_v4_in(f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
+  section = extra_table_bytes(table_bytes_v4(f, kg, kf));
   const uint64_t own_payload = own_q10 + fixed;
   if (own_payload + margin >= raw) return 0;  // it would be stored raw
-  const uint64_t shared_size = (shared_q10 + fixed < raw ? shared_q10 + fixed : raw), own_size = own_payload + kByte * section;
+  const uint64_t own_size = own_payload + kByte * section;
   return own_size + margin < shared_size ? shared_size - own_size : 0;
 }
 

@@ -402,7 +402,9 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
       }
       uint64_t total = 0;
       for (int s = 0; s < kNumSymbols; ++s) total += counts[s];
-      if (total > 0) {  // else every chunk is +0.0 only or has its own table: the first table stays
+      // total == 0: every chunk is +0.0 only or has its own table; total == num_values: no chunk
+      // left the shared one, whose refit would be the first table again. The first table stays.
+      if (total > 0 && total < num_values) {
         CodingTable& fitted = *refitted;
         choose_frequencies(counts, total, keepers, false, version, fitted);
         uint32_t kg = 0, kf = 0;
@@ -714,7 +716,7 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
 // (decode_chunks_avx512), even when that leaves threads idle: 2 chunks of a weights tensor took
 // 74 us as one pair on one thread, 101 us as one chunk on each of 2 threads (one chunk alone: 62
 // us; medians of 300 calls from Python); the others one at a time. A version 5 pair whose chunks
-// have different tables is decoded one chunk at a time (the pair's steps share one table).
+// have different tables decodes in lockstep too where the tables agree in prob_bits and +0.0.
 int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, int simd) {
   const Header& h = p.h;
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
@@ -776,11 +778,8 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
       int st[2];
       const DecodeTable* table[2] = {nullptr, nullptr};
       for (int k = 0; k < num_rans; ++k) table[k] = &tables[chunk_table[rans_chunks[k]]];
-      if (level == kSimdAvx512 && (num_rans == 1 || table[0] == table[1])) {
-        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, *table[0], dsts, st);
-      } else if (level == kSimdAvx512) {
-        for (int k = 0; k < num_rans; ++k)
-          decode_chunks_avx512(1, payloads + k, rans_entries + k, counts + k, *table[k], dsts + k, st + k);
+      if (level == kSimdAvx512) {
+        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, table, dsts, st);
       } else {
         for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table[k], dsts[k]);
       }

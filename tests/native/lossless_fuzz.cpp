@@ -108,14 +108,12 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
         index[pending++] = q;
       }
     }
-    // a pair only when both chunks have one table, as the host pairs them
-    if (pending == 2 && chunk_table[index[0]] != chunk_table[index[1]]) {
-      for (int k = 0; k < 2; ++k)
-        decode_chunks_avx512(1, payloads + k, rans + k, counts + k, tables[chunk_table[index[k]]], dsts + k,
-                             &status[index[k]]);
-    } else if (pending > 0) {
+    // a pair with each chunk's table, as the host pairs them
+    if (pending > 0) {
       int st2[2];
-      decode_chunks_avx512(pending, payloads, rans, counts, tables[chunk_table[index[0]]], dsts, st2);
+      const DecodeTable* pair_tables[2] = {&tables[chunk_table[index[0]]],
+                                           &tables[chunk_table[index[pending - 1]]]};
+      decode_chunks_avx512(pending, payloads, rans, counts, pair_tables, dsts, st2);
       for (int k = 0; k < pending; ++k) status[index[k]] = st2[k];
     }
   }
