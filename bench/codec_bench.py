@@ -179,13 +179,14 @@ class Ours:
     """ep_comm's lossless codec on the SIMD path ``simd`` (True: the best this CPU has, or a name
     of ``lossless.simd_paths()``)."""
 
-    name = "ours"
-
-    def __init__(self, simd: bool | str = True):
+    def __init__(self, simd: bool | str = True, version: int | None = None):
+        """``version``: the format written (None: the default, named "ours"; else "ours vN")."""
         self.simd = simd
+        self.version = lossless.FORMAT_VERSION if version is None else version
+        self.name = "ours" if version is None else f"ours v{version}"
 
     def encode(self, x: torch.Tensor, threads: int):
-        return lossless.encode(x, threads=threads, simd=self.simd)
+        return lossless.encode(x, threads=threads, simd=self.simd, version=self.version)
 
     def decode(self, blob, threads: int) -> torch.Tensor:
         return lossless.decode(blob, threads=threads, simd=self.simd)
@@ -458,11 +459,13 @@ def cpu_model() -> str:
     return names[0] if names else (platform.processor() or "unknown")
 
 
-def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best", model: str = "minilm") -> dict:
+def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best", model: str = "minilm",
+        time_version: int | None = None) -> dict:
     if simd != "best" and simd not in lossless.simd_paths():
         raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
     data = model_tensors(batch, seq) if model == "minilm" else weight_tensors(model)
-    codecs = [Ours(True if simd == "best" else simd), Zipnn()]
+    ours_simd = True if simd == "best" else simd
+    codecs = [Ours(ours_simd), *([Ours(ours_simd, time_version)] if time_version is not None else []), Zipnn()]
     all_threads = os.cpu_count() or 1
     report: dict = {"model": MODELS[model],
                     "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
@@ -477,7 +480,8 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
             row = {"kind": kind, "layout": layout, "raw_mb": sum(t.numel() * 2 for t in tensors) / 1e6,
                    "tensors": len(tensors)}
             one = measure(codecs, tensors, {c.name: 1 for c in codecs}, reps, steady)
-            many = measure(codecs, tensors, {"ours": 0, "zipnn": all_threads}, reps, steady)
+            many = measure(codecs, tensors, {c.name: 0 if isinstance(c, Ours) else all_threads for c in codecs},
+                           reps, steady)
             for codec in codecs:
                 o, m = one[codec.name], many[codec.name]
                 row[codec.name] = {"ratio": o["ratio"], "enc_1t": o["enc_gbs"], "dec_1t": o["dec_gbs"],
@@ -510,7 +514,7 @@ def print_report(report: dict) -> None:
                 f"enc {report['threads_all']}T GB/s", f"dec {report['threads_all']}T GB/s"):
         table.add_column(col, justify="right" if col not in ("kind", "layout", "codec") else "left")
     for row in report["results"]:
-        for name in ("ours", "zipnn"):
+        for name in [k for k in row if k.startswith("ours")] + ["zipnn"]:
             r = row[name]
             table.add_row(row["kind"], row["layout"], f"{row['raw_mb']:.1f}", name, f"{r['ratio']:.4f}",
                           f"{r['enc_1t']:.3f}", f"{r['dec_1t']:.3f}", f"{r['enc_all']:.3f}", f"{r['dec_all']:.3f}")
@@ -519,6 +523,10 @@ def print_report(report: dict) -> None:
         table.add_row("", "", "", "ours/zipnn", f"{o['ratio'] / z['ratio']:.4f}", f"{o['enc_1t'] / z['enc_1t']:.2f}x",
                       f"{o['dec_1t'] / z['dec_1t']:.2f}x", f"{o['enc_all'] / z['enc_all']:.2f}x",
                       f"{o['dec_all'] / z['dec_all']:.2f}x")
+        for name in [k for k in row if k.startswith("ours v")]:
+            v = row[name]
+            table.add_row("", "", "", f"{name}/zipnn", f"{v['ratio'] / z['ratio']:.4f}",
+                          *(f"{v[k] / z[k]:.2f}x" for k in ("enc_1t", "dec_1t", "enc_all", "dec_all")))
         table.add_row("", "", "", "ours/bound", f"{o['ratio'] / row['bound']:.4f}", "", "", "", "", end_section=True)
     console.print(table)
     sizes = Table(title=f"ours' bytes by part (fractions of the raw bytes, format version {lossless.FORMAT_VERSION}) "
@@ -605,13 +613,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simd", choices=("best", *lossless.SIMD_PATHS), default="best",
                         help="ours' SIMD path (default: the best this CPU has), e.g. avx2 to time the path "
                              "of CPUs without AVX-512 on one that has it")
+    parser.add_argument("--time-version", type=int, choices=[v for v in lossless.FORMAT_VERSIONS
+                                                             if v != lossless.FORMAT_VERSION],
+                        help="also time ours writing this format version (row \"ours vN\"), in the same run")
     parser.add_argument("--per-tensor", action="store_true",
                         help="also print every tensor's and message's sizes (ours, zipnn, bound)")
     args = parser.parse_args(argv)
     if args.save_tensors:
         save_tensors(args.save_tensors, model_tensors(args.batch, args.seq), args.max_mb)
         return 0
-    report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model)
+    report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model, args.time_version)
     report["per_tensor_rows"] = args.per_tensor
     print_report(report)
     if args.json:
