@@ -19,7 +19,7 @@ from support.codec_kernel_cases import (
     device_encode,
     many_chunks,
 )
-from support.emulated_cuda import build
+from support.emulated_cuda import build, default_device, with_device_controls
 from support.native import ROOT, compiler
 
 from ep_comm.codecs import lossless
@@ -36,22 +36,9 @@ MANY_CHUNK_VALUES = 96
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
     path = build("csrc/cuda/lossless_kernels.cu", tmp_path_factory.mktemp("emulated_encoder") / "lossless.so")
-    lib = gpu_library(path)
-    lib.ep_emu_set_schedule.argtypes = [ctypes.c_int]
-    lib.ep_emu_set_device.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.ep_emu_set_resident_limit.argtypes = [ctypes.c_int]
-    lib.ep_emu_set_stall_failure.argtypes = [ctypes.c_int]
-    lib.ep_emu_launch_count.restype = ctypes.c_ulonglong
-    lib.ep_emu_memset_count.restype = ctypes.c_ulonglong
+    lib = with_device_controls(gpu_library(path))
     yield lib
-    _default_device(lib)
-
-
-def _default_device(lib: ctypes.CDLL) -> None:
-    lib.ep_emu_set_schedule(0)
-    lib.ep_emu_set_device(1, 1)
-    lib.ep_emu_set_resident_limit(0)
-    lib.ep_emu_set_stall_failure(0)
+    default_device(lib)
 
 
 @pytest.mark.parametrize("case,chunk_values", [("n0", 4096), ("scalar", 4096), ("one_state", 4096),
@@ -87,7 +74,7 @@ def test_many_chunks_across_blocks_give_the_host_blob(lib, reverse: int, sms: in
     try:
         blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cpu", x, MANY_CHUNK_VALUES)
     finally:
-        _default_device(lib)
+        default_device(lib)
     modes = _directory_modes(blob, x.numel(), MANY_CHUNK_VALUES)
     assert {0, 1, 3} <= set(modes), sorted(set(modes))  # rANS-coded, raw and +0.0 chunks
 
@@ -102,7 +89,7 @@ def test_more_chunks_than_the_rans_grid_has_warps(lib) -> None:
     try:
         blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cpu", x, MANY_CHUNK_VALUES)
     finally:
-        _default_device(lib)
+        default_device(lib)
     assert {0, 1, 3} <= set(_directory_modes(blob, x.numel(), MANY_CHUNK_VALUES))
 
 

@@ -27,7 +27,7 @@ from support.codec_kernel_cases import (
     mixed_rows,
     read_table_v4,
 )
-from support.emulated_cuda import build
+from support.emulated_cuda import build, default_device, with_device_controls
 from support.native import ROOT, compiler
 
 from ep_comm.codecs import lossless
@@ -44,22 +44,9 @@ CUDA_ERROR_INVALID_VALUE = 1
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
     path = build("csrc/cuda/lossless_kernels.cu", tmp_path_factory.mktemp("emulated_encoder_v5") / "lossless.so")
-    lib = gpu_library(path)
-    lib.ep_emu_set_schedule.argtypes = [ctypes.c_int]
-    lib.ep_emu_set_device.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.ep_emu_set_resident_limit.argtypes = [ctypes.c_int]
-    lib.ep_emu_set_stall_failure.argtypes = [ctypes.c_int]
-    lib.ep_emu_launch_count.restype = ctypes.c_ulonglong
-    lib.ep_emu_memset_count.restype = ctypes.c_ulonglong
+    lib = with_device_controls(gpu_library(path))
     yield lib
-    _default_device(lib)
-
-
-def _default_device(lib: ctypes.CDLL) -> None:
-    lib.ep_emu_set_schedule(0)
-    lib.ep_emu_set_device(1, 1)
-    lib.ep_emu_set_resident_limit(0)
-    lib.ep_emu_set_stall_failure(0)
+    default_device(lib)
 
 
 def _outliers(chunks: int, at: tuple[int, ...], seed: int = 9) -> torch.Tensor:
@@ -189,7 +176,7 @@ def test_tables_across_blocks_on_any_schedule(lib, reverse: int, sms: int, block
     try:
         blob = check_v5(lib, x, 4096)
     finally:
-        _default_device(lib)
+        default_device(lib)
     assert int(blob[17]) > 8
 
 

@@ -210,3 +210,25 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ep_emu_set_schedule.argtypes = [ctypes.c_int]
     lib.ep_emu_set_schedule.restype = None
     return lib
+
+
+def with_device_controls(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (an emulated library) with the emulated device's controls typed: schedule order,
+    device shape, resident-block limit, stall failure, launch and memset counts."""
+    lib.ep_emu_set_schedule.argtypes = [ctypes.c_int]
+    lib.ep_emu_set_device.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.ep_emu_set_resident_limit.argtypes = [ctypes.c_int]
+    lib.ep_emu_set_stall_failure.argtypes = [ctypes.c_int]
+    lib.ep_emu_launch_count.restype = ctypes.c_ulonglong
+    lib.ep_emu_memset_count.restype = ctypes.c_ulonglong
+    return lib
+
+
+def default_device(lib: ctypes.CDLL) -> None:
+    """Back to the emulation's defaults: threads resumed from 0 up, one multiprocessor of one block
+    (blocks one at a time), no resident-block cap, a stalled grid ended by the bounded waits'
+    timeouts rather than failing the launch."""
+    lib.ep_emu_set_schedule(0)
+    lib.ep_emu_set_device(1, 1)
+    lib.ep_emu_set_resident_limit(0)
+    lib.ep_emu_set_stall_failure(0)
