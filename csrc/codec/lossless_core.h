@@ -299,7 +299,7 @@ EP_HD uint32_t table_freq_bytes(uint32_t freq) { return freq <= 128 ? 1u : 2u; }
 
 // floor(1024 log2(f)) for f in [1, 2^20], by integer squaring (the same on host and device: the
 // choice of prob_bits below must be identical on both).
-EP_HD uint32_t log2_q10(uint32_t f) {
+EP_HD uint32_t log2_q10_squaring(uint32_t f) {
   uint32_t k = 0;
   while ((f >> (k + 1)) != 0) ++k;
   uint64_t y = uint64_t(f) << (31 - k);  // f / 2^k in [1, 2) as Q31
@@ -312,6 +312,24 @@ EP_HD uint32_t log2_q10(uint32_t f) {
     }
   }
   return r;
+}
+
+// log2_q10_squaring; on the host, frequencies (at most 2^12, the cost estimates' arguments) are
+// read from a table of its results, filled once: the table choices take one lookup per symbol
+// instead of ten squarings.
+EP_HD uint32_t log2_q10(uint32_t f) {
+#if !defined(__CUDA_ARCH__)
+  struct Table {
+    uint32_t v[kMaxProbScale + 1];
+    Table() {
+      v[0] = 0;
+      for (uint32_t g = 1; g <= kMaxProbScale; ++g) v[g] = log2_q10_squaring(g);
+    }
+  };
+  static const Table table;
+  if (f - 1 < kMaxProbScale) return table.v[f];
+#endif
+  return log2_q10_squaring(f);
 }
 
 // The estimated size, in 1/1024 bits, of the symbols of counts[1025] coded with frequencies
