@@ -1,16 +1,17 @@
 """Lossless codec: bit-exact BF16 compression for EP payloads.
 
 Each BF16 value is split into a 10-bit symbol (sign, 8-bit exponent and the first mantissa bit;
-+0.0 is a symbol of its own, so zero runs cost almost nothing), entropy-coded with rANS from one
-frequency table per blob (format version 4: a bit-coded table, 11- or 12-bit probabilities,
-whichever codes the blob smaller; a 20-byte header), and its 6 low mantissa bits, stored raw
-(packed). Values are coded in independent chunks (one CPU task, one GPU warp each); a blob's only
-chunk of at most 4,096 values is coded with one rANS state (and 6 to 12 probability bits), a chunk
-of +0.0 only takes no payload. Blobs of format versions 2 and 3 still decode. Format version 5
-(``encode(x, version=5)``, coded on the host, decoded on the host and the GPU) lets a chunk carry
-a table of its own. The blob is self-describing: magic, version, shape, table, per-chunk sizes and
-checksums; ``decode`` validates every field before use and raises ``ValueError`` on a truncated or
-corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
++0.0 is a symbol of its own, so zero runs cost almost nothing), entropy-coded with rANS from a
+frequency table shared by the blob's chunks (bit-coded, 11- or 12-bit probabilities, whichever
+codes the blob smaller), and its 6 low mantissa bits, stored raw (packed). Values are coded in
+independent chunks (one CPU task, one GPU warp each). Format version 5, the default on the host
+and the GPU: a chunk may carry a table of its own where that pays (messages that join values of
+different statistics); a blob's only chunk of up to a quarter of ``chunk_values`` (4,096 to
+16,384 values) is coded with one rANS state (and 6 to 12 probability bits); a chunk of +0.0 only
+takes no payload. Versions 2 to 4 still decode and are written on request. The blob is
+self-describing: magic, version, shape, tables, per-chunk sizes and checksums; ``decode``
+validates every field before use and raises ``ValueError`` on a truncated or corrupted blob. The
+format is documented in ``csrc/codec/lossless_core.h``.
 
 Why this split, rANS and one table per blob (measured by bench/codec_bench.py on real
 activations, weights and gradients): the sign and the first mantissa bit depend on the exponent
@@ -18,7 +19,8 @@ in activations, so coding them with it takes about 6% off activations (the expon
 2.9% worse than zipnn there, this one 3% better) and costs nothing elsewhere; rANS lands within
 0.2% of the symbols' order-0 entropy, while a fixed-rate code with escapes costs 4-13% more;
 one table per blob (per destination message on the dispatch path) amortises the table over
->= 64 tokens, and a blob whose chunks are all stored raw carries no table.
+>= 64 tokens, a chunk takes its own only where that saves more than the table costs, and a blob
+whose chunks are all stored raw carries no table.
 """
 from __future__ import annotations
 
