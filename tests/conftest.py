@@ -79,3 +79,15 @@ def cubins(request, tmp_path_factory):
             built[source] = {"functions": sass.disassemble(cubin), "resources": sass.resource_usage(cubin)}
         return built[source]
     return get
+
+
+@pytest.fixture(scope="session")
+def emulated_encoder(tmp_path_factory):
+    """The CUDA lossless kernels built once per session on the CUDA emulation for the encoder
+    tests (support.emulated_cuda.codec_library); the emulated device back to its defaults after."""
+    from support.emulated_cuda import build, codec_library, default_device
+
+    lib = codec_library(build("csrc/cuda/lossless_kernels.cu",
+                              tmp_path_factory.mktemp("emulated_encoder") / "lossless.so"))
+    yield lib
+    default_device(lib)

@@ -7,38 +7,30 @@ tests/support/codec_kernel_cases.py run in tests/test_codec_kernels_emulated.py.
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
 
 import pytest
 import torch
 from support.codec_kernel_cases import (
     CASES,
+    ENCODER_MAX_KERNELS,
     blob_layout,
     check_blob_is_byte_identical_and_decodes_tensor,
     device_encode,
     many_chunks,
 )
-from support.emulated_cuda import build, default_device, with_device_controls
-from support.native import ROOT, compiler
+from support.emulated_cuda import default_device
+from support.native import compiler
 
 from ep_comm.codecs import lossless
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler")
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from codec_gpu import gpu_library  # noqa: E402  (the kernels' ctypes signatures)
-
-MAX_KERNELS = 3  # issue 28: histogram pass (and table), rANS pass (and placement), layout
 MANY_CHUNK_VALUES = 96
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory) -> ctypes.CDLL:
-    path = build("csrc/cuda/lossless_kernels.cu", tmp_path_factory.mktemp("emulated_encoder") / "lossless.so")
-    lib = with_device_controls(gpu_library(path))
-    yield lib
-    default_device(lib)
+@pytest.fixture
+def lib(emulated_encoder) -> ctypes.CDLL:
+    return emulated_encoder
 
 
 @pytest.mark.parametrize("case,chunk_values", [("n0", 4096), ("scalar", 4096), ("one_state", 4096),
@@ -53,7 +45,7 @@ def test_encoder_makes_at_most_three_kernel_launches(lib, case: str, chunk_value
     blob = device_encode(lib, x, chunk_values, "cpu")
     launches, memsets = lib.ep_emu_launch_count() - launches, lib.ep_emu_memset_count() - memsets
     assert torch.equal(blob, lossless.encode(x, chunk_values=chunk_values))
-    assert 1 <= launches <= MAX_KERNELS, launches
+    assert 1 <= launches <= ENCODER_MAX_KERNELS, launches
     assert memsets <= 1, memsets
 
 

@@ -10,14 +10,13 @@ tests/test_codec_encoder_emulated.py and tests/test_codec_kernels_emulated.py.""
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
-import sys
 
 import pytest
 import torch
 from support.codec_kernel_cases import (
     CASES,
+    ENCODER_MAX_KERNELS,
     bits,
     blob_layout,
     device_decode,
@@ -27,26 +26,19 @@ from support.codec_kernel_cases import (
     mixed_rows,
     read_table_v4,
 )
-from support.emulated_cuda import build, default_device, with_device_controls
-from support.native import ROOT, compiler
+from support.emulated_cuda import default_device
+from support.native import compiler
 
 from ep_comm.codecs import lossless
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler")
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from codec_gpu import gpu_library  # noqa: E402  (the kernels' ctypes signatures)
-
-MAX_KERNELS = 3  # the encoder's kernels: histogram, rANS (version 5: phase A's tables, then coding), layout
 CUDA_ERROR_INVALID_VALUE = 1
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory) -> ctypes.CDLL:
-    path = build("csrc/cuda/lossless_kernels.cu", tmp_path_factory.mktemp("emulated_encoder_v5") / "lossless.so")
-    lib = with_device_controls(gpu_library(path))
-    yield lib
-    default_device(lib)
+@pytest.fixture
+def lib(emulated_encoder) -> ctypes.CDLL:
+    return emulated_encoder
 
 
 def _outliers(chunks: int, at: tuple[int, ...], seed: int = 9) -> torch.Tensor:
@@ -190,7 +182,7 @@ def test_version_5_encoder_makes_at_most_three_kernel_launches(lib, case: str, c
     blob = device_encode(lib, x, chunk_values, "cpu", version=5)
     launches, memsets = lib.ep_emu_launch_count() - launches, lib.ep_emu_memset_count() - memsets
     assert torch.equal(blob, lossless.encode(x, chunk_values=chunk_values, version=5))
-    assert 1 <= launches <= MAX_KERNELS, launches
+    assert 1 <= launches <= ENCODER_MAX_KERNELS, launches
     assert memsets <= 1, memsets
 
 

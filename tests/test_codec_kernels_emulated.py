@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,16 +33,13 @@ from support.codec_kernel_cases import (
     many_tables,
     mixed_rows,
 )
-from support.emulated_cuda import build, build_racecheck, load
-from support.native import ROOT, compiler
+from support.emulated_cuda import build, build_racecheck, codec_library, load
+from support.native import compiler
 from test_codec_lossless_v5 import FORGERIES, _metadata_case, _mixed_message, forge, one_state_blob, with_chunk_values
 
 from ep_comm.codecs import fp8, lossless
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler")
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from codec_gpu import gpu_library  # noqa: E402  (the kernels' ctypes signatures)
 
 # the decoder's build options whose logic differs (bench/gpu_prepare.sh builds them for the GPU):
 # the default decodes 16-byte aligned blobs into 16-byte aligned outputs on the staged decoder (the
@@ -64,8 +60,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
     built = {}
     for name, defines in VARIANTS.items():
         path = build("csrc/cuda/lossless_kernels.cu", out / f"lossless_{name}.so", defines)
-        built[name] = gpu_library(path)
-        built[name].ep_emu_set_schedule.argtypes = [ctypes.c_int]
+        built[name] = codec_library(path)
     return built
 
 

@@ -13,6 +13,9 @@ import torch
 
 from ep_comm.codecs import lossless
 
+# the encoder's launches (one memset aside): histogram_kernel, rans_kernel, layout_kernel
+ENCODER_MAX_KERNELS = 3
+
 # error_message() of csrc/codec/lossless_core.h, in the order of lossless::Status (0 = ok)
 MESSAGES = ["ok", "blob is truncated", "not a lossless bf16 blob (bad magic)", "unsupported lossless blob version",
             "corrupted header", "shape does not match the number of values", "corrupted frequency table",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
+import sys
 from pathlib import Path
 
 from .native import (
@@ -232,3 +234,16 @@ def default_device(lib: ctypes.CDLL) -> None:
     lib.ep_emu_set_device(1, 1)
     lib.ep_emu_set_resident_limit(0)
     lib.ep_emu_set_stall_failure(0)
+
+
+def codec_library(path: Path) -> ctypes.CDLL:
+    """The emulated build of csrc/cuda/lossless_kernels.cu at ``path`` (from :func:`build`), loaded
+    with the kernels' ctypes signatures (bench/codec_gpu.py's ``gpu_library``, which the GPU runs
+    use too) and the emulated device's controls typed (:func:`with_device_controls`)."""
+    codec_gpu = sys.modules.get("codec_gpu")
+    if codec_gpu is None:  # imported as `import codec_gpu` would, from bench/
+        spec = importlib.util.spec_from_file_location("codec_gpu", ROOT / "bench" / "codec_gpu.py")
+        codec_gpu = importlib.util.module_from_spec(spec)
+        sys.modules["codec_gpu"] = codec_gpu
+        spec.loader.exec_module(codec_gpu)
+    return with_device_controls(codec_gpu.gpu_library(path))
