@@ -317,6 +317,44 @@ def test_cuda_decoder_metadata_reads_version_5(mixed_blob):
         lossless_device.header(forge(mixed_blob, "unused_table"))
 
 
+def test_an_extra_table_shared_by_many_chunks_decodes_on_every_path_and_thread_count():
+    """The format lets any mode 0 chunk take any extra table; the encoder gives each its own, the
+    decoders build an extra table where a chunk first needs it. A blob of 16 chunks of two kinds
+    in turn (each chunk but the first takes a table of its own, equal to those of its kind)
+    rewritten so that the chunks of a kind take one table (the others dropped, the metadata
+    checksum recomputed) decodes exactly on every path with 1 to 8 threads, workers meeting on a
+    table."""
+    g = torch.Generator().manual_seed(5)
+    kinds = [torch.randn(4096, generator=g) * 1e-4, torch.relu(torch.randn(4096, generator=g)) * 30]
+    x = torch.cat([kinds[c % 2] for c in range(16)]).bfloat16()
+    blob = lossless.encode(x, chunk_values=4096, version=5)
+    layout = _layout(blob)
+    entries, extra = layout["entries"], layout["extra"]
+    assert [e["table"] for e in entries] == list(range(16)), entries
+    key = [(t["prob_bits"], tuple(sorted(t["freqs"].items()))) for t in extra]
+    kept = [k for k in range(len(extra)) if key.index(key[k]) == k]  # each kind's first table
+    assert len(kept) == 2
+    b = bytearray(blob.numpy().tobytes())
+    directory = b[layout["directory"]:]
+    for c, e in enumerate(entries):
+        table = kept.index(key.index(key[e["table"] - 1])) + 1 if e["table"] else 0
+        struct.pack_into("<I", directory, 16 * c, e["mode"] | table << 8)
+    section = b[layout["table_at"]:extra[0]["at"]]
+    for k in kept:
+        size = 2 + (extra[k]["bytes"] >= 128) + extra[k]["bytes"]
+        section += b[extra[k]["at"]:extra[k]["at"] + size]
+    del b[layout["table_at"]:]
+    b[17] = len(kept)
+    struct.pack_into("<H", b, 18, len(section))
+    b += section + bytes(-(layout["table_at"] + len(section)) % 4) + directory
+    shared = _reseal(b)
+    assert [e["table"] for e in _layout(shared)["entries"]] == [0] + [2 - c % 2 for c in range(1, 16)]
+    for path in lossless.simd_paths():
+        for threads in (1, 2, 3, 8):
+            out = lossless.decode(shared, simd=path, threads=threads)
+            assert torch.equal(bits(out), bits(x)), (path, threads)
+
+
 def test_version_5_is_accepted_and_others_rejected_by_encode():
     x = torch.randn(100).bfloat16()
     assert int(lossless.encode(x, version=5)[4]) == 5

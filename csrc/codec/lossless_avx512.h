@@ -17,7 +17,9 @@
 #if defined(__x86_64__) && !defined(__CUDACC__)
 #include <immintrin.h>
 
+#include <array>
 #include <new>
+#include <utility>
 
 #include "codec/lossless_avx2.h"  // StreamTail
 #include "codec/lossless_core.h"
@@ -78,6 +80,31 @@ struct ChecksumSums512 {
     return sum;
   }
 };
+
+// build_decode_table's result, by vectors: the present symbols found 16 frequencies at a time,
+// each one's entries (its value bits and frequency, biases 0 to freq - 1) written 16 at a time.
+// A sparse table (a version 5 chunk of few values) costs its present symbols, not 1,025 branches.
+EP_COMM_AVX512 inline void build_decode_table_avx512(const uint32_t* freq, const uint32_t* start, DecodeTable& t,
+                                                     int prob_bits) {
+  t.prob_bits = uint32_t(prob_bits);
+  t.slot_mask = (1u << prob_bits) - 1;
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  for (int base = 0; base < kNumSymbols; base += 16) {
+    const __mmask16 valid = kNumSymbols - base >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (kNumSymbols - base)) - 1);
+    const __m512i f = _mm512_maskz_loadu_epi32(valid, freq + base);
+    for (uint32_t present = _mm512_test_epi32_mask(f, f); present != 0; present &= present - 1) {
+      const int s = base + __builtin_ctz(present);
+      const uint32_t fs = freq[s], hi10 = s == kZeroSymbol ? 0u : uint32_t(s);
+      uint32_t* dst = t.entry + start[s];
+      __m512i e = _mm512_add_epi32(_mm512_set1_epi32(int(dec_entry(hi10, fs, 0))), iota);  // bias k in lane k
+      for (uint32_t k = 0; k < fs; k += 16, e = _mm512_add_epi32(e, sixteen))
+        _mm512_mask_storeu_epi32(dst + k, fs - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (fs - k)) - 1), e);
+    }
+  }
+  t.zero_start = start[kZeroSymbol];
+  t.zero_freq = freq[kZeroSymbol];
+}
 
 // 32 consecutive 6-bit fields starting `shift` bits (0, 2, 4 or 6) into byte p (32 bytes
 // readable) -> 32 words, field k in the low 6 bits of word k (the high bits are garbage; callers
@@ -220,53 +247,67 @@ struct ChunkCursor512 {
 };
 
 // Decodes `count` (1 or 2) rANS chunks in lockstep: chunk k's payload[k] (payload_bytes(*e[k],
-// n[k]) bytes, bounds-checked by the caller) into out[k] with table[k] (the two tables alike in
-// prob_bits and in having a +0.0 range: the template's); status[k] = its Status.
-template <bool kHasZero, int kProbBitsT>
+// n[k]) bytes, bounds-checked by the caller) into out[k] with table[k]; status[k] = its Status.
+// Chunk 0's table is of kind (kHasZero0, kProbBits0), chunk 1's of kind (kHasZero1, kProbBits1):
+// each cursor is compiled for its own table, so two chunks of different tables (version 5) still
+// run in lockstep.
+template <bool kHasZero0, int kProbBits0, bool kHasZero1, int kProbBits1>
 EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* const* payload,
                                                      const ChunkEntry* const* e, const uint32_t* n,
                                                      const DecodeTable* const* table, uint16_t* const* out,
                                                      int* status) {
-  using Cursor = ChunkCursor512<kHasZero, kProbBitsT>;
-  __m512i last_nonzero_slot[2];
-  alignas(Cursor) unsigned char storage[2][sizeof(Cursor)];
-  Cursor* c[2];
-  for (int k = 0; k < count; ++k) {
-    c[k] = new (storage[k]) Cursor(payload[k], *e[k], n[k], out[k]);
-    last_nonzero_slot[k] = _mm512_set1_epi32(int(table[k]->zero_start) - 1);
-  }
+  using Cursor0 = ChunkCursor512<kHasZero0, kProbBits0>;
+  using Cursor1 = ChunkCursor512<kHasZero1, kProbBits1>;
+  const __m512i last_nonzero_slot0 = _mm512_set1_epi32(int(table[0]->zero_start) - 1);
+  Cursor0 c0(payload[0], *e[0], n[0], out[0]);
   if (count == 2) {
-    while (c[0]->can_step() && c[1]->can_step()) {
-      c[0]->step(*table[0], last_nonzero_slot[0]);
-      c[1]->step(*table[1], last_nonzero_slot[1]);
+    const __m512i last_nonzero_slot1 = _mm512_set1_epi32(int(table[1]->zero_start) - 1);
+    Cursor1 c1(payload[1], *e[1], n[1], out[1]);
+    while (c0.can_step() && c1.can_step()) {
+      c0.step(*table[0], last_nonzero_slot0);
+      c1.step(*table[1], last_nonzero_slot1);
     }
+    while (c1.can_step()) c1.step(*table[1], last_nonzero_slot1);
+    status[1] = c1.finish(*table[1]);
   }
-  for (int k = 0; k < count; ++k) {
-    while (c[k]->can_step()) c[k]->step(*table[k], last_nonzero_slot[k]);
-    status[k] = c[k]->finish(*table[k]);
-    c[k]->~Cursor();
-  }
+  while (c0.can_step()) c0.step(*table[0], last_nonzero_slot0);
+  status[0] = c0.finish(*table[0]);
+}
+
+// A table's kind for the decoder's templates: bit 0 set for 12 probability bits (else 11), bit 1
+// when the table has a +0.0 range.
+inline int decode_table_kind(const DecodeTable& t) {
+  return int(t.prob_bits == uint32_t(kMaxProbBits)) | int(t.zero_freq != 0) << 1;
+}
+
+using DecodeChunksFn = void (*)(int, const uint8_t* const*, const ChunkEntry* const*, const uint32_t*,
+                                const DecodeTable* const*, uint16_t* const*, int*);
+
+// decode_chunks_avx512_impl for chunk 0's table of kind K0 and chunk 1's of kind K1.
+template <int K0, int K1>
+EP_COMM_AVX512 void decode_chunks_of_kinds(int count, const uint8_t* const* payload, const ChunkEntry* const* e,
+                                           const uint32_t* n, const DecodeTable* const* table, uint16_t* const* out,
+                                           int* status) {
+  decode_chunks_avx512_impl<(K0 & 2) != 0, (K0 & 1) ? kMaxProbBits : kProbBits, (K1 & 2) != 0,
+                            (K1 & 1) ? kMaxProbBits : kProbBits>(count, payload, e, n, table, out, status);
+}
+
+template <int... I>
+constexpr std::array<DecodeChunksFn, sizeof...(I)> decoders_of_kinds(std::integer_sequence<int, I...>) {
+  return {&decode_chunks_of_kinds<I / 4, I % 4>...};
 }
 
 // Same results as decode_chunk on each of `count` (1 or 2) chunks, chunk k with table[k], decoded
-// together when their tables agree in prob_bits and in having a +0.0 range (a version 5 pair of
-// the shared table and an extra one usually does), else one after the other.
+// together whatever their tables. +0.0 lanes are told apart by slot (one compare per 16 lanes)
+// whenever the table has a +0.0 range, so a crafted chunk whose directory denies +0.0 still
+// decodes as the portable core does.
 inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const ChunkEntry* const* e,
                                  const uint32_t* n, const DecodeTable* const* table, uint16_t* const* out,
                                  int* status) {
-  const auto kind = [](const DecodeTable& t) { return int(t.prob_bits == uint32_t(kMaxProbBits)) | (t.zero_freq != 0) << 1; };
-  if (count == 2 && kind(*table[0]) != kind(*table[1])) {
-    for (int k = 0; k < 2; ++k) decode_chunks_avx512(1, payload + k, e + k, n + k, table + k, out + k, status + k);
-    return;
-  }
-  // +0.0 lanes are told apart by slot (one compare per 16 lanes) whenever the table has a +0.0
-  // range, so a crafted chunk whose directory denies +0.0 still decodes as the portable core does
-  switch (kind(*table[0])) {
-    case 0: decode_chunks_avx512_impl<false, kProbBits>(count, payload, e, n, table, out, status); break;
-    case 1: decode_chunks_avx512_impl<false, kMaxProbBits>(count, payload, e, n, table, out, status); break;
-    case 2: decode_chunks_avx512_impl<true, kProbBits>(count, payload, e, n, table, out, status); break;
-    default: decode_chunks_avx512_impl<true, kMaxProbBits>(count, payload, e, n, table, out, status); break;
-  }
+  static constexpr std::array<DecodeChunksFn, 16> kDecoders = decoders_of_kinds(std::make_integer_sequence<int, 16>());
+  const int k0 = decode_table_kind(*table[0]);
+  const int k1 = count == 2 ? decode_table_kind(*table[1]) : k0;
+  kDecoders[size_t(4 * k0 + k1)](count, payload, e, n, table, out, status);
 }
 
 // q = floor(y / freq) and r = y - q freq, 16 lanes, for y < freq 2^21 (a state after

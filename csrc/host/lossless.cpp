@@ -716,7 +716,7 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
 // (decode_chunks_avx512), even when that leaves threads idle: 2 chunks of a weights tensor took
 // 74 us as one pair on one thread, 101 us as one chunk on each of 2 threads (one chunk alone: 62
 // us; medians of 300 calls from Python); the others one at a time. A version 5 pair whose chunks
-// have different tables decodes in lockstep too where the tables agree in prob_bits and +0.0.
+// have different tables decodes in lockstep too.
 int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, int simd) {
   const Header& h = p.h;
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
@@ -730,9 +730,34 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
     if (status != kOk) return status;
     // table 0: the shared one; k >= 1: version 5's extra table k - 1
     std::unique_ptr<DecodeTable[]> tables(new DecodeTable[1 + p.extra.size()]);
-    if (h.num_values > 0) build_decode_table(p.freq, p.start, tables[0], int(h.prob_bits));
-    for (size_t k = 0; k < p.extra.size(); ++k)
-      build_decode_table(p.extra[k].freq, p.extra[k].start, tables[1 + k], int(p.extra[k].prob_bits));
+    const auto build = [&](const uint32_t* freq, const uint32_t* start, DecodeTable& t, int prob_bits) {
+#if defined(__x86_64__)
+      if (level == kSimdAvx512) return build_decode_table_avx512(freq, start, t, prob_bits);
+#endif
+      build_decode_table(freq, start, t, prob_bits);
+    };
+    if (h.num_values > 0) build(p.freq, p.start, tables[0], int(h.prob_bits));
+    // version 5's extra tables are built where first needed, by the worker that decodes a chunk
+    // of one (usually its only chunk), so that workers build them in parallel; state: 0 not
+    // built, 1 being built, 2 built (a worker that finds 1 waits, yielding, for the builder,
+    // which is running)
+    std::unique_ptr<std::atomic<uint8_t>[]> table_state(new std::atomic<uint8_t>[1 + p.extra.size()]);
+    for (size_t k = 0; k <= p.extra.size(); ++k) table_state[k].store(k == 0 ? 2 : 0, std::memory_order_relaxed);
+    const auto table_of = [&](int64_t c) -> const DecodeTable& {
+      const uint32_t k = chunk_table[uint64_t(c)];
+      std::atomic<uint8_t>& state = table_state[k];
+      if (state.load(std::memory_order_acquire) != 2) {
+        uint8_t expected = 0;
+        if (state.compare_exchange_strong(expected, 1, std::memory_order_acquire)) {
+          const TableFreqs& t = p.extra[k - 1];
+          build(t.freq, t.start, tables[k], int(t.prob_bits));
+          state.store(2, std::memory_order_release);
+        } else {
+          while (state.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+        }
+      }
+      return tables[k];
+    };
     const DecodeTable& shared = tables[0];
     std::vector<int> chunk_status(h.num_chunks, kOk);
     const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
@@ -768,7 +793,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
             rans_chunks[num_rans++] = c;
             continue;
           } else {
-            st = decode_chunk_scalar(payload, e, n, tables[chunk_table[c]], dst);
+            st = decode_chunk_scalar(payload, e, n, table_of(c), dst);
           }
         }
         chunk_status[c] = st;
@@ -777,7 +802,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
 #if defined(__x86_64__)
       int st[2];
       const DecodeTable* table[2] = {nullptr, nullptr};
-      for (int k = 0; k < num_rans; ++k) table[k] = &tables[chunk_table[rans_chunks[k]]];
+      for (int k = 0; k < num_rans; ++k) table[k] = &table_of(rans_chunks[k]);
       if (level == kSimdAvx512) {
         decode_chunks_avx512(num_rans, payloads, rans_entries, counts, table, dsts, st);
       } else {
