@@ -63,10 +63,18 @@ EP_HD int choose_prob_bits(const uint64_t* counts, uint64_t total, uint64_t chun
   return kMaxProbBits;
 }
 
+// The own table own_table_saving_q10 priced: its probability bits, its version 4 encoding's
+// Exp-Golomb orders and bytes (without the extra table's framing).
+struct OwnTableShape {
+  uint32_t prob_bits, gap_order, freq_order, bytes;
+};
+
 // The estimate of a chunk's saving from a table of its own (0 when it does not pay), in 1/1024
 // bits: counts[1025] of its n values (`zeros` of them +0.0), shared_cost[s] the cost of symbol s
 // under the blob's first table in 1/1024 bits (symbol_cost_q10); `section` gets the own table's
-// bytes with framing. scratch: kOwnTableScratchWords words.
+// bytes with framing. scratch: kOwnTableScratchWords words. Where the own table was priced
+// (section > 0), scratch[0, kNumSymbols) holds its frequencies on return and *shape (if given)
+// the rest, so that an encoder need not choose them again for a chunk that takes it.
 //
 // First a bound that decides most chunks without normalising: any frequencies summing to
 // 2^prob_bits cost the symbols at least their empirical entropy n H (Gibbs' inequality; the cost
@@ -76,7 +84,7 @@ EP_HD int choose_prob_bits(const uint64_t* counts, uint64_t total, uint64_t chun
 // (chunks of the blob's statistics skip both normalisations); then the same with the own table's
 // least bytes.
 EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t zeros, const uint64_t* shared_cost,
-                                    uint32_t& section, uint32_t* scratch) {
+                                    uint32_t& section, uint32_t* scratch, OwnTableShape* shape = nullptr) {
   constexpr uint64_t kByte = 8 << 10;
   const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
   const uint64_t margin = kByte * kOwnTableMarginBytes + n;
@@ -117,7 +125,9 @@ EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t
     if (counts[s] != 0) own_q10 += counts[s] * symbol_cost_q10(f[s], uint32_t(pb));
   uint32_t kg = 0, kf = 0;
   table_orders_v4_in(f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
-  section = extra_table_bytes(table_bytes_v4(f, kg, kf));
+  const uint32_t bytes = table_bytes_v4(f, kg, kf);
+  section = extra_table_bytes(bytes);
+  if (shape != nullptr) *shape = OwnTableShape{uint32_t(pb), kg, kf, bytes};
   const uint64_t own_payload = own_q10 + fixed;
   if (own_payload + margin >= raw) return 0;  // it would be stored raw
   const uint64_t own_size = own_payload + kByte * section;

@@ -109,9 +109,9 @@ void choose_frequencies(const uint64_t* counts, uint64_t total, uint64_t chunks,
   }
 }
 
-// The rest of `t` from its frequencies (summing to 2^prob_bits, or all zero: no table): entries,
-// the table's orders and bytes in format `version`, the coders' symbol tables.
-void finish_table(CodingTable& t, int version) {
+// The coders' symbol tables of `t` from its frequencies (summing to 2^prob_bits, or all zero),
+// and its entry count.
+void finish_coders(CodingTable& t) {
   uint32_t start[kNumSymbols];
   cumulative(t.freq, start, t.prob_bits);
   t.entries = 0;
@@ -119,15 +119,21 @@ void finish_table(CodingTable& t, int version) {
     t.entries += t.freq[s] != 0;
     t.syms[s] = make_enc_sym(start[s], t.freq[s], t.prob_bits);
   }
+#if defined(__x86_64__)
+  make_simd_enc_tables(t.syms, t.simd);
+#endif
+}
+
+// The rest of `t` from its frequencies (summing to 2^prob_bits, or all zero: no table): entries,
+// the table's orders and bytes in format `version`, the coders' symbol tables.
+void finish_table(CodingTable& t, int version) {
+  finish_coders(t);
   t.gap_order = t.freq_order = 0;
   if (compact_header(uint32_t(version)) && t.entries > 0) table_orders_v4(t.freq, t.gap_order, t.freq_order);
   t.bytes = t.entries == 0                 ? 0
             : version == int(kOldVersion) ? 4 * t.entries
             : version == int(kVersion3)   ? table_bytes_v3(t.freq)
                                           : table_bytes_v4(t.freq, t.gap_order, t.freq_order);
-#if defined(__x86_64__)
-  make_simd_enc_tables(t.syms, t.simd);
-#endif
 }
 
 // Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) with table *tables[k] in
@@ -284,8 +290,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     // pass 1: the symbol histogram and each chunk's checksum and +0.0 count, over
     //   pieces of chunks (a chunk is cut in parts so that every thread gets about 32 pieces even
     //   when a message has few chunks: the threads then reach the barrier within a few us of each
-    //   other; with 8 pieces per thread, a 64x7168 message's threads arrived up to 19 us apart),
-    //   counted per thread (version 5: also per piece);
+    //   other; with 8 pieces per thread, a 64x7168 message's threads arrived up to 19 us apart;
+    //   version 5 takes 8, see pieces_per_thread), counted per thread (version 5: also per piece);
     // the last thread to finish it builds the tables (BlockingBarrier);
     // (version 5: each chunk's saving from a table of its own, per chunk claimed in order; the
     //   last thread to finish picks the chunks that take one and builds the final tables;)
@@ -296,7 +302,11 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     //   chunk never waits, so the loop always progresses).
     constexpr uint32_t kMinPieceValues = 4096;
     const uint64_t first_n = num_chunks > 0 ? chunk_n(0) : 0;
-    uint64_t parts = nt > 1 && num_chunks > 0 ? (32 * uint64_t(nt) + num_chunks - 1) / num_chunks : 1;
+    // version 5 keeps each piece's counts (a fold of the thread's 8 counting tables per piece), so
+    // it cuts fewer: 8 pieces a thread (2-thread encode of 64x7168 gradient messages: 3.7-4.0 GB/s
+    // against 2.5 with 32)
+    const uint64_t pieces_per_thread = own_tables ? 8 : 32;
+    uint64_t parts = nt > 1 && num_chunks > 0 ? (pieces_per_thread * uint64_t(nt) + num_chunks - 1) / num_chunks : 1;
     parts = std::max<uint64_t>(1, std::min<uint64_t>(parts, first_n / kMinPieceValues));
     // piece p of chunk c: values [piece_begin(c, p), piece_begin(c, p + 1)) of the chunk
     const auto piece_begin = [&](int64_t c, uint64_t p) -> uint32_t {
@@ -310,6 +320,9 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     std::vector<uint32_t> piece_counts(own_tables ? num_chunks * parts * kNumSymbols : 0);
     std::vector<uint64_t> global_counts(kNumSymbols, 0), shared_cost(kNumSymbols, 0);
     std::vector<uint64_t> saving(own_tables ? num_chunks : 0);
+    // version 5: each priced own table (own_table_saving_q10's), kept for the chunk that takes it
+    std::vector<uint32_t> own_freq(own_tables ? num_chunks * kNumSymbols : 0);
+    std::vector<OwnTableShape> own_shape(own_tables ? num_chunks : 0);
     std::vector<uint32_t> section_bytes(own_tables ? num_chunks : 0), by_saving(own_tables ? num_chunks : 0);
     std::unique_ptr<CodingTable> refitted(own_tables ? new CodingTable() : nullptr);
     const auto chunk_counts = [&](uint64_t c) { return piece_counts.data() + c * parts * kNumSymbols; };
@@ -344,7 +357,9 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         for (int s = 0; s < kNumSymbols; ++s) counts[s] += kept[p * kNumSymbols + s];
       for (int s = 0; s < kNumSymbols; ++s) kept[s] = static_cast<uint32_t>(counts[s]);  // n <= 2^24
       uint32_t scratch[kOwnTableScratchWords];
-      saving[c] = own_table_saving_q10(counts, n, surveys[c].zeros, shared_cost.data(), section_bytes[c], scratch);
+      saving[c] = own_table_saving_q10(counts, n, surveys[c].zeros, shared_cost.data(), section_bytes[c], scratch,
+                                       &own_shape[c]);
+      if (saving[c] > 0) std::memcpy(own_freq.data() + c * kNumSymbols, scratch, kNumSymbols * sizeof(uint32_t));
     };
     // version 5: picks the chunks that take a table of their own (the largest savings first, as
     // many as kMaxExtraTables and kMaxExtraTableSectionBytes allow, and never every chunk that
@@ -390,15 +405,17 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         if (surveys[c].zeros == n) counts[kZeroSymbol] -= n;
         if (chunk_table[c] == 0) continue;
         const uint32_t* own = chunk_counts(c);
-        uint64_t own_counts[kNumSymbols];
-        for (int s = 0; s < kNumSymbols; ++s) {
-          own_counts[s] = own[s];
-          counts[s] -= own[s];
-        }
+        for (int s = 0; s < kNumSymbols; ++s) counts[s] -= own[s];
+        // the table priced in the survey (choose_prob_bits' frequencies, as choose_frequencies
+        // gives them); its coders are made by the worker that codes the chunk (pass 2)
         CodingTable& t = extra[num_extra];
         chunk_table[c] = static_cast<uint8_t>(++num_extra);
-        choose_frequencies(own_counts, n, 1, false, version, t);
-        finish_table(t, version);
+        std::memcpy(t.freq, own_freq.data() + c * kNumSymbols, sizeof(t.freq));
+        const OwnTableShape& shape = own_shape[c];
+        t.prob_bits = int(shape.prob_bits);
+        t.gap_order = shape.gap_order;
+        t.freq_order = shape.freq_order;
+        t.bytes = shape.bytes;
       }
       uint64_t total = 0;
       for (int s = 0; s < kNumSymbols; ++s) total += counts[s];
@@ -454,9 +471,15 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h);
         }
         if (own_tables) {  // the piece's counts kept, and added to the thread's
+          uint32_t* kept = piece_counts.data() + uint64_t(piece) * kNumSymbols;
+#if defined(__x86_64__)
+          if (level == kSimdAvx512) {
+            fold_piece_avx512(local_hist, kept, h);
+            continue;
+          }
+#endif
           uint64_t counts[kNumSymbols] = {};
           local_hist.fold_into(counts);
-          uint32_t* kept = piece_counts.data() + uint64_t(piece) * kNumSymbols;
           for (int s = 0; s < kNumSymbols; ++s) {
             h[s] += counts[s];
             kept[s] = static_cast<uint32_t>(counts[s]);
@@ -491,6 +514,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           values[k] = v + uint64_t(c) * cv;
           counts[k] = chunk_n(c);
           const uint32_t t = chunk_table[uint64_t(c)];
+          if (t != 0) finish_coders(extra[t - 1]);  // each extra table is one chunk's
           tables[k] = t == 0 ? shared.get() : &extra[t - 1];
           chunk_surveys[k] = &surveys[uint64_t(c)];
           entries_out[k] = &dir[uint64_t(c)];
