@@ -267,18 +267,33 @@ EP_HD void correct_frequency(uint32_t& f, int64_t& diff) {
 
 // Scales `counts[1025]` (total > 0) to `freq[1025]` summing to 2^prob_bits, every seen symbol >= 1.
 // Deterministic, so host and device builds produce the same table.
+// Each frequency is scaled_frequency's, its quotient taken from a multiply by 1 / total (an
+// estimate within 1 of it: the relative error of the doubles is under 2^-51 and the quotient under
+// 2^13) and one integer correction each way, not from a division per symbol; the most frequent
+// symbol is found in the same pass for the first correction.
 EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* freq, int prob_bits = kProbBits) {
+  const double inverse = 1.0 / double(total);
+  const uint64_t half = total / 2;
   int64_t sum = 0;
+  int best = 0;
   for (int s = 0; s < kNumSymbols; ++s) {
-    freq[s] = scaled_frequency(counts[s], total, prob_bits);
-    sum += freq[s];
+    const uint64_t num = (counts[s] << prob_bits) + half;
+    uint64_t q = static_cast<uint64_t>(double(num) * inverse);
+    q -= uint64_t(q * total > num);
+    q += uint64_t((q + 1) * total <= num);
+    const uint32_t f = counts[s] == 0 ? 0u : q == 0 ? 1u : static_cast<uint32_t>(q);
+    freq[s] = f;
+    sum += f;
+    if (f > freq[best]) best = s;
   }
   int64_t diff = int64_t(1) << prob_bits;
   diff -= sum;
-  while (diff != 0) {  // the most frequent symbol, the lowest index on ties
-    int best = 0;
-    for (int s = 1; s < kNumSymbols; ++s)
-      if (freq[s] > freq[best]) best = s;
+  for (bool first = true; diff != 0; first = false) {  // the most frequent symbol, the lowest index on ties
+    if (!first) {
+      best = 0;
+      for (int s = 1; s < kNumSymbols; ++s)
+        if (freq[s] > freq[best]) best = s;
+    }
     correct_frequency(freq[best], diff);
   }
 }
@@ -351,10 +366,16 @@ EP_HD uint64_t wide_table_margin_q10(uint64_t chunks) { return chunks * (uint64_
 // Whether 12-bit frequencies `freq12` (normalize_counts with 12 bits) can be used (every one at
 // most 2048: the decoder's entries hold freq - 1 in 11 bits) and are estimated to code `chunks`
 // chunks smaller than `freq11` by more than the margin (see the format notes above).
+// (coded_cost_q10 of both, in one pass: a symbol has a frequency in both or in neither.)
 EP_HD bool prefer_12_bits(const uint64_t* counts, const uint32_t* freq11, const uint32_t* freq12, uint64_t chunks) {
-  for (int s = 0; s < kNumSymbols; ++s)
+  uint64_t cost11 = 0, cost12 = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
     if (freq12[s] > kProbScale) return false;
-  return coded_cost_q10(counts, freq12, 12) + wide_table_margin_q10(chunks) < coded_cost_q10(counts, freq11, 11);
+    if (freq11[s] == 0) continue;
+    cost11 += counts[s] * ((uint64_t(11) << 10) - log2_q10(freq11[s])) + (uint64_t(8 * table_freq_bytes(freq11[s])) << 10);
+    cost12 += counts[s] * ((uint64_t(12) << 10) - log2_q10(freq12[s])) + (uint64_t(8 * table_freq_bytes(freq12[s])) << 10);
+  }
+  return cost12 + wide_table_margin_q10(chunks) < cost11;
 }
 
 // Bytes of the version 3 table of freq[1025].
