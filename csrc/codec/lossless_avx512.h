@@ -162,10 +162,17 @@ struct ChunkCursor512 {
   const uint8_t* raw;
   uint64_t nword_bytes, nraw_bytes;
   StreamTail word_tail, raw_tail;
-  __m512i x[2];
-  ChecksumSums512 sums;
-  uint32_t wpos = 0, rpos = 0, t = 0, full_steps;
-  bool try_zero_step = kHasZero;  // kHasZero: the previous step decoded 32 +0.0 (or this is the first)
+  // What a step reads and changes, kept apart so that the decoding loop holds it in local
+  // variables (registers): held in the cursor, the states were reloaded from memory after every
+  // output store (a vector store may alias any object), lengthening each step's dependency chain.
+  struct State {
+    __m512i x[2];
+    ChecksumSums512 sums;
+    uint32_t wpos = 0, rpos = 0, t = 0;
+    bool try_zero_step = kHasZero;  // kHasZero: the previous step decoded 32 +0.0 (or this is the first)
+  };
+  State s;
+  uint32_t full_steps;
   bool bad_states = false;
 
   EP_COMM_AVX512 ChunkCursor512(const uint8_t* p, const ChunkEntry& e, uint32_t count, uint16_t* o)
@@ -175,46 +182,48 @@ struct ChunkCursor512 {
     alignas(64) uint32_t states[kLanes];
     bad_states = !load_states(payload, states);
     if (bad_states) full_steps = 0;
-    x[0] = _mm512_load_si512(states);
-    x[1] = _mm512_load_si512(states + 16);
+    s.x[0] = _mm512_load_si512(states);
+    s.x[1] = _mm512_load_si512(states + 16);
   }
 
   // A step reads word bytes [2 wpos, 2 wpos + 64) (16 lanes read 32 bytes at 2 wpos_j, wpos_j <=
   // wpos + 16) and raw bytes [6 rpos / 8, 6 rpos / 8 + 32). Out of place, wpos <= num_words and
   // rpos <= num_raw keep both within the tails' 128 bytes.
-  bool can_step() const { return t < full_steps && wpos <= entry->num_words && rpos <= entry->num_raw; }
+  bool can_step(const State& st) const {
+    return st.t < full_steps && st.wpos <= entry->num_words && st.rpos <= entry->num_raw;
+  }
 
   // The step at the states, if it decodes 32 +0.0 (every slot above last_nonzero_slot) without
   // renormalising a state: then advances the states and returns true (no table or stream reads).
-  EP_COMM_AVX512 __attribute__((always_inline)) bool zero_step(const DecodeTable& table, __m512i last_nonzero_slot) {
+  EP_COMM_AVX512 __attribute__((always_inline)) bool zero_step(State& st, const DecodeTable& table, __m512i last_nonzero_slot) {
     const __m512i slot_mask = _mm512_set1_epi32(int((1u << kProbBitsT) - 1));
-    const __m512i s0 = _mm512_and_si512(x[0], slot_mask), s1 = _mm512_and_si512(x[1], slot_mask);
+    const __m512i s0 = _mm512_and_si512(st.x[0], slot_mask), s1 = _mm512_and_si512(st.x[1], slot_mask);
     if ((_mm512_cmpgt_epi32_mask(s0, last_nonzero_slot) & _mm512_cmpgt_epi32_mask(s1, last_nonzero_slot)) != 0xFFFF)
       return false;
     const __m512i start = _mm512_set1_epi32(int(table.zero_start)), freq = _mm512_set1_epi32(int(table.zero_freq));
-    const __m512i y0 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[0], kProbBitsT)), _mm512_sub_epi32(s0, start));
-    const __m512i y1 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[1], kProbBitsT)), _mm512_sub_epi32(s1, start));
+    const __m512i y0 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(st.x[0], kProbBitsT)), _mm512_sub_epi32(s0, start));
+    const __m512i y1 = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(st.x[1], kProbBitsT)), _mm512_sub_epi32(s1, start));
     const __m512i low = _mm512_set1_epi32(int(kStateLow));
     if ((_mm512_cmplt_epu32_mask(y0, low) | _mm512_cmplt_epu32_mask(y1, low)) != 0) return false;
-    x[0] = y0;
-    x[1] = y1;
+    st.x[0] = y0;
+    st.x[1] = y1;
     return true;
   }
 
-  EP_COMM_AVX512 __attribute__((always_inline)) void step(const DecodeTable& table, __m512i last_nonzero_slot) {
+  EP_COMM_AVX512 __attribute__((always_inline)) void step(State& st, const DecodeTable& table, __m512i last_nonzero_slot) {
     if constexpr (kHasZero) {
-      if (try_zero_step && zero_step(table, last_nonzero_slot)) {
-        _mm512_storeu_si512(out + uint64_t(t) * kLanes, _mm512_setzero_si512());
-        sums.add_zeros();
-        ++t;
+      if (st.try_zero_step && zero_step(st, table, last_nonzero_slot)) {
+        _mm512_storeu_si512(out + uint64_t(st.t) * kLanes, _mm512_setzero_si512());
+        st.sums.add_zeros();
+        ++st.t;
         return;
       }
     }
     const __m512i low11 = _mm512_set1_epi32(int(kProbScale - 1));
     const __m512i slot_mask = _mm512_set1_epi32(int((1u << kProbBitsT) - 1));
     const __m512i low = _mm512_set1_epi32(int(kStateLow));
-    const bool words_in_place = 2ull * wpos + 64 <= nword_bytes;
-    const bool raw_in_place = uint64_t(rpos) * kRawBits / 8 + 32 <= nraw_bytes;
+    const bool words_in_place = 2ull * st.wpos + 64 <= nword_bytes;
+    const bool raw_in_place = uint64_t(st.rpos) * kRawBits / 8 + 32 <= nraw_bytes;
     // stream byte b is at src + (b - skip)
     const uint8_t* word_src = words_in_place ? words : word_tail.bytes;
     const uint64_t word_skip = words_in_place ? 0 : word_tail.first;
@@ -223,30 +232,30 @@ struct ChunkCursor512 {
     __m512i ent[2];
     uint32_t zero_lanes = 0;  // kHasZero: bit l set when lane l decodes +0.0
     for (int j = 0; j < 2; ++j) {
-      const __m512i slot = _mm512_and_si512(x[j], slot_mask);
+      const __m512i slot = _mm512_and_si512(st.x[j], slot_mask);
       ent[j] = _mm512_i32gather_epi32(slot, table.entry, 4);
       const __m512i freq = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(ent[j], kProbBits), low11),
                                             _mm512_set1_epi32(1));
-      const __m512i y = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(x[j], kProbBitsT)),
+      const __m512i y = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(st.x[j], kProbBitsT)),
                                          _mm512_and_si512(ent[j], low11));
       const __mmask16 need = _mm512_cmplt_epu32_mask(y, low);
       const __m256i next_words =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word_src + (2ull * wpos - word_skip)));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word_src + (2ull * st.wpos - word_skip)));
       const __m512i w = _mm512_maskz_expand_epi32(need, _mm512_cvtepu16_epi32(next_words));
-      x[j] = _mm512_mask_or_epi32(y, need, _mm512_slli_epi32(y, 16), w);
-      wpos += uint32_t(_mm_popcnt_u32(need));
+      st.x[j] = _mm512_mask_or_epi32(y, need, _mm512_slli_epi32(y, 16), w);
+      st.wpos += uint32_t(_mm_popcnt_u32(need));
       if constexpr (kHasZero) zero_lanes |= uint32_t(_mm512_cmpgt_epi32_mask(slot, last_nonzero_slot)) << (16 * j);
     }
-    const uint64_t bit = uint64_t(rpos) * kRawBits;
+    const uint64_t bit = uint64_t(st.rpos) * kRawBits;
     __m512i fields = fields_as_words(raw_src + ((bit >> 3) - raw_skip), uint32_t(bit & 7));
     if constexpr (kHasZero) {
-      try_zero_step = zero_lanes == 0xFFFFFFFFu;  // zero runs are long: try the next step as one
+      st.try_zero_step = zero_lanes == 0xFFFFFFFFu;  // zero runs are long: try the next step as one
       // +0.0 lanes take no field: the others take the next ones in order, +0.0 lanes get 0 (their
       // table entries' top bits are 0 too)
       if (zero_lanes != 0) fields = _mm512_maskz_expand_epi16(~zero_lanes, fields);
-      rpos += kLanes - uint32_t(_mm_popcnt_u32(zero_lanes));
+      st.rpos += kLanes - uint32_t(_mm_popcnt_u32(zero_lanes));
     } else {
-      rpos += kLanes;
+      st.rpos += kLanes;
     }
     // word l = the top 16 bits of lane l's entry (its top 10 value bits at bits 6-15), low 6 bits
     // from the field
@@ -254,21 +263,21 @@ struct ChunkCursor512 {
                                                 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512i hi = _mm512_permutex2var_epi16(ent[0], top_halves, ent[1]);
     const __m512i v = _mm512_ternarylogic_epi32(hi, fields, _mm512_set1_epi16(int16_t(0xFFC0)), 0xE4);  // bit select
-    _mm512_storeu_si512(out + uint64_t(t) * kLanes, v);
-    sums.add(v);
-    ++t;
+    _mm512_storeu_si512(out + uint64_t(st.t) * kLanes, v);
+    st.sums.add(v);
+    ++st.t;
   }
 
   // The remaining steps in the portable core, its end-of-chunk checks, then the checksum.
   EP_COMM_AVX512 int finish(const DecodeTable& table) {
     if (bad_states) return kErrStream;
     alignas(64) uint32_t states[kLanes];
-    _mm512_store_si512(states, x[0]);
-    _mm512_store_si512(states + 16, x[1]);
-    const int status = decode_chunk_from(payload, *entry, n, table, out, states, t, wpos, rpos, false);
+    _mm512_store_si512(states, s.x[0]);
+    _mm512_store_si512(states + 16, s.x[1]);
+    const int status = decode_chunk_from(payload, *entry, n, table, out, states, s.t, s.wpos, s.rpos, false);
     if (status != kOk) return status;
-    uint32_t checksum = sums.total(t);
-    for (uint32_t i = t * kLanes; i < n; ++i) checksum += checksum_term(out[i], i);
+    uint32_t checksum = s.sums.total(s.t);
+    for (uint32_t i = s.t * kLanes; i < n; ++i) checksum += checksum_term(out[i], i);
     return checksum == entry->checksum ? int(kOk) : int(kErrChecksum);
   }
 };
@@ -287,17 +296,21 @@ EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* c
   using Cursor1 = ChunkCursor512<kHasZero1, kProbBits1>;
   const __m512i last_nonzero_slot0 = _mm512_set1_epi32(int(table[0]->zero_start) - 1);
   Cursor0 c0(payload[0], *e[0], n[0], out[0]);
+  typename Cursor0::State s0 = c0.s;  // in registers while decoding (see State)
   if (count == 2) {
     const __m512i last_nonzero_slot1 = _mm512_set1_epi32(int(table[1]->zero_start) - 1);
     Cursor1 c1(payload[1], *e[1], n[1], out[1]);
-    while (c0.can_step() && c1.can_step()) {
-      c0.step(*table[0], last_nonzero_slot0);
-      c1.step(*table[1], last_nonzero_slot1);
+    typename Cursor1::State s1 = c1.s;
+    while (c0.can_step(s0) && c1.can_step(s1)) {
+      c0.step(s0, *table[0], last_nonzero_slot0);
+      c1.step(s1, *table[1], last_nonzero_slot1);
     }
-    while (c1.can_step()) c1.step(*table[1], last_nonzero_slot1);
+    while (c1.can_step(s1)) c1.step(s1, *table[1], last_nonzero_slot1);
+    c1.s = s1;
     status[1] = c1.finish(*table[1]);
   }
-  while (c0.can_step()) c0.step(*table[0], last_nonzero_slot0);
+  while (c0.can_step(s0)) c0.step(s0, *table[0], last_nonzero_slot0);
+  c0.s = s0;
   status[0] = c0.finish(*table[0]);
 }
 
