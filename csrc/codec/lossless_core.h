@@ -350,13 +350,14 @@ EP_HD uint32_t log2_q10(uint32_t f) {
 // The estimated size, in 1/1024 bits, of the symbols of counts[1025] coded with frequencies
 // freq[1025] of `prob_bits` bits, plus the frequencies' bytes in a version 3 table (the gaps cost
 // the same for both choices: every seen symbol has a frequency). counts sum to < 2^48: the sum fits.
+// One symbol's part of it: `count` symbols at frequency `freq` (> 0), and the frequency's bytes.
+EP_HD uint64_t coded_cost_term_q10(uint64_t count, uint32_t freq, int prob_bits) {
+  return count * ((uint64_t(prob_bits) << 10) - log2_q10(freq)) + (uint64_t(8 * table_freq_bytes(freq)) << 10);
+}
 EP_HD uint64_t coded_cost_q10(const uint64_t* counts, const uint32_t* freq, int prob_bits) {
   uint64_t cost = 0;
-  for (int s = 0; s < kNumSymbols; ++s) {
-    if (freq[s] == 0) continue;
-    cost += counts[s] * ((uint64_t(prob_bits) << 10) - log2_q10(freq[s]));
-    cost += uint64_t(8 * table_freq_bytes(freq[s])) << 10;
-  }
+  for (int s = 0; s < kNumSymbols; ++s)
+    if (freq[s] != 0) cost += coded_cost_term_q10(counts[s], freq[s], prob_bits);
   return cost;
 }
 
@@ -372,8 +373,8 @@ EP_HD bool prefer_12_bits(const uint64_t* counts, const uint32_t* freq11, const 
   for (int s = 0; s < kNumSymbols; ++s) {
     if (freq12[s] > kProbScale) return false;
     if (freq11[s] == 0) continue;
-    cost11 += counts[s] * ((uint64_t(11) << 10) - log2_q10(freq11[s])) + (uint64_t(8 * table_freq_bytes(freq11[s])) << 10);
-    cost12 += counts[s] * ((uint64_t(12) << 10) - log2_q10(freq12[s])) + (uint64_t(8 * table_freq_bytes(freq12[s])) << 10);
+    cost11 += coded_cost_term_q10(counts[s], freq11[s], kProbBits);
+    cost12 += coded_cost_term_q10(counts[s], freq12[s], kMaxProbBits);
   }
   return cost12 + wide_table_margin_q10(chunks) < cost11;
 }
