@@ -148,6 +148,18 @@ EP_COMM_AVX512 inline __m512i fields_as_words(const uint8_t* p, uint32_t shift) 
   return _mm512_multishift_epi64_epi8(offsets, qwords);
 }
 
+// The decoding step's constant vectors, made once per call and hidden from the compiler's
+// constant folding: under the step's register pressure it otherwise rebuilt each one at every step
+// (a move, a transfer and a broadcast), where a spilled invariant is one folded load.
+struct DecodeConsts {
+  __m512i low11, one, low, ffc0, iota;
+  EP_COMM_AVX512 DecodeConsts()
+      : low11(_mm512_set1_epi32(int(kProbScale - 1))), one(_mm512_set1_epi32(1)), low(_mm512_set1_epi32(int(kStateLow))),
+        ffc0(_mm512_set1_epi16(int16_t(0xFFC0))), iota(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) {
+    asm("" : "+v"(low11), "+v"(one), "+v"(low), "+v"(ffc0), "+v"(iota));
+  }
+};
+
 // One chunk's decoding position: 32 states in two vectors, the stream positions, the steps done.
 // step() decodes the next 32 values; the caller checks can_step() first. kProbBitsT: the table's
 // prob_bits (11 or 12), a constant so that the slot mask and the shift are immediates, as they
@@ -186,9 +198,9 @@ struct ChunkCursor512 {
     s.x[1] = _mm512_load_si512(states + 16);
   }
 
-  // A step reads word bytes [2 wpos, 2 wpos + 64) (16 lanes read 32 bytes at 2 wpos_j, wpos_j <=
-  // wpos + 16) and raw bytes [6 rpos / 8, 6 rpos / 8 + 32). Out of place, wpos <= num_words and
-  // rpos <= num_raw keep both within the tails' 128 bytes.
+  // A step reads word bytes [2 wpos, 2 wpos + 64) (one 64-byte load for both vectors of 16 lanes)
+  // and raw bytes [6 rpos / 8, 6 rpos / 8 + 32). Out of place, wpos <= num_words and rpos <=
+  // num_raw keep both within the tails' 128 bytes.
   bool can_step(const State& st) const {
     return st.t < full_steps && st.wpos <= entry->num_words && st.rpos <= entry->num_raw;
   }
@@ -210,7 +222,8 @@ struct ChunkCursor512 {
     return true;
   }
 
-  EP_COMM_AVX512 __attribute__((always_inline)) void step(State& st, const DecodeTable& table, __m512i last_nonzero_slot) {
+  EP_COMM_AVX512 __attribute__((always_inline)) void step(State& st, const DecodeTable& table, __m512i last_nonzero_slot,
+                                                         const DecodeConsts& k) {
     if constexpr (kHasZero) {
       if (st.try_zero_step && zero_step(st, table, last_nonzero_slot)) {
         _mm512_storeu_si512(out + uint64_t(st.t) * kLanes, _mm512_setzero_si512());
@@ -219,9 +232,9 @@ struct ChunkCursor512 {
         return;
       }
     }
-    const __m512i low11 = _mm512_set1_epi32(int(kProbScale - 1));
+    const __m512i low11 = k.low11;
     const __m512i slot_mask = _mm512_set1_epi32(int((1u << kProbBitsT) - 1));
-    const __m512i low = _mm512_set1_epi32(int(kStateLow));
+    const __m512i low = k.low;
     const bool words_in_place = 2ull * st.wpos + 64 <= nword_bytes;
     const bool raw_in_place = uint64_t(st.rpos) * kRawBits / 8 + 32 <= nraw_bytes;
     // stream byte b is at src + (b - skip)
@@ -229,23 +242,33 @@ struct ChunkCursor512 {
     const uint64_t word_skip = words_in_place ? 0 : word_tail.first;
     const uint8_t* raw_src = raw_in_place ? raw : raw_tail.bytes;
     const uint64_t raw_skip = raw_in_place ? 0 : raw_tail.first;
-    __m512i ent[2];
+    __m512i ent[2], y[2];
+    __mmask16 need[2];
     uint32_t zero_lanes = 0;  // kHasZero: bit l set when lane l decodes +0.0
     for (int j = 0; j < 2; ++j) {
       const __m512i slot = _mm512_and_si512(st.x[j], slot_mask);
       ent[j] = _mm512_i32gather_epi32(slot, table.entry, 4);
       const __m512i freq = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(ent[j], kProbBits), low11),
-                                            _mm512_set1_epi32(1));
-      const __m512i y = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(st.x[j], kProbBitsT)),
-                                         _mm512_and_si512(ent[j], low11));
-      const __mmask16 need = _mm512_cmplt_epu32_mask(y, low);
-      const __m256i next_words =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word_src + (2ull * st.wpos - word_skip)));
-      const __m512i w = _mm512_maskz_expand_epi32(need, _mm512_cvtepu16_epi32(next_words));
-      st.x[j] = _mm512_mask_or_epi32(y, need, _mm512_slli_epi32(y, 16), w);
-      st.wpos += uint32_t(_mm_popcnt_u32(need));
+                                            k.one);
+      y[j] = _mm512_add_epi32(_mm512_mullo_epi32(freq, _mm512_srli_epi32(st.x[j], kProbBitsT)),
+                              _mm512_and_si512(ent[j], low11));
+      need[j] = _mm512_cmplt_epu32_mask(y[j], low);
       if constexpr (kHasZero) zero_lanes |= uint32_t(_mm512_cmpgt_epi32_mask(slot, last_nonzero_slot)) << (16 * j);
     }
+    // The renormalising lanes take the next words in lane order (lanes 0-15 of x[0], then x[1]),
+    // both vectors' from one load at wpos: the second vector's words, from word popcount(need[0])
+    // on, are picked by a register permute. With a second load at wpos + popcount(need[0]) (an
+    // address known only once x[0] is updated), x[1]'s update, and the next step's gather on it,
+    // waited for a load's latency more; one-thread decoding of weights ran 8% slower.
+    const __m512i next_words = _mm512_loadu_si512(word_src + (2ull * st.wpos - word_skip));
+    const __m512i words_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(next_words));
+    const __m512i words_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(next_words, 1));
+    const uint32_t taken0 = uint32_t(_mm_popcnt_u32(need[0]));
+    const __m512i from = _mm512_add_epi32(k.iota, _mm512_set1_epi32(int(taken0)));
+    const __m512i words1 = _mm512_permutex2var_epi32(words_lo, from, words_hi);
+    st.x[0] = _mm512_mask_or_epi32(y[0], need[0], _mm512_slli_epi32(y[0], 16), _mm512_maskz_expand_epi32(need[0], words_lo));
+    st.x[1] = _mm512_mask_or_epi32(y[1], need[1], _mm512_slli_epi32(y[1], 16), _mm512_maskz_expand_epi32(need[1], words1));
+    st.wpos += taken0 + uint32_t(_mm_popcnt_u32(need[1]));
     const uint64_t bit = uint64_t(st.rpos) * kRawBits;
     __m512i fields = fields_as_words(raw_src + ((bit >> 3) - raw_skip), uint32_t(bit & 7));
     if constexpr (kHasZero) {
@@ -262,7 +285,7 @@ struct ChunkCursor512 {
     const __m512i top_halves = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
                                                 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512i hi = _mm512_permutex2var_epi16(ent[0], top_halves, ent[1]);
-    const __m512i v = _mm512_ternarylogic_epi32(hi, fields, _mm512_set1_epi16(int16_t(0xFFC0)), 0xE4);  // bit select
+    const __m512i v = _mm512_ternarylogic_epi32(hi, fields, k.ffc0, 0xE4);  // bit select
     _mm512_storeu_si512(out + uint64_t(st.t) * kLanes, v);
     st.sums.add(v);
     ++st.t;
@@ -294,6 +317,7 @@ EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* c
                                                      int* status) {
   using Cursor0 = ChunkCursor512<kHasZero0, kProbBits0>;
   using Cursor1 = ChunkCursor512<kHasZero1, kProbBits1>;
+  const DecodeConsts k;
   const __m512i last_nonzero_slot0 = _mm512_set1_epi32(int(table[0]->zero_start) - 1);
   Cursor0 c0(payload[0], *e[0], n[0], out[0]);
   typename Cursor0::State s0 = c0.s;  // in registers while decoding (see State)
@@ -302,14 +326,14 @@ EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* c
     Cursor1 c1(payload[1], *e[1], n[1], out[1]);
     typename Cursor1::State s1 = c1.s;
     while (c0.can_step(s0) && c1.can_step(s1)) {
-      c0.step(s0, *table[0], last_nonzero_slot0);
-      c1.step(s1, *table[1], last_nonzero_slot1);
+      c0.step(s0, *table[0], last_nonzero_slot0, k);
+      c1.step(s1, *table[1], last_nonzero_slot1, k);
     }
-    while (c1.can_step(s1)) c1.step(s1, *table[1], last_nonzero_slot1);
+    while (c1.can_step(s1)) c1.step(s1, *table[1], last_nonzero_slot1, k);
     c1.s = s1;
     status[1] = c1.finish(*table[1]);
   }
-  while (c0.can_step(s0)) c0.step(s0, *table[0], last_nonzero_slot0);
+  while (c0.can_step(s0)) c0.step(s0, *table[0], last_nonzero_slot0, k);
   c0.s = s0;
   status[0] = c0.finish(*table[0]);
 }
