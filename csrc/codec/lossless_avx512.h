@@ -404,37 +404,47 @@ class RansEncoder512 {
  public:
   // Codes the partial top step of v[0, n) (coding runs backwards) with the portable core.
   EP_COMM_AVX512 RansEncoder512(const uint16_t* v, uint32_t n, const EncSym* syms, uint16_t* words_end)
-      : v_(v), words_end_(words_end), cursor_(words_end), prob_bits_(_mm512_set1_epi32(int(syms[0].prob_bits))),
+      : v_(v), words_end_(words_end), prob_bits_(_mm512_set1_epi32(int(syms[0].prob_bits))),
         renorm_shift_(_mm512_set1_epi32(32 - int(syms[0].prob_bits))) {
     alignas(64) uint32_t st[kLanes];
-    steps_left_ = rans_encode_partial_step(v, n, syms, st, cursor_);
-    x_[0] = _mm512_load_si512(st);
-    x_[1] = _mm512_load_si512(st + 16);
+    s.cursor = words_end;
+    s.steps_left = rans_encode_partial_step(v, n, syms, st, s.cursor);
+    s.x[0] = _mm512_load_si512(st);
+    s.x[1] = _mm512_load_si512(st + 16);
   }
-  uint32_t steps_left() const { return steps_left_; }
+
+  // What a step changes, kept apart so that the coding loop holds it in local variables
+  // (registers): held in the encoder, the states went through memory at every step (the word
+  // store may alias any object), lengthening each step's dependency chain by a store and a load.
+  struct State {
+    __m512i x[2];
+    uint16_t* cursor;  // the words coded so far start here (they end at words_end)
+    uint32_t steps_left;
+  };
+  State s;
 
   // Codes the highest step not yet coded. entries: SimdEncTables::entry; zero_entry: its
   // kZeroSymbol entry in every 64-bit lane.
-  EP_COMM_AVX512 inline __attribute__((always_inline)) void step(const long long* entries, __m512i zero_entry) {
+  EP_COMM_AVX512 inline __attribute__((always_inline)) void step(State& st, const long long* entries, __m512i zero_entry) const {
     const __m512i low12 = _mm512_set1_epi32(0xFFF), zero_symbol = _mm512_set1_epi16(kZeroSymbol);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    // word k of the result: the low 16 bits of state k (lanes 0-15 from x_[0], 16-31 from x_[1])
+    // word k of the result: the low 16 bits of state k (lanes 0-15 from x[0], 16-31 from x[1])
     const __m512i low_words = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000A0008, 0x000E000C, 0x00120010, 0x00160014,
                                                 0x001A0018, 0x001E001C, 0x00220020, 0x00260024, 0x002A0028,
                                                 0x002E002C, 0x00320030, 0x00360034, 0x003A0038, 0x003E003C);
-    const uint32_t t = --steps_left_;
+    const uint32_t t = --st.steps_left;
     const __m512i vals = _mm512_loadu_si512(v_ + uint64_t(t) * kLanes);
     const __mmask32 nonzero = _mm512_test_epi16_mask(vals, vals);
     // a step of 32 +0.0 values (gradients' zero runs) takes the zero symbol's entry without loads
-    __m512i lo[2] = {zero_entry, zero_entry}, hi[2] = {zero_entry, zero_entry};  // entries of lanes 0-7, 8-15 of x_[j]
+    __m512i lo[2] = {zero_entry, zero_entry}, hi[2] = {zero_entry, zero_entry};  // entries of lanes 0-7, 8-15 of x[j]
     if (nonzero != 0) {
       const __m512i symbols = _mm512_mask_mov_epi16(zero_symbol, nonzero, _mm512_srli_epi16(vals, kRawBits));
-      const __m512i s[2] = {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(symbols)),
-                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(symbols, 1))};
+      const __m512i sym[2] = {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(symbols)),
+                              _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(symbols, 1))};
       for (int j = 0; j < 2; ++j) {
-        lo[j] = _mm512_i32gather_epi64(_mm512_castsi512_si256(s[j]), entries, 8);
-        hi[j] = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(s[j], 1), entries, 8);
+        lo[j] = _mm512_i32gather_epi64(_mm512_castsi512_si256(sym[j]), entries, 8);
+        hi[j] = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(sym[j], 1), entries, 8);
       }
     }
     __m512i fs[2];  // start << 12 | freq, lane order
@@ -442,37 +452,34 @@ class RansEncoder512 {
     for (int j = 0; j < 2; ++j) {
       fs[j] = _mm512_permutex2var_epi32(lo[j], even, hi[j]);
       // renormalise where x >= freq << (32 - prob_bits), i.e. (x >> (32 - prob_bits)) >= freq
-      need[j] = _mm512_cmpge_epu32_mask(_mm512_srlv_epi32(x_[j], renorm_shift_), _mm512_and_si512(fs[j], low12));
+      need[j] = _mm512_cmpge_epu32_mask(_mm512_srlv_epi32(st.x[j], renorm_shift_), _mm512_and_si512(fs[j], low12));
     }
     const __mmask32 need32 = _mm512_kunpackw(need[1], need[0]);
-    const __m512i words = _mm512_maskz_compress_epi16(need32, _mm512_permutex2var_epi16(x_[0], low_words, x_[1]));
+    const __m512i words = _mm512_maskz_compress_epi16(need32, _mm512_permutex2var_epi16(st.x[0], low_words, st.x[1]));
     const uint32_t count = uint32_t(_mm_popcnt_u32(need32));
-    cursor_ -= count;  // the step's words in lane order
-    _mm512_mask_storeu_epi16(cursor_, __mmask32((uint64_t(1) << count) - 1), words);
+    st.cursor -= count;  // the step's words in lane order
+    _mm512_mask_storeu_epi16(st.cursor, __mmask32((uint64_t(1) << count) - 1), words);
     for (int j = 0; j < 2; ++j) {
       const __m512 rcp = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo[j], odd, hi[j]));
       const __m512i freq = _mm512_and_si512(fs[j], low12);
-      const __m512i y = _mm512_mask_srli_epi32(x_[j], need[j], x_[j], 16);
+      const __m512i y = _mm512_mask_srli_epi32(st.x[j], need[j], st.x[j], 16);
       __m512i q, r;
       divide_by_freq_avx512(y, freq, rcp, q, r);
-      x_[j] = _mm512_add_epi32(_mm512_add_epi32(_mm512_sllv_epi32(q, prob_bits_), r), _mm512_srli_epi32(fs[j], 12));
+      st.x[j] = _mm512_add_epi32(_mm512_add_epi32(_mm512_sllv_epi32(q, prob_bits_), r), _mm512_srli_epi32(fs[j], 12));
     }
   }
 
   // After the last step: the 32 final states to `states`; returns the number of words.
   EP_COMM_AVX512 uint32_t finish(uint32_t* states) const {
-    _mm512_storeu_si512(states, x_[0]);
-    _mm512_storeu_si512(states + 16, x_[1]);
-    return static_cast<uint32_t>(words_end_ - cursor_);
+    _mm512_storeu_si512(states, s.x[0]);
+    _mm512_storeu_si512(states + 16, s.x[1]);
+    return static_cast<uint32_t>(words_end_ - s.cursor);
   }
 
  private:
   const uint16_t* v_;
   uint16_t* words_end_;
-  uint16_t* cursor_;
   __m512i prob_bits_, renorm_shift_;  // shift counts: 2^prob_bits slots, renormalisation at freq << (32 - prob_bits)
-  uint32_t steps_left_;
-  __m512i x_[2];
 };
 
 // The rANS passes of `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) coded with its table
@@ -497,15 +504,20 @@ EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* 
     c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms[k], words_end[k]);
   }
   if (count == 2) {
+    RansEncoder512::State s0 = c[0]->s, s1 = c[1]->s;  // in registers while coding (see State)
     // the longer chunk's extra top steps first (coding runs backwards), then both together
-    while (c[0]->steps_left() > c[1]->steps_left()) c[0]->step(entries[0], zero_entry[0]);
-    while (c[1]->steps_left() > c[0]->steps_left()) c[1]->step(entries[1], zero_entry[1]);
-    while (c[0]->steps_left() > 0) {
-      c[0]->step(entries[0], zero_entry[0]);
-      c[1]->step(entries[1], zero_entry[1]);
+    while (s0.steps_left > s1.steps_left) c[0]->step(s0, entries[0], zero_entry[0]);
+    while (s1.steps_left > s0.steps_left) c[1]->step(s1, entries[1], zero_entry[1]);
+    while (s0.steps_left > 0) {
+      c[0]->step(s0, entries[0], zero_entry[0]);
+      c[1]->step(s1, entries[1], zero_entry[1]);
     }
+    c[0]->s = s0;
+    c[1]->s = s1;
   } else {
-    while (c[0]->steps_left() > 0) c[0]->step(entries[0], zero_entry[0]);
+    RansEncoder512::State s0 = c[0]->s;
+    while (s0.steps_left > 0) c[0]->step(s0, entries[0], zero_entry[0]);
+    c[0]->s = s0;
   }
   for (int k = 0; k < count; ++k) {
     num_words[k] = c[k]->finish(states[k]);
