@@ -399,6 +399,12 @@ inline const ByteCompactTable& byte_compact_table() {
 // checksum comes with it: its vector multiplies run beside the table increments (measured: no
 // slower than the counts alone). The checksum and +0.0 count returned are those of these values: a
 // chunk's are the sums over the pieces it was surveyed in.
+// How far ahead of its loads survey_chunk_avx2 prefetches the values: the survey is the first pass
+// over an encode's input, which usually comes from L3 or DRAM. On a Xeon guest (2 vCPUs, 480 MiB
+// L3) the pass without it waited on its loads (half its samples on the first use of a loaded vector);
+// encoding 64x7168 weight messages on one thread took 1.07-1.10 GB/s against 1.43-1.57 with it
+// (A/B of builds in turn; 512 bytes ahead: 1.28-1.40, 1024: 1.38-1.51, 2048 to 8192 alike).
+constexpr int kSurveyPrefetchBytes = 2048;
 template <int kTables = 4>
 __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(const uint16_t* v, uint32_t n,
                                                                            uint32_t first, SymbolHistogram& h,
@@ -408,6 +414,7 @@ __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(cons
   ChecksumAvx2 checksum(first);
   uint32_t zero_bytes = 0, i = 0;
   for (; i + 16 <= n; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(v + i) + kSurveyPrefetchBytes, _MM_HINT_T0);
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
     checksum.add(x);
     const uint32_t zero_mask = uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, zero)));
