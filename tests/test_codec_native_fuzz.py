@@ -85,6 +85,9 @@ def test_simd_paths_are_memory_safe_and_agree(tmp_path):
     # about half the random chunks were coded with 12-bit frequencies (format version 3's finer table)
     wide = int(re.search(r"in lockstep pairs, (\d+) with 12-bit", report).group(1))
     assert wide > 300, report
+    # the chunks without +0.0 had their raw fields packed by the AVX-512 pass too (where it runs)
+    fused = int(re.search(r"(\d+) with fields packed by the AVX-512 pass", report).group(1))
+    assert fused == (staged if "avx512" in report.splitlines()[0] else 0), report
     assert "division: " in report and "mismatch" not in report.replace(" 0 mismatches", ""), report
     # the paths the module runs are the ones checked
     assert ("avx512" in report.splitlines()[0]) == ("avx512" in lossless.simd_paths()), report

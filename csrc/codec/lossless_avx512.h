@@ -402,13 +402,20 @@ EP_COMM_AVX512 inline void divide_by_freq_avx512(__m512i y, __m512i freq, __m512
 // took 0.52-0.79x the time of the AVX2 pass.)
 class RansEncoder512 {
  public:
-  // Codes the partial top step of v[0, n) (coding runs backwards) with the portable core.
-  EP_COMM_AVX512 RansEncoder512(const uint16_t* v, uint32_t n, const EncSym* syms, uint16_t* words_end)
-      : v_(v), words_end_(words_end), prob_bits_(_mm512_set1_epi32(int(syms[0].prob_bits))),
+  // Codes the partial top step of v[0, n) (coding runs backwards) with the portable core. With
+  // `raw` (a chunk without +0.0: every value has a raw field), the steps also write their values'
+  // raw fields there, packed as split_chunk does, and the partial top step's go there now.
+  EP_COMM_AVX512 RansEncoder512(const uint16_t* v, uint32_t n, const EncSym* syms, uint16_t* words_end, uint8_t* raw)
+      : v_(v), words_end_(words_end), raw_(raw), prob_bits_(_mm512_set1_epi32(int(syms[0].prob_bits))),
         renorm_shift_(_mm512_set1_epi32(32 - int(syms[0].prob_bits))) {
     alignas(64) uint32_t st[kLanes];
     s.cursor = words_end;
     s.steps_left = rans_encode_partial_step(v, n, syms, st, s.cursor);
+    if (raw_ != nullptr) {  // the top step's fields start at a byte: 32 fields are 24 bytes
+      BitWriter bits(raw_ + uint64_t(s.steps_left) * kStepFieldBytes);
+      for (uint32_t i = s.steps_left * kLanes; i < n; ++i) bits.put(raw_of(v[i]), kRawBits);
+      bits.finish();
+    }
     s.x[0] = _mm512_load_si512(st);
     s.x[1] = _mm512_load_si512(st + 16);
   }
@@ -435,6 +442,7 @@ class RansEncoder512 {
                                                 0x002E002C, 0x00320030, 0x00360034, 0x003A0038, 0x003E003C);
     const uint32_t t = --st.steps_left;
     const __m512i vals = _mm512_loadu_si512(v_ + uint64_t(t) * kLanes);
+    if (raw_ != nullptr) pack_fields(vals, raw_ + uint64_t(t) * kStepFieldBytes);
     const __mmask32 nonzero = _mm512_test_epi16_mask(vals, vals);
     // a step of 32 +0.0 values (gradients' zero runs) takes the zero symbol's entry without loads
     __m512i lo[2] = {zero_entry, zero_entry}, hi[2] = {zero_entry, zero_entry};  // entries of lanes 0-7, 8-15 of x[j]
@@ -469,6 +477,18 @@ class RansEncoder512 {
     }
   }
 
+  // The raw fields of one step's 32 values (none +0.0) packed to 24 bytes at `out`, as
+  // pack_fields32: field pairs f0 + 64 f1, pairs of those p0 + 4096 p1 (24 bits in a 32-bit lane),
+  // then the low 3 bytes of each lane gathered by one byte permute and stored under a mask.
+  static EP_COMM_AVX512 inline __attribute__((always_inline)) void pack_fields(__m512i vals, uint8_t* out) {
+    const __m256i bytes = _mm512_cvtepi16_epi8(_mm512_and_si512(vals, _mm512_set1_epi16(0x3F)));  // field k at byte k
+    const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x4001));
+    const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x10000001));
+    const __m256i low3 = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 21, 22, 24, 25, 26, 28,
+                                          29, 30, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_mask_storeu_epi8(out, __mmask32(0xFFFFFF), _mm256_permutexvar_epi8(low3, quads));
+  }
+
   // After the last step: the 32 final states to `states`; returns the number of words.
   EP_COMM_AVX512 uint32_t finish(uint32_t* states) const {
     _mm512_storeu_si512(states, s.x[0]);
@@ -477,14 +497,21 @@ class RansEncoder512 {
   }
 
  private:
+  static constexpr uint32_t kStepFieldBytes = kLanes * kRawBits / 8;
   const uint16_t* v_;
   uint16_t* words_end_;
+  uint8_t* raw_;  // the chunk's raw fields, packed while coding (null: split_fields packs them)
   __m512i prob_bits_, renorm_shift_;  // shift counts: 2^prob_bits slots, renormalisation at freq << (32 - prob_bits)
 };
 
 // The rANS passes of `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) coded with its table
 // (syms[k], tabs[k]: two chunks may have different tables, of different prob_bits), words
-// backwards below words_end[k], final states to states[k]; num_words[k] gets its word count. Two
+// backwards below words_end[k], final states to states[k]; num_words[k] gets its word count. Where
+// raw[k] is not null (a chunk without +0.0), the chunk's raw fields are packed there too (as
+// split_fields_avx2 packs them), from the values each step loads: no pass of its own over the
+// values, which the survey has left in L2 at best (builds in turn on a Xeon guest, one thread:
+// 64x7168 weight messages encoded at 1.67-1.69 GB/s -> 1.67-1.76, whole activations 1.68-1.70 ->
+// 1.85). Two
 // chunks are coded in lockstep: a step's states depend on the previous step's through the quotient
 // (a conversion, a float multiply, a truncation and a 32-bit multiply in a row), so one chunk
 // leaves the core idle part of the time (C++ loop over real 64x7168 messages, sum of per-message
@@ -493,7 +520,7 @@ class RansEncoder512 {
 EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* const* v, const uint32_t* n,
                                                     const EncSym* const* syms, const SimdEncTables* const* tabs,
                                                     uint32_t* const* states, uint16_t* const* words_end,
-                                                    uint32_t* num_words) {
+                                                    uint32_t* num_words, uint8_t* const* raw = nullptr) {
   const long long* entries[2];
   __m512i zero_entry[2];
   alignas(RansEncoder512) unsigned char storage[2][sizeof(RansEncoder512)];
@@ -501,7 +528,7 @@ EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* 
   for (int k = 0; k < count; ++k) {
     entries[k] = reinterpret_cast<const long long*>(tabs[k]->entry);
     zero_entry[k] = _mm512_set1_epi64(int64_t(tabs[k]->entry[kZeroSymbol]));
-    c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms[k], words_end[k]);
+    c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms[k], words_end[k], raw != nullptr ? raw[k] : nullptr);
   }
   if (count == 2) {
     RansEncoder512::State s0 = c[0]->s, s1 = c[1]->s;  // in registers while coding (see State)
@@ -529,10 +556,10 @@ EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* 
 EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* const* v, const uint32_t* n,
                                                     const EncSym* syms, const SimdEncTables& tab,
                                                     uint32_t* const* states, uint16_t* const* words_end,
-                                                    uint32_t* num_words) {
+                                                    uint32_t* num_words, uint8_t* const* raw = nullptr) {
   const EncSym* const both_syms[2] = {syms, syms};
   const SimdEncTables* const both_tabs[2] = {&tab, &tab};
-  rans_encode_chunks_avx512(count, v, n, both_syms, both_tabs, states, words_end, num_words);
+  rans_encode_chunks_avx512(count, v, n, both_syms, both_tabs, states, words_end, num_words, raw);
 }
 
 // The rANS pass of one chunk (rans_encode_chunks_avx512 with one chunk); returns the number of words.

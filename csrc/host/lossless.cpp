@@ -156,6 +156,8 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
   uint32_t states[kMaxChunksPerClaim][kLanes];
   uint32_t* state_ptrs[kMaxChunksPerClaim] = {states[0], states[1]};
   uint32_t num_words[kMaxChunksPerClaim];
+  uint8_t* fields[kMaxChunksPerClaim];  // raw fields the AVX-512 rANS pass packs (null: packed already)
+  uint8_t* cv_fields[kMaxChunksPerClaim];
   int num_coded = 0;
   for (int k = 0; k < count; ++k) {
     e[k]->checksum = survey[k]->checksum;
@@ -167,8 +169,12 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     uint16_t* end = reinterpret_cast<uint16_t*>(scratch[k] + kStateBytes) + kSlackWords + n[k];
     uint8_t* raw = reinterpret_cast<uint8_t*>(end);
     e[k]->mode = one_state ? kModeOneState : kModeRans;
+    fields[k] = nullptr;
 #if defined(__x86_64__)
-    if (level >= kSimdAvx2) {
+    if (level == kSimdAvx512 && !one_state && survey[k]->zeros == 0) {  // packed by the rANS pass
+      fields[k] = raw;
+      e[k]->num_raw = n[k];
+    } else if (level >= kSimdAvx2) {
       e[k]->num_raw = split_fields_avx2(v[k], n[k], survey[k]->zeros, raw);
     } else
 #endif
@@ -187,13 +193,14 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     cv_values[num_coded] = v[k];
     cv_n[num_coded] = n[k];
     cv_syms[num_coded] = tables[k]->syms;
+    cv_fields[num_coded] = fields[k];
     words_end[num_coded++] = end;
   }
 #if defined(__x86_64__)
   if (level == kSimdAvx512 && num_coded > 0) {
     const SimdEncTables* simd[kMaxChunksPerClaim];
     for (int j = 0; j < num_coded; ++j) simd[j] = &tables[coded[j]]->simd;
-    rans_encode_chunks_avx512(num_coded, cv_values, cv_n, cv_syms, simd, state_ptrs, words_end, num_words);
+    rans_encode_chunks_avx512(num_coded, cv_values, cv_n, cv_syms, simd, state_ptrs, words_end, num_words, cv_fields);
   } else if (level == kSimdAvx2) {
     for (int j = 0; j < num_coded; ++j)
       num_words[j] = rans_encode_chunk_avx2(cv_values[j], cv_n[j], cv_syms[j], tables[coded[j]]->simd, states[j],

@@ -170,7 +170,7 @@ long check_decoders(const std::string& dir, int num_blobs, int mutations, const 
 
 // Mismatches between the rANS passes on random chunks.
 long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
-  long mismatches = 0, staged_trials = 0, lockstep_trials = 0, wide_trials = 0;
+  long mismatches = 0, staged_trials = 0, lockstep_trials = 0, wide_trials = 0, fused_trials = 0;
   for (int trial = 0; trial < trials; ++trial) {
     const uint32_t n = 1 + static_cast<uint32_t>(rng() % 5000);
     const int pattern = static_cast<int>(rng() % 5);
@@ -222,6 +222,24 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
     }
     if (avx512 && !same(rans_encode_chunk_avx512(v.data(), n, syms.data(), *tables, states, a5.data() + n), a5.data() + n))
       ++mismatches;
+    // the AVX-512 pass packing a chunk's raw fields while coding (chunks without +0.0), into an
+    // exact-size buffer of n + 16 bytes, against split_chunk's fields
+    if (avx512 && counts[kZeroSymbol] == 0) {
+      ++fused_trials;
+      std::vector<uint8_t> ref_fields(n + 8), fused(n + 16, 0xA5);
+      uint32_t ref_fields_count = 0;
+      split_chunk(v.data(), n, ref_fields.data(), ref_fields_count);
+      const uint16_t* one_v[1] = {v.data()};
+      uint16_t* one_end[1] = {a5.data() + n};
+      uint32_t* one_states[1] = {states};
+      uint8_t* one_fields[1] = {fused.data()};
+      uint32_t one_words = 0;
+      rans_encode_chunks_avx512(1, one_v, &n, syms.data(), *tables, one_states, one_end, &one_words, one_fields);
+      const uint64_t field_bytes = (uint64_t(n) * kRawBits + 7) / 8;
+      if (!same(one_words, a5.data() + n) || ref_fields_count != n ||
+          std::memcmp(fused.data(), ref_fields.data(), field_bytes) != 0)
+        ++mismatches;
+    }
     // two chunks in lockstep: this one and its last m values (fewer, as many or, as the first of
     // the two, more steps than the other), each against its own portable pass
     if (avx512) {
@@ -243,8 +261,23 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
         std::swap(pair_states[0], pair_states[1]);
         std::swap(pair_end[0], pair_end[1]);
       }
-      rans_encode_chunks_avx512(2, pair_v, pair_n, syms.data(), *tables, pair_states, pair_end, pair_words);
+      // without +0.0, both chunks' raw fields packed while coding
+      const bool pack = counts[kZeroSymbol] == 0;
+      std::vector<uint8_t> b_fields(n + 16), c_fields(m + 16);
+      uint8_t* pair_fields[2] = {b_fields.data(), c_fields.data()};
+      if (tail_first) std::swap(pair_fields[0], pair_fields[1]);
+      rans_encode_chunks_avx512(2, pair_v, pair_n, syms.data(), *tables, pair_states, pair_end, pair_words,
+                                pack ? pair_fields : nullptr);
       if (tail_first) std::swap(pair_words[0], pair_words[1]);
+      if (pack) {
+        std::vector<uint8_t> ref_b(n + 8), ref_c(m + 8);
+        uint32_t count_b = 0, count_c = 0;
+        split_chunk(v.data(), n, ref_b.data(), count_b);
+        split_chunk(tail, m, ref_c.data(), count_c);
+        if (std::memcmp(b_fields.data(), ref_b.data(), (uint64_t(n) * kRawBits + 7) / 8) != 0 ||
+            std::memcmp(c_fields.data(), ref_c.data(), (uint64_t(m) * kRawBits + 7) / 8) != 0)
+          ++mismatches;
+      }
       if (!same(pair_words[0], b5.data() + n)) ++mismatches;
       if (pair_words[1] != tail_words || std::memcmp(tail_states, ref_tail_states, sizeof(tail_states)) != 0 ||
           std::memcmp(c5.data() + m - tail_words, ref_tail.data() + m - tail_words, 2ull * tail_words) != 0)
@@ -267,8 +300,9 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
          std::memcmp(raw.data(), ref_raw.data(), raw_bytes(ref_num_raw)) == 0;
     if (!ok) ++mismatches;
   }
-  std::printf("encoders: %d trials (%ld without +0.0, %ld in lockstep pairs, %ld with 12-bit frequencies), %ld mismatches\n",
-              trials, staged_trials, lockstep_trials, wide_trials, mismatches);
+  std::printf("encoders: %d trials (%ld without +0.0, %ld in lockstep pairs, %ld with 12-bit frequencies, %ld with "
+              "fields packed by the AVX-512 pass), %ld mismatches\n",
+              trials, staged_trials, lockstep_trials, wide_trials, fused_trials, mismatches);
   return mismatches;
 }
 
