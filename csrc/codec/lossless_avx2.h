@@ -389,6 +389,13 @@ inline const ByteCompactTable& byte_compact_table() {
   return table;
 }
 
+// How far ahead of its loads survey_chunk_avx2 prefetches the values: the survey is the first pass
+// over an encode's input, which usually comes from L3 or DRAM. On a Xeon guest (2 vCPUs, 480 MiB
+// L3) the pass without it waited on its loads (half its samples on the first use of a loaded vector);
+// encoding 64x7168 weight messages on one thread took 1.07-1.10 GB/s against 1.43-1.57 with it
+// (A/B of builds in turn; 512 bytes ahead: 1.28-1.40, 1024: 1.38-1.51, 2048 to 8192 alike).
+constexpr int kSurveyPrefetchBytes = 2048;
+
 // Symbol histogram of values v[0, n), which are values [first, first + n) of a chunk (the counts of
 // symbol_of over every value), counted into `h`
 // (`hist` [1025] receives a fold when h's tables run full): kTables (4 or 8) interleaved u32 tables
@@ -399,12 +406,6 @@ inline const ByteCompactTable& byte_compact_table() {
 // checksum comes with it: its vector multiplies run beside the table increments (measured: no
 // slower than the counts alone). The checksum and +0.0 count returned are those of these values: a
 // chunk's are the sums over the pieces it was surveyed in.
-// How far ahead of its loads survey_chunk_avx2 prefetches the values: the survey is the first pass
-// over an encode's input, which usually comes from L3 or DRAM. On a Xeon guest (2 vCPUs, 480 MiB
-// L3) the pass without it waited on its loads (half its samples on the first use of a loaded vector);
-// encoding 64x7168 weight messages on one thread took 1.07-1.10 GB/s against 1.43-1.57 with it
-// (A/B of builds in turn; 512 bytes ahead: 1.28-1.40, 1024: 1.38-1.51, 2048 to 8192 alike).
-constexpr int kSurveyPrefetchBytes = 2048;
 template <int kTables = 4>
 __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(const uint16_t* v, uint32_t n,
                                                                            uint32_t first, SymbolHistogram& h,
