@@ -366,6 +366,9 @@ def _symbols(t: torch.Tensor) -> torch.Tensor:
     return torch.where(v == 0, torch.full_like(v, 1024), v >> 6)
 
 
+FIELD_TABLE_BYTES = 48  # a 64-entry table of 6-bit fields' frequencies, about as version 4 codes one
+
+
 def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
     """Sizes (compressed/raw ratios, payload only, each tensor with its own statistics) of other
     ways to split and code the same values, next to ours (symbol = sign, exponent and first
@@ -378,10 +381,11 @@ def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
     - ``joint16``: the order-0 entropy of whole 16-bit values, the headroom of a richer model
       (also the raw fields coded given their value's symbol; its 65,536 frequencies, which no
       term here pays for, make it optimistic);
-    - ``coded_fields``: ours' symbols' entropy plus, per tensor, the smaller of 6 bits a field
-      and the order-0 entropy of the raw fields (the 6 low bits of each value other than +0.0,
-      over the 64 field values): what coding the raw fields with one table of their own where it
-      pays would approach."""
+    - ``coded_fields``: the order-0 entropy of ours' symbols plus, per chunk of
+      ``lossless.DEFAULT_CHUNK_VALUES`` values, the smaller of 6 bits a raw field (the 6 low bits
+      of each value other than +0.0) and the fields' order-0 entropy over the 64 field values
+      plus FIELD_TABLE_BYTES of table: what coding a chunk's raw fields with a table of its own,
+      where that pays, would approach."""
     raw = sum(t.numel() * 2 for t in tensors)
     out = {"entropy": 0.0, "exponent_only": 0.0, "fixed3": 0.0, "fixed4": 0.0, "joint16": 0.0,
            "coded_fields": 0.0}
@@ -398,8 +402,11 @@ def design_sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
             escapes = int(top[2**k - 1:].sum())
             out[f"fixed{k}"] += k * v.numel() + 10 * escapes + 6 * nonzero
         out["joint16"] += _entropy_bits(torch.bincount(v, minlength=65536))
-        fields = torch.bincount((v & 0x3F)[v != 0], minlength=64)
-        out["coded_fields"] += _entropy_bits(counts) + min(6 * nonzero, _entropy_bits(fields))
+        out["coded_fields"] += _entropy_bits(counts)
+        for chunk in v.split(lossless.DEFAULT_CHUNK_VALUES):
+            fields = (chunk & 0x3F)[chunk != 0]
+            out["coded_fields"] += min(6 * fields.numel(), _entropy_bits(torch.bincount(fields, minlength=64))
+                                       + 8 * FIELD_TABLE_BYTES)
     return {k: bits / 8 / raw for k, bits in out.items()}
 
 
