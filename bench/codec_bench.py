@@ -428,13 +428,16 @@ OVERHEAD_PARTS = ("header", "table", "directory", "states", "padding", "coded")
 # the format versions compared with the default: every other one, and per tensor the one before it
 OTHER_VERSIONS = tuple(v for v in lossless.FORMAT_VERSIONS if v != lossless.FORMAT_VERSION)
 PREVIOUS_VERSION = lossless.FORMAT_VERSION - 1
+# and per tensor the newest, written on request (version 6: the raw fields coded where that pays)
+NEWEST_VERSION = max(lossless.FORMAT_VERSIONS)
 
 
 def blob_parts(blob: torch.Tensor) -> dict[str, int]:
-    """Where a blob's bytes go (format versions 2 to 5, csrc/codec/lossless_core.h): header and
+    """Where a blob's bytes go (format versions 2 to 6, csrc/codec/lossless_core.h): header and
     shape, frequency tables (version 5: the extra tables too; with their padding), chunk directory,
-    rANS final states (128 bytes per rANS chunk, 4 per one-state chunk), payload padding, and the
-    rest (coded words, raw fields, raw chunks)."""
+    rANS final states (128 bytes per rANS chunk, 4 per one-state chunk, 256 per chunk with coded
+    fields), payload padding, and the rest (coded words, raw fields, field headers and tables, raw
+    chunks)."""
     import struct
 
     b = blob.numpy().tobytes()
@@ -459,8 +462,9 @@ def blob_parts(blob: torch.Tensor) -> dict[str, int]:
     for c in range(chunks):
         mode, words, fields, _ = struct.unpack_from("<4I", b, directory + 16 * c)
         mode &= 0xFF  # version 5: bits 8-15 name the chunk's table
-        states = {0: 128, 2: 4}.get(mode, 0)
-        used = 2 * min(cv, n - c * cv) if mode == 1 else 0 if mode == 3 else states + 2 * words + (6 * fields + 7) // 8
+        states = {0: 128, 2: 4, 4: 256}.get(mode, 0)
+        used = (2 * min(cv, n - c * cv) if mode == 1 else 0 if mode == 3 else states + 2 * words if mode == 4
+                else states + 2 * words + (6 * fields + 7) // 8)
         parts["states"] += states
         parts["padding"] += -used % 4
     parts["coded"] = len(b) - sum(parts.values())
@@ -484,9 +488,9 @@ def format_sizes(tensors: list[torch.Tensor]) -> dict:
 
 
 def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
-    """Each tensor coded alone (one thread) by ours (the default format, and PREVIOUS_VERSION:
-    ``ours_previous``) and by zipnn, beside its order-0 bound: a row per tensor with its shape and
-    the sizes in bytes."""
+    """Each tensor coded alone (one thread) by ours (the default format, PREVIOUS_VERSION:
+    ``ours_previous``, and NEWEST_VERSION: ``ours_newest``) and by zipnn, beside its order-0 bound:
+    a row per tensor with its shape and the sizes in bytes."""
     from zipnn import ZipNN
 
     z = ZipNN(method="huffman", input_format="torch", bytearray_dtype="bfloat16", threads=1)
@@ -495,6 +499,7 @@ def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
         rows.append({"index": i, "shape": list(t.shape), "raw": t.numel() * 2,
                      "ours": int(lossless.encode(t, threads=1).numel()),
                      "ours_previous": int(lossless.encode(t, threads=1, version=PREVIOUS_VERSION).numel()),
+                     "ours_newest": int(lossless.encode(t, threads=1, version=NEWEST_VERSION).numel()),
                      "zipnn": len(z.compress(_copy(t))),
                      "bound": order0_bound([t]) * t.numel() * 2})
     return rows
@@ -614,7 +619,8 @@ def print_report(report: dict) -> None:
     per = Table(title="per tensor: tensors where ours is larger than zipnn, and ours over the bound")
     for col in ("kind", "layout", "tensors", "ours > zipnn", "largest excess over zipnn (bytes)",
                 f"ours v{PREVIOUS_VERSION} > zipnn", f"largest v{PREVIOUS_VERSION} excess (bytes)",
-                "ours/bound, worst tensor", "ours/bound, all"):
+                f"ours v{NEWEST_VERSION} > zipnn", f"largest v{NEWEST_VERSION} excess (bytes)",
+                f"ours v{NEWEST_VERSION}/zipnn, all", "ours/bound, worst tensor", "ours/bound, all"):
         per.add_column(col)
     for row in report["results"]:
         rows = row["per_tensor"]
@@ -624,18 +630,25 @@ def print_report(report: dict) -> None:
         total = sum(r["ours"] for r in rows) / max(sum(r["bound"] for r in rows), 1e-9)
         worse_previous = [r for r in rows if r["ours_previous"] > r["zipnn"]]
         excess_previous = max((r["ours_previous"] - r["zipnn"] for r in worse_previous), default=0)
+        worse_newest = [r for r in rows if r["ours_newest"] > r["zipnn"]]
+        excess_newest = max((r["ours_newest"] - r["zipnn"] for r in worse_newest), default=0)
+        newest_total = sum(r["ours_newest"] for r in rows) / max(sum(r["zipnn"] for r in rows), 1)
         per.add_row(row["kind"], row["layout"], str(len(rows)), str(len(worse)), str(excess),
-                    str(len(worse_previous)), str(excess_previous), f"{worst:.4f}", f"{total:.4f}")
+                    str(len(worse_previous)), str(excess_previous), str(len(worse_newest)), str(excess_newest),
+                    f"{newest_total:.4f}", f"{worst:.4f}", f"{total:.4f}")
     console.print(per)
     if report.get("per_tensor_rows"):
-        rows_table = Table(title=f"every tensor, bytes (ours, ours in format {PREVIOUS_VERSION}, zipnn, order-0 bound)")
-        for col in ("kind", "layout", "#", "shape", "raw", "ours", f"ours v{PREVIOUS_VERSION}", "zipnn", "bound",
+        rows_table = Table(title=f"every tensor, bytes (ours, ours in formats {PREVIOUS_VERSION} and {NEWEST_VERSION}, "
+                                 "zipnn, order-0 bound)")
+        for col in ("kind", "layout", "#", "shape", "raw", "ours", f"ours v{PREVIOUS_VERSION}",
+                    f"ours v{NEWEST_VERSION}", "zipnn", "bound",
                     "ours/zipnn", "ours/bound"):
             rows_table.add_column(col)
         for row in report["results"]:
             for r in row["per_tensor"]:
                 rows_table.add_row(row["kind"], row["layout"], str(r["index"]), "x".join(map(str, r["shape"])) or "()",
-                                   str(r["raw"]), str(r["ours"]), str(r["ours_previous"]), str(r["zipnn"]),
+                                   str(r["raw"]), str(r["ours"]), str(r["ours_previous"]), str(r["ours_newest"]),
+                                   str(r["zipnn"]),
                                    f"{r['bound']:.0f}",
                                    f"{r['ours'] / r['zipnn']:.4f}",
                                    f"{r['ours'] / r['bound']:.4f}" if r["bound"] > 0 else "-")

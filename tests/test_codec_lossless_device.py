@@ -267,3 +267,26 @@ def test_many_blobs_with_one_read_back(kernels, monkeypatch):
     with pytest.raises(ValueError) as host_error:
         lossless.decode(bad)
     assert str(error.value) == str(host_error.value)
+
+
+def test_device_path_decodes_format_6_on_the_host(kernels):
+    """A version 6 blob (written on the host; the kernels read 2 to 5) reaching the device path:
+    decode, decode_into and decode_into_many decode it on the host, without a kernel launch, the
+    shape still checked; a version 5 blob beside it still goes to the kernels."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(16, 7168, generator=g)
+    m, e = torch.frexp(x)
+    x = torch.ldexp(torch.round(m * 8) / 8, e).to(torch.bfloat16)  # 2 of 6 low mantissa bits used
+    blob = lossless.encode(x, version=6)  # on the host: version 6 is not a kernel format
+    assert int(blob[4]) == 6 and kernels.calls == []
+    assert torch.equal(_bits(lossless.decode(blob, expected_shape=(16, 7168))), _bits(x))
+    with pytest.raises(ValueError, match="expected"):
+        lossless.decode(blob, expected_shape=(7168, 16))
+    out = torch.empty(16, 7168, dtype=torch.bfloat16)
+    assert lossless.decode_into(blob, out) is out and torch.equal(_bits(out), _bits(x))
+    assert kernels.calls == []
+    y = torch.randn(3, 300, generator=g).to(torch.bfloat16)
+    outs = [torch.empty_like(x), torch.empty_like(y)]
+    lossless.decode_into_many([blob, lossless.encode(y)], outs)
+    assert torch.equal(_bits(outs[0]), _bits(x)) and torch.equal(_bits(outs[1]), _bits(y))
+    assert kernels.calls == ["encode", "decode"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_codec_lossless_v5 import _layout
 
 from ep_comm.codecs import lossless
 
@@ -24,12 +25,13 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
                                 reason="needs g++ on x86-64")
 
 
-def write_blobs(directory: Path, count: int) -> int:
+def write_blobs(directory: Path, count: int) -> tuple[int, int, int]:
     """`count` blobs of varied chunk sizes and contents: dense values, +0.0 runs and scatter, all
     +0.0, random bit patterns (raw chunks), lengths that end mid-step and mid-chunk; returns the
-    number of format version 5 extra tables among them."""
+    number of format version 5 extra tables, of format version 6 chunks with coded fields, and of
+    those with one state (mode 5) among them."""
     g = torch.Generator().manual_seed(17)
-    extra_tables = 0
+    extra_tables = coded_fields = one_state_fields = 0
     for i in range(count):
         cv = [32, 64, 96, 128, 1024, 4096][i % 6]
         n = int(torch.randint(1, 5 * cv + 40, (1,), generator=g))
@@ -45,18 +47,30 @@ def write_blobs(directory: Path, count: int) -> int:
         elif style == 4 and i % 2 == 0:
             x = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
         # every fourth blob in format version 3 and every fourth in 2, which the decoders still read,
-        # and every fourth in 5: those of 4,096-value chunks made of chunks of different scales, so
-        # that they carry tables of their own
-        version = [lossless.FORMAT_VERSION, 5, 3, 2][i % 4]
+        # every fourth in 5: those of 4,096-value chunks made of chunks of different scales, so
+        # that they carry tables of their own; and every fourth in 6: those of values, 1,024 or more
+        # a chunk (two more chunks of them appended; 3,000 values to a one-state blob) with 3
+        # mantissa bits kept, so that their fields are coded
+        version = [6, 5, 3, 2][i % 4]
+        if version == 6 and style not in (3, 4):
+            # every other one a blob's only chunk of at most 16,384 values: one state (mode 5)
+            one_state = i % 8 == 0
+            cv = 65536 if one_state else max(cv, 1024)
+            x = torch.cat([x, (torch.randn(3000 if one_state else 2 * cv, generator=g) * 0.02).bfloat16()])
+            m, e = torch.frexp(x.float())
+            x = torch.ldexp(torch.round(m * 16) / 16, e).bfloat16()
         if version == 5 and cv == 4096 and style != 3:
             x = torch.cat([x, (torch.randn(3 * cv, generator=g) * 1e3).bfloat16(),
                            (torch.randn(cv, generator=g) * 1e-4).bfloat16()])
         blob = lossless.encode(x, chunk_values=cv, version=version)
         if version == 5:
             extra_tables += int(blob[17])
+        if version == 6:
+            coded_fields += sum(e["mode"] in (4, 5) for e in _layout(blob)["entries"])
+            one_state_fields += sum(e["mode"] == 5 for e in _layout(blob)["entries"])
         (directory / f"{i}.blob").write_bytes(blob.numpy().tobytes())
         (directory / f"{i}.raw").write_bytes(x.view(torch.int16).numpy().tobytes())
-    return extra_tables
+    return extra_tables, coded_fields, one_state_fields
 
 
 def test_simd_paths_are_memory_safe_and_agree(tmp_path):
@@ -69,7 +83,9 @@ def test_simd_paths_are_memory_safe_and_agree(tmp_path):
         pytest.skip(f"no AddressSanitizer runtime: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr[-2000:]
     blobs = 40
-    assert write_blobs(tmp_path, blobs) >= 3  # format 5's extra tables are fuzzed too
+    extra_tables, coded_fields, one_state_fields = write_blobs(tmp_path, blobs)
+    # format 5's extra tables and 6's coded fields (32 states and one) are fuzzed too
+    assert extra_tables >= 3 and coded_fields >= 3 and one_state_fields >= 2
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
     run = subprocess.run([str(binary), str(tmp_path), str(blobs), "100", "1500", "7"],
                          capture_output=True, text=True, timeout=600, env=env)

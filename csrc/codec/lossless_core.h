@@ -65,6 +65,12 @@
 //   shared by the host and CUDA encoders); any choice decodes. A blob of +0.0 only is written with the largest
 //   chunk_values its values allow (one mode 3 chunk per 2^24 values): header, shape and a 16-byte
 //   entry per chunk.
+// Format version 6 (written on request by the host encoder; decoded by the host build, not by the
+// CUDA decoder) is version 5 where a 32-state chunk may code its raw fields with a second rANS
+// stream: mode 4, whose payload lossless_fields.h lays out; its directory entry takes a table index
+// as mode 0, num_words counts the u16 words after its two state blocks, num_raw >= 1 its fields.
+// Mode 5 is mode 2 (one state, a blob's only chunk) with its fields coded the same way by one
+// more state.
 // Format version 3 (still decoded; written on request) differs in the header (32 bytes: u32
 // num_chunks and u64 num_values after chunk_values, u64 dimensions) and the table, num_table_entries
 // entries each a gap (one byte when below 128, else 0x80 | gap >> 8, gap & 0xFF) then a frequency
@@ -96,6 +102,7 @@ constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
 constexpr uint32_t kVersion4 = 4;    // the compact header (20 bytes, LEB128 shape) from here on
 constexpr uint32_t kDefaultVersion = 5;  // what the encoders (host and CUDA) write by default
 constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host and CUDA), decoded everywhere
+constexpr uint32_t kVersion6 = 6;    // version 5 with coded raw fields (mode 4): written and decoded on the host
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;
@@ -115,6 +122,10 @@ constexpr uint32_t kModeRans = 0;
 constexpr uint32_t kModeRaw = 1;
 constexpr uint32_t kModeOneState = 2;  // version 4: one rANS state (a blob's only chunk, at most kOneStateMaxValues)
 constexpr uint32_t kModeZero = 3;      // version 4: every value +0.0, no payload
+constexpr uint32_t kModeCodedFields = 4;  // version 6: mode 0 with the raw fields rANS-coded (lossless_fields.h)
+constexpr uint32_t kModeOneStateFields = 5;  // version 6: mode 2 with the raw fields coded by one more state
+constexpr size_t kFieldHeaderBytes = 16;  // version 6: a mode 4 payload's words after its two state blocks
+constexpr uint32_t kMaxFieldTableBytes = 512;  // version 6: the most bytes a mode 4 chunk's field table takes
 constexpr uint32_t kOneStateMaxValues = 4096;     // version 4's limit, and the least version 5 takes
 constexpr uint32_t kOneStateMaxValuesV5 = 16384;  // version 5's largest limit (one_state_max_values)
 constexpr uint32_t kMaxExtraTables = 255;  // version 5: a directory entry's table index is 8 bits
@@ -193,6 +204,8 @@ EP_HD uint64_t state_bytes(const ChunkEntry& e) { return e.mode == kModeOneState
 EP_HD uint64_t payload_bytes(const ChunkEntry& e, uint32_t n) {
   if (e.mode == kModeRaw) return 2ull * n;
   if (e.mode == kModeZero) return 0;
+  if (e.mode == kModeCodedFields) return 2ull * kStateBytes + 2ull * e.num_words;  // version 6
+  if (e.mode == kModeOneStateFields) return 2ull * kOneStateBytes + 2ull * e.num_words;
   return state_bytes(e) + 2ull * e.num_words + raw_bytes(e.num_raw);
 }
 
@@ -724,13 +737,15 @@ EP_HD uint64_t num_chunks_for(uint64_t num_values, uint32_t chunk_values) {
 // dimensions: 7 bits a byte, low first, the high bit set on every byte but the last, shortest form)
 // Whether format `version` has version 4's 20-byte header and LEB128 dimensions (4 and 5).
 EP_HD bool compact_header(uint32_t version) { return version >= kVersion4; }
+// Whether format `version` has version 5's extra tables (5 and 6).
+EP_HD bool extra_tables_format(uint32_t version) { return version >= kVersion5; }
 // The most values a one-state chunk (mode 2, a blob's only chunk) may hold: kOneStateMaxValues in
 // version 4; in version 5 a quarter of chunk_values, clamped to [kOneStateMaxValues,
 // kOneStateMaxValuesV5]. One state saves 124 state bytes but decodes serially (one GPU lane), so a
 // caller that picks small chunks for parallel decoding (the transport's 8192 on a GPU) keeps
 // version 4's limit; with the default 65536 it is 16384.
 EP_HD uint32_t one_state_max_values(uint32_t version, uint32_t chunk_values) {
-  if (version != kVersion5) return kOneStateMaxValues;
+  if (version < kVersion5) return kOneStateMaxValues;
   const uint32_t quarter = chunk_values / 4;
   return quarter < kOneStateMaxValues ? kOneStateMaxValues : quarter > kOneStateMaxValuesV5 ? kOneStateMaxValuesV5 : quarter;
 }
@@ -826,7 +841,7 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
   if (readable < kHeaderBytesV4) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
   if (blob[4] != kVersion4 && blob[4] != kVersion3 && blob[4] != kOldVersion &&
-      !(blob[4] == kVersion5 && newest_version >= kVersion5))
+      !(blob[4] >= kVersion5 && blob[4] <= kVersion6 && newest_version >= blob[4]))
     return kErrVersion;
   h.version = blob[4];
   if (readable < header_bytes(h.version)) return kErrTruncated;
@@ -849,7 +864,7 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
     const bool bits_ok = h.version == kVersion3
                              ? h.prob_bits == uint32_t(kProbBits) || h.prob_bits == uint32_t(kMaxProbBits)
                              : h.prob_bits >= uint32_t(kMinProbBits) && h.prob_bits <= uint32_t(kMaxProbBits);
-    if (h.version == kVersion5) h.num_extra_tables = (last >> 8) & 0xFF;
+    if (extra_tables_format(h.version)) h.num_extra_tables = (last >> 8) & 0xFF;
     else if (((last >> 8) & 0xFF) != 0) return kErrHeader;
     if (!bits_ok) return kErrHeader;
     if (h.version == kVersion3) {
@@ -1064,7 +1079,7 @@ EP_HD int read_table(const uint8_t* blob, const Header& h, uint32_t* freq, uint3
                      uint64_t* shared_bytes = nullptr) {
   for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
   if (shared_bytes != nullptr) *shared_bytes = h.table_bytes;
-  if (h.version == kVersion5 && h.num_table_entries > 0) {
+  if (extra_tables_format(h.version) && h.num_table_entries > 0) {
     uint64_t used = 0;
     const int st = read_table_v4_prefix(blob + h.table_offset, h.table_bytes, h.num_table_entries, h.prob_bits, freq,
                                         used);
@@ -1104,11 +1119,23 @@ EP_HD uint32_t entry_table(const ChunkEntry& e) { return (e.mode >> 8) & 0xFFu; 
 EP_HD int check_entry(const Header& h, const ChunkEntry& entry, uint32_t n) {
   ChunkEntry e = entry;
   uint32_t table = 0;
-  if (h.version == kVersion5) {
+  if (extra_tables_format(h.version)) {
     if ((e.mode >> 16) != 0) return kErrDirectory;
     table = entry_table(e);
     e.mode &= kModeMask;
-    if (table > h.num_extra_tables || (table != 0 && e.mode != kModeRans)) return kErrDirectory;
+    const bool coded_fields = e.mode == kModeCodedFields && h.version >= kVersion6;
+    if (table > h.num_extra_tables || (table != 0 && e.mode != kModeRans && !coded_fields)) return kErrDirectory;
+    // version 6's modes 4 and 5 (mode 0 and mode 2 with coded fields): num_words counts the field
+    // header's, the symbols' and the fields' words (lossless_fields.h), num_raw >= 1 the fields;
+    // mode 5 where mode 2 may be (a blob's only chunk, up to one_state_max_values)
+    const bool one_state_fields = e.mode == kModeOneStateFields && h.version >= kVersion6;
+    if (coded_fields || one_state_fields)
+      return h.num_table_entries > 0 && e.num_raw >= 1 && e.num_raw <= n && e.num_words >= kFieldHeaderBytes / 2 &&
+                     e.num_words <= 2ull * n + (kFieldHeaderBytes + kMaxFieldTableBytes) / 2 &&
+                     (coded_fields ? table != 0 || h.prob_bits >= uint32_t(kProbBits)
+                                   : h.num_chunks == 1 && n <= one_state_max_values(h.version, h.chunk_values))
+                 ? int(kOk)
+                 : int(kErrDirectory);
   }
   if (e.mode == kModeRaw) return (e.num_words == 0 && e.num_raw == 0) ? int(kOk) : int(kErrDirectory);
   if (e.mode == kModeZero)  // versions 4 and 5; all +0.0: no fields, checksum 0

@@ -38,13 +38,13 @@ constexpr uint32_t kOwnTableScratchWords = 4 * kNumSymbols;
 // Whether a blob of `num_chunks` chunks of `chunk_values` values in format `version` lets its
 // chunks take tables of their own (all but maybe the last have chunk_values values).
 EP_HD bool own_tables_allowed(uint32_t version, uint64_t num_chunks, uint32_t chunk_values) {
-  return version == kVersion5 && num_chunks >= 2 && chunk_values >= kMinOwnTableValues;
+  return extra_tables_format(version) && num_chunks >= 2 && chunk_values >= kMinOwnTableValues;
 }
 
 // The largest blob of `num_values` values in `ndim` dims in format `version` (max_blob_bytes, and
 // version 5's extra tables).
 EP_HD uint64_t max_blob_bytes_v(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version) {
-  return max_blob_bytes(num_values, ndim, chunk_values) + (version == kVersion5 ? kMaxExtraTableSectionBytes : 0);
+  return max_blob_bytes(num_values, ndim, chunk_values) + (extra_tables_format(version) ? kMaxExtraTableSectionBytes : 0);
 }
 
 // The cost of one symbol of frequency `freq` (> 0) out of 2^prob_bits, in 1/1024 bits (rounded up).

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstring>
 #ifdef __linux__
 #include <sys/mman.h>
@@ -24,6 +25,7 @@
 #include "codec/lossless_avx512.h"
 #include "codec/host_parallel.h"
 #include "codec/lossless_core.h"
+#include "codec/lossless_fields.h"
 #include "codec/lossless_scalar.h"
 #include "codec/lossless_tables.h"
 #include "page_array.h"
@@ -136,6 +138,138 @@ void finish_table(CodingTable& t, int version) {
                                           : table_bytes_v4(t.freq, t.gap_order, t.freq_order);
 }
 
+// Version 6: a worker's scratch for coding one chunk's raw fields (mode 4, lossless_fields.h): the
+// field table, the field stream's values w (cv), its words (written backwards, cv words and
+// kSlackWords of slack below) and the mode 4 payload assembled (at most the mode 0 payload it
+// replaces, itself at most kStateBytes + 2 cv + raw_bytes(cv), plus the state block and the field
+// header and table).
+struct FieldScratch {
+  CodingTable table;
+  std::unique_ptr<uint16_t[]> values, words;
+  std::unique_ptr<uint8_t[]> payload;
+  explicit FieldScratch(uint32_t cv)
+      : values(new uint16_t[cv]), words(new uint16_t[cv + kSlackWords]),
+        payload(new uint8_t[2 * kStateBytes + kFieldHeaderBytes + kMaxFieldTableBytes + 4ull * cv + 16]) {}
+};
+
+// Fields a chunk must have before coding them is tried: below this, the field stream's 128 state
+// bytes, header and table take most of what coding can save.
+constexpr uint32_t kMinCodedFields = 1024;
+// The same for a one-state chunk (mode 2 -> 5), whose field stream takes 4 state bytes.
+constexpr uint32_t kMinCodedFieldsOneState = 32;
+// What coding the fields must save, estimated from their histogram, before the field stream is
+// coded (the coded stream itself is then kept only where it is smaller): 64 bytes and a 32nd of
+// the fields' bytes. A mode 4 chunk decodes its fields as a second rANS stream, in about as long
+// again as its symbols, so fields of nearly 6 bits' information stay raw (MiniLM's activations:
+// 1.2% of their field bytes to gain for 3.7x their decode time).
+constexpr double kMinFieldSavingBytes = 64;
+constexpr double kMinFieldSavingShare = 1.0 / 32;
+
+// The fields' estimated bytes when coded (their empirical entropy) from counts[64] over `total`.
+double field_entropy_bytes(const uint64_t* counts, uint64_t total) {
+  double sum_c_log_c = 0.0;
+  for (int f = 0; f < 1 << kRawBits; ++f)
+    if (counts[f] != 0) sum_c_log_c += double(counts[f]) * std::log2(double(counts[f]));
+  return (double(total) * std::log2(double(total)) - sum_c_log_c) / 8.0;
+}
+
+// Version 6: recodes a mode 0 chunk (values v[0, n), entry e, payload at `payload`) as mode 4 where
+// its fields code smaller: first an estimate from every 16th value's field (fields of nearly 6 bits'
+// information, activations' and weights', stop there), then from all of them; where that promises
+// the least saving (kMinFieldSavingBytes, kMinFieldSavingShare), the field stream is coded (at SIMD
+// level `level`, so the blob is the same at every level) and the mode 4 payload, assembled in fs,
+// replaces the mode 0 one when smaller. Changes nothing otherwise.
+void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, ChunkEntry& e, const uint8_t*& payload) {
+  const uint32_t num_fields = e.num_raw;
+  const bool one = e.mode == kModeOneState;  // mode 2 -> 5 (one state a stream), else 0 -> 4
+  if (num_fields < (one ? kMinCodedFieldsOneState : kMinCodedFields)) return;
+  const uint64_t raw = raw_bytes(num_fields);
+  const uint64_t states_bytes = one ? kOneStateBytes : kStateBytes;
+  // the field stream's states (and their slack: a lane's bytes exceed its information by up to 4),
+  // the field header
+  const double overhead = double(kFieldHeaderBytes) + (one ? 8.0 : double(kStateBytes) + 4.0 * kLanes);
+  uint64_t counts[1 << kRawBits] = {};
+  uint64_t sampled = 0;
+  for (uint32_t i = 0; i < n; i += 16) {
+    if (v[i] == 0) continue;
+    ++counts[v[i] & kRawMask];
+    ++sampled;
+  }
+  // the sample's entropy underestimates the fields' (a sample's empirical entropy is biased low):
+  // a chunk it already rules out is not coded
+  const double least_saving = one ? 0.0 : kMinFieldSavingBytes + kMinFieldSavingShare * double(raw);
+  if (sampled >= 256 &&
+      field_entropy_bytes(counts, sampled) * double(num_fields) / double(sampled) + overhead + least_saving >= double(raw))
+    return;
+  // the field stream's values, then their counts (four tables: no store-to-load chain on a
+  // repeated field) and checksum, each loop without branches
+  uint16_t* w = fs.values.get();
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    w[k] = static_cast<uint16_t>((v[i] & kRawMask) << kRawBits);
+    k += v[i] != 0;
+  }
+  uint32_t counts4[4][1 << kRawBits] = {};
+  uint32_t checksum = 0;
+  for (k = 0; k + 4 <= num_fields; k += 4)
+    for (int j = 0; j < 4; ++j) ++counts4[j][w[k + j] >> kRawBits];
+  for (; k < num_fields; ++k) ++counts4[0][w[k] >> kRawBits];
+  for (k = 0; k < num_fields; ++k) checksum += checksum_term(w[k], k);
+  for (int f = 0; f < 1 << kRawBits; ++f) counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
+  const uint32_t nonzero = num_fields - static_cast<uint32_t>(counts[0]);
+  if (field_entropy_bytes(counts, num_fields) + overhead + least_saving >= double(raw)) return;
+  CodingTable& t = fs.table;
+  uint64_t symbol_counts[kNumSymbols] = {};
+  for (uint32_t f = 0; f < 1u << kRawBits; ++f) symbol_counts[field_symbol(f)] = counts[f];
+  uint32_t freq12[kNumSymbols];
+  t.prob_bits = one ? choose_one_state_prob_bits(symbol_counts, num_fields, t.freq)
+                    : choose_prob_bits(symbol_counts, num_fields, 1, t.freq, freq12);
+  finish_table(t, int(kVersion4));  // version 4's table encoding (entries until the sum, as read)
+  if (t.bytes > kMaxFieldTableBytes) return;
+  uint32_t states[kLanes];
+  uint16_t* words_end = fs.words.get() + kSlackWords + num_fields;
+  uint32_t field_words = 0;
+  if (one) {
+    field_words = rans_encode_one_state(w, num_fields, t.syms, states[0], words_end);
+  }
+#if defined(__x86_64__)
+  else if (level == kSimdAvx512) {
+    const uint16_t* vs[1] = {w};
+    const EncSym* syms[1] = {t.syms};
+    const SimdEncTables* simd[1] = {&t.simd};
+    uint32_t* state_ptrs[1] = {states};
+    uint16_t* ends[1] = {words_end};
+    rans_encode_chunks_avx512(1, vs, &num_fields, syms, simd, state_ptrs, ends, &field_words);
+  } else if (level == kSimdAvx2) {
+    field_words = rans_encode_chunk_avx2(w, num_fields, t.syms, t.simd, states, words_end, nonzero != num_fields);
+  }
+#endif
+  else {
+    field_words = rans_encode_chunk(w, num_fields, t.syms, states, words_end);
+  }
+  const uint32_t symbol_words = e.num_words;
+  const uint64_t prefix = field_prefix_bytes(t.bytes);
+  const uint64_t coded = 2 * states_bytes + prefix + 2ull * symbol_words + 2ull * field_words;
+  if (coded >= payload_bytes(e, n)) return;
+  uint8_t* o = fs.payload.get();
+  std::memcpy(o, payload, states_bytes);
+  std::memcpy(o + states_bytes, states, states_bytes);
+  uint8_t* h = o + 2 * states_bytes;
+  store_le<uint32_t>(h, symbol_words);
+  store_le<uint32_t>(h + 4, nonzero);
+  store_le<uint32_t>(h + 8, checksum);
+  h[12] = static_cast<uint8_t>(t.prob_bits);
+  h[13] = 0;
+  store_le<uint16_t>(h + 14, static_cast<uint16_t>(t.bytes));
+  std::memset(h + kFieldHeaderBytes, 0, prefix - kFieldHeaderBytes);
+  write_table_v4(h + kFieldHeaderBytes, t.freq, t.gap_order, t.freq_order);
+  std::memcpy(h + prefix, payload + states_bytes, 2ull * symbol_words);
+  std::memcpy(h + prefix + 2ull * symbol_words, words_end - field_words, 2ull * field_words);
+  e.mode = one ? kModeOneStateFields : kModeCodedFields;
+  e.num_words = static_cast<uint32_t>(prefix / 2 + symbol_words + field_words);
+  payload = o;
+}
+
 // Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) with table *tables[k] in
 // scratch[k] (scratch_bytes(n[k]) bytes each); payload[k] gets its payload's first byte
 // (payload_bytes(*e[k], n[k]) bytes: in scratch, or v[k] itself for a chunk stored raw) and *e[k]
@@ -143,10 +277,12 @@ void finish_table(CodingTable& t, int version) {
 // picks the passes: kSimdAvx2 or kSimdAvx512, else the portable ones. `v4`: version 4's (and 5's)
 // chunk modes (a chunk of +0.0 only as mode 3; with `one_state`, the blob's only chunk coded as
 // mode 2, stored raw unless its payload and the table's padded bytes, `table_bytes`, are smaller
-// than its values).
+// than its values). fields[k] (version 6; null before): chunk k's FieldScratch, its raw fields
+// coded where that pays (code_fields).
 void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const CodingTable* const* tables,
                       const ChunkSurvey* const* survey, int level, bool v4, bool one_state, uint64_t table_bytes,
-                      uint8_t* const* scratch, ChunkEntry* const* e, const uint8_t** payload) {
+                      uint8_t* const* scratch, FieldScratch* const* field_scratch, ChunkEntry* const* e,
+                      const uint8_t** payload) {
   // the chunks coded with 32 states (mode 0), compacted for the SIMD passes
   int coded[kMaxChunksPerClaim];
   const uint16_t* cv_values[kMaxChunksPerClaim];
@@ -187,6 +323,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
       uint8_t* p = reinterpret_cast<uint8_t*>(end - e[k]->num_words) - kOneStateBytes;
       std::memcpy(p, &state, kOneStateBytes);
       payload[k] = p;
+      if (field_scratch != nullptr) code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k]);
       continue;
     }
     coded[num_coded] = k;
@@ -220,12 +357,14 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     payload[k] = p;
   }
   for (int k = 0; k < count; ++k) {
-    const bool larger = e[k]->mode == kModeOneState
+    const bool larger = e[k]->mode == kModeOneState || e[k]->mode == kModeOneStateFields
                             ? align4(table_bytes) + align4(payload_bytes(*e[k], n[k])) >= align4(2ull * n[k])
                             : payload_bytes(*e[k], n[k]) >= 2ull * n[k];
     if (e[k]->mode != kModeZero && larger) {  // coding does not shrink it: raw
       *e[k] = ChunkEntry{kModeRaw, 0, 0, e[k]->checksum};
       payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
+    } else if (field_scratch != nullptr && e[k]->mode == kModeRans) {
+      code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k]);
     }
   }
 }
@@ -242,10 +381,10 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
 // table of its own (own_table_saving_q10), from its symbol counts, kept per piece of pass 1.
 py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd, int version) {
-  if (version != int(kVersion4) && version != int(kVersion3) && version != int(kOldVersion) &&
-      version != int(kVersion5))
+  if (version < int(kOldVersion) || version > int(kVersion6))
     throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + ", " + std::to_string(kVersion3) +
-                                ", " + std::to_string(kVersion4) + " or " + std::to_string(kVersion5));
+                                ", " + std::to_string(kVersion4) + ", " + std::to_string(kVersion5) + " or " +
+                                std::to_string(kVersion6));
   const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
@@ -454,6 +593,11 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     const bool v4 = compact_header(uint32_t(version));
     // uninitialised (every byte a payload uses is written first)
     ScratchBuffer scratch(scratch_stride * uint64_t(per_claim) * uint64_t(nt));
+    // version 6: each worker's field coding scratch per chunk of a claim
+    std::vector<std::unique_ptr<FieldScratch>> field_scratch;
+    if (version >= int(kVersion6) && num_values > 0)
+      for (int k = 0; k < per_claim * nt; ++k)
+        field_scratch.emplace_back(new FieldScratch(num_values < cv ? static_cast<uint32_t>(num_values) : cv));
     uint64_t data_off = 0;
     WorkCounter pieces(int64_t(num_chunks * parts), 1), chunks(int64_t(num_chunks), per_claim);
     WorkCounter surveyed(own_tables ? int64_t(num_chunks) : 0, 1);
@@ -506,8 +650,12 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         });
       }
       uint8_t* my_scratch[kMaxChunksPerClaim];
-      for (int k = 0; k < per_claim; ++k)
-        my_scratch[k] = scratch.data() + scratch_stride * (uint64_t(worker) * uint64_t(per_claim) + uint64_t(k));
+      FieldScratch* my_fields[kMaxChunksPerClaim] = {nullptr, nullptr};
+      for (int k = 0; k < per_claim; ++k) {
+        const uint64_t slot = uint64_t(worker) * uint64_t(per_claim) + uint64_t(k);
+        my_scratch[k] = scratch.data() + scratch_stride * slot;
+        if (!field_scratch.empty()) my_fields[k] = field_scratch[slot].get();
+      }
       for (int64_t first, last; chunks.claim(first, last);) {
         const int count = static_cast<int>(last - first);
         const uint16_t* values[kMaxChunksPerClaim];
@@ -527,7 +675,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           entries_out[k] = &dir[uint64_t(c)];
         }
         encode_chunks_in(count, values, counts, tables, chunk_surveys, level, v4, one_state, shared->bytes, my_scratch,
-                         entries_out, payloads);
+                         field_scratch.empty() ? nullptr : my_fields, entries_out, payloads);
         for (int k = 0; k < count; ++k) {
           const int64_t c = first + k;
           uint64_t begin = data_off;
@@ -578,7 +726,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     // 2^24 values): its header, shape and a 16-byte directory entry per chunk, no payload
     uint32_t out_cv = cv;
     uint64_t out_chunks = num_chunks;
-    bool all_zero = version == int(kVersion5) && num_chunks > 1;
+    bool all_zero = extra_tables_format(uint32_t(version)) && num_chunks > 1;
     for (const ChunkEntry& e : dir) all_zero = all_zero && e.mode == kModeZero;
     if (all_zero) {
       const uint64_t wide = (num_values + kLanes - 1) / kLanes * kLanes;
@@ -659,7 +807,7 @@ struct Parsed {
 [[noreturn]] void fail(int status) { throw std::invalid_argument(std::string("lossless blob: ") + error_message(status)); }
 
 void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
-  int st = parse_header(blob, size, p.h, kVersion5);
+  int st = parse_header(blob, size, p.h, kVersion6);
   if (st != kOk) fail(st);
   uint64_t shared_bytes = 0;
   st = read_table(blob, p.h, p.freq, p.start, &shared_bytes);
@@ -742,6 +890,39 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values);
 }
 
+// Decodes one mode 0 chunk at SIMD level `level` (decode_chunk's result).
+int decode_rans_chunk(int level, const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                      uint16_t* out) {
+#if defined(__x86_64__)
+  if (level == kSimdAvx512) {
+    const uint8_t* payloads[1] = {payload};
+    const ChunkEntry* entries[1] = {&e};
+    const DecodeTable* tables[1] = {&table};
+    uint16_t* outs[1] = {out};
+    int st = kOk;
+    decode_chunks_avx512(1, payloads, entries, &n, tables, outs, &st);
+    return st;
+  }
+  if (level == kSimdAvx2) return decode_chunk_avx2(payload, e, n, table, out);
+#endif
+  (void)level;
+  return decode_chunk_scalar(payload, e, n, table, out);
+}
+
+// Decodes a mode 4 chunk at SIMD level `level` (decode_coded_fields_chunk, lossless_fields.h).
+int decode_coded_fields_chunk_at(int level, const uint8_t* payload, const ChunkEntry& e, uint32_t n,
+                                 const DecodeTable& table, uint16_t* out, FieldDecodeScratch& s) {
+  const auto build = [level](const uint32_t* freq, const uint32_t* start, DecodeTable& t, int prob_bits) {
+#if defined(__x86_64__)
+    if (level == kSimdAvx512) return build_decode_table_avx512(freq, start, t, prob_bits);
+#endif
+    build_decode_table(freq, start, t, prob_bits);
+  };
+  const auto decode = [level](const uint8_t* p, const ChunkEntry& c, uint32_t count, const DecodeTable& t,
+                              uint16_t* o) { return decode_rans_chunk(level, p, c, count, t, o); };
+  return decode_coded_fields_chunk(payload, e, n, table, out, s, build, decode);
+}
+
 // Decodes a parsed blob `b` (size bytes) into o[num_values] at SIMD level `simd` (lowered to what
 // the CPU has); returns a Status. Releases the GIL. The AVX-512 decoder takes chunks two at a time
 // (decode_chunks_avx512), even when that leaves threads idle: 2 chunks of a weights tensor took
@@ -791,9 +972,17 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
     };
     const DecodeTable& shared = tables[0];
     std::vector<int> chunk_status(h.num_chunks, kOk);
+    // version 6: each worker's scratch for mode 4 chunks, where there are any
+    std::vector<std::unique_ptr<FieldDecodeScratch>> field_scratch;
+    for (const ChunkEntry& e : entries) {
+      if (e.mode != kModeCodedFields && e.mode != kModeOneStateFields) continue;
+      const uint32_t most = h.num_values < h.chunk_values ? static_cast<uint32_t>(h.num_values) : h.chunk_values;
+      for (int w = 0; w < nt; ++w) field_scratch.emplace_back(new FieldDecodeScratch(most));
+      break;
+    }
     const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
     const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
-    parallel_for(tasks, nt, [&](int64_t task) {
+    parallel_for_workers(tasks, nt, [&](int worker, int64_t task) {
       // rANS chunks of this task whose padding is zero, for the SIMD decoders
       const uint8_t* payloads[2];
       const ChunkEntry* rans_entries[2];
@@ -816,6 +1005,8 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
             decode_zero_chunk(n, dst);
           } else if (e.mode == kModeOneState) {
             st = decode_one_state_chunk(payload, e, n, shared, dst);
+          } else if (e.mode == kModeCodedFields || e.mode == kModeOneStateFields) {
+            st = decode_coded_fields_chunk_at(level, payload, e, n, table_of(c), dst, *field_scratch[size_t(worker)]);
           } else if (level >= kSimdAvx2) {
             payloads[num_rans] = payload;
             rans_entries[num_rans] = &e;

@@ -32,6 +32,11 @@ _BLOB_ALIGN = 16  # blobs coded into one buffer start 16-byte aligned (the encod
 
 
 ENCODE_VERSIONS = (4, 5)  # the formats the kernels write
+HOST_ONLY_VERSIONS = (6,)  # formats the host decodes and the kernels do not (coded raw fields)
+
+
+class HostOnlyFormat(ValueError):
+    """A blob in a format of HOST_ONLY_VERSIONS: the caller decodes it on the host instead."""
 
 
 def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
@@ -93,6 +98,9 @@ def headers(blobs: list[torch.Tensor]) -> list[tuple[tuple[int, ...], int]]:
     host = _host()
     sizes = [b.numel() for b in blobs]
     prefixes = _to_host([b[: min(n, host.LOSSLESS_HEADER_PREFIX_BYTES)] for b, n in zip(blobs, sizes)])
+    for i, p in enumerate(prefixes):
+        if p.numel() > 4 and bytes(p[:4].numpy()) == b"EPLB" and int(p[4]) in HOST_ONLY_VERSIONS:
+            raise HostOnlyFormat(f"blob {i} is in lossless format version {int(p[4])}, which only the host decodes")
     metadata_bytes = [host.lossless_metadata_bytes(p.numpy(), n) for p, n in zip(prefixes, sizes)]
     metadata = _to_host([b[:m] for b, m in zip(blobs, metadata_bytes)])
     result = []

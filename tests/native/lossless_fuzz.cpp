@@ -27,6 +27,7 @@
 #include "codec/lossless_avx2.h"
 #include "codec/lossless_avx512.h"
 #include "codec/lossless_core.h"
+#include "codec/lossless_fields.h"
 #include "codec/lossless_scalar.h"
 
 using namespace ep_comm::lossless;
@@ -47,12 +48,12 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
-// Decodes blob b[0, size) (format 2 to 5) on `path` as ep_comm._host's decode_parsed does (the binding's own
+// Decodes blob b[0, size) (format 2 to 6) on `path` as ep_comm._host's decode_parsed does (the binding's own
 // function is internal to the Python module): the status of the first failing chunk in chunk
 // order, values to `out`.
 int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& out) {
   Header h;
-  int st = parse_header(b, size, h, kVersion5);
+  int st = parse_header(b, size, h, kVersion6);
   if (st != kOk) return st;
   std::unique_ptr<uint32_t[]> freq(new uint32_t[kNumSymbols]), start(new uint32_t[kNumSymbols]);
   uint64_t shared_bytes = 0;
@@ -80,6 +81,25 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
     build_decode_table(&extra_freq[k * kNumSymbols], &extra_start[k * kNumSymbols], tables[1 + k],
                        int(refs[k].prob_bits));
   std::vector<int> status(h.num_chunks, kOk);
+  // format version 6's mode 4: the field stream and then the chunk decoded as mode 0 on this path
+  std::unique_ptr<FieldDecodeScratch> fields(new FieldDecodeScratch(std::min<uint64_t>(h.chunk_values, h.num_values)));
+  const auto build = [path](const uint32_t* f, const uint32_t* s, DecodeTable& t, int bits) {
+    if (path == kAvx512) build_decode_table_avx512(f, s, t, bits);
+    else build_decode_table(f, s, t, bits);
+  };
+  const auto decode_mode0 = [path](const uint8_t* p, const ChunkEntry& e, uint32_t n, const DecodeTable& t,
+                                   uint16_t* o) {
+    if (path == kPortable) return decode_chunk(p, e, n, t, o);
+    if (path == kScalar) return decode_chunk_scalar(p, e, n, t, o);
+    if (path == kAvx2) return decode_chunk_avx2(p, e, n, t, o);
+    const uint8_t* ps[1] = {p};
+    const ChunkEntry* es[1] = {&e};
+    const DecodeTable* ts[1] = {&t};
+    uint16_t* os[1] = {o};
+    int st1 = kOk;
+    decode_chunks_avx512(1, ps, es, &n, ts, os, &st1);
+    return st1;
+  };
   for (uint64_t c = 0; c < h.num_chunks; c += 2) {
     const uint8_t* payloads[2];
     const ChunkEntry* rans[2];
@@ -97,6 +117,9 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
       else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst);
       else if (entries[q].mode == kModeZero) decode_zero_chunk(n, dst);
       else if (entries[q].mode == kModeOneState) status[q] = decode_one_state_chunk(payload, entries[q], n, tables[0], dst);
+      else if (entries[q].mode == kModeCodedFields || entries[q].mode == kModeOneStateFields)
+        status[q] = decode_coded_fields_chunk(payload, entries[q], n, tables[chunk_table[q]], dst, *fields, build,
+                                              decode_mode0);
       else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, tables[chunk_table[q]], dst);
       else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, tables[chunk_table[q]], dst);
       else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, tables[chunk_table[q]], dst);

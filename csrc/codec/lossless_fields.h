@@ -1,0 +1,180 @@
+// Format version 6's coded raw fields (chunk modes 4 and 5): the layout, shared by the host encoder and
+// decoder, and the host's decoding of a mode 4 chunk (host only: the CUDA decoder reads 2 to 5).
+//
+// A mode 4 chunk is a mode 0 chunk (32 states, the chunk's table) whose num_raw 6-bit raw fields
+// are not stored packed but coded by a second rANS stream, the field stream: the num_raw values
+// w_k = f_k << 6 (f_k the k-th field, so w_k = 0 where f_k = 0), coded exactly as a mode 0 chunk
+// of num_raw values with a table of its own (the field table: symbols f in [1, 64) and the +0.0
+// symbol 1024 for f = 0), whose own raw fields are all zero and not stored. Decoding the field
+// stream with any mode 0 decoder (a zero raw section supplied) and taking w_k >> 6 gives the
+// fields back; the chunk then decodes as mode 0 with them. Gradients' low mantissa bits carry 2 to
+// 5 bits of their 6 (the rest of the value's information is in its symbol), so a chunk of them
+// shrinks by up to a third of its field bytes.
+//
+// Payload (the directory entry: mode 4 | table << 8, num_words = the u16 words after the two state
+// blocks, num_raw = the fields (>= 1), checksum of the chunk's values as in mode 0):
+//   u32 state[32]         the symbols' final states (as mode 0)
+//   u32 field_state[32]   the field stream's final states
+//   u32 symbol_words S    the symbols' words
+//   u32 nonzero_fields Z  fields other than 0 (the field stream's num_raw)
+//   u32 field_checksum    the field stream's checksum (checksum_term over w_k, k from 0)
+//   u8 field_prob_bits (11 or 12), u8 0, u16 L (table bytes, 1 to kMaxFieldTableBytes)
+//   L bytes               the field table in version 4's encoding, entries until the frequencies
+//                         sum to 2^field_prob_bits (as version 5's extra tables), then zero bytes
+//                         to a multiple of 4
+//   u16 words[S]          the symbols' words (as mode 0)
+//   u16 field_words[F]    the field stream's words, F = num_words - (16 + L padded) / 2 - S
+// Mode 5 is mode 2 (one rANS state, a blob's only chunk) the same way: u32 state, u32 field_state,
+// then the same field header, table and words, both streams coded by one state each, the field
+// table's prob_bits 6 to 12; num_words counts the u16 words after the two 4-byte states.
+// The encoder writes mode 4 (5) only where its payload is smaller than the chunk's mode 0 (2)
+// payload.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#include "codec/lossless_core.h"
+
+namespace ep_comm::lossless {
+
+// The field stream's symbol of field f: f, or the +0.0 symbol for f = 0 (w = f << 6).
+EP_HD uint32_t field_symbol(uint32_t f) { return f == 0 ? uint32_t(kZeroSymbol) : f; }
+
+// Where a mode 4 payload's parts lie, and the field stream as a mode 0 chunk entry.
+struct FieldLayout {
+  uint32_t symbol_words;    // S
+  uint32_t field_words;     // F
+  uint32_t prob_bits;       // the field table's
+  uint32_t table_bytes;     // L
+  uint64_t table_offset;    // of the field table, from the payload's start
+  uint64_t words_offset;    // of words[S]; field_words[F] follow
+  ChunkEntry field_entry;   // mode 0, F words, Z raw fields, the field checksum
+};
+
+// Bytes of a mode 4 payload's field header and padded table.
+EP_HD uint64_t field_prefix_bytes(uint32_t table_bytes) { return kFieldHeaderBytes + align4(table_bytes); }
+
+// Bytes of one of a mode 4 (32 states) or mode 5 (one state) payload's two state blocks.
+EP_HD uint64_t field_state_bytes(const ChunkEntry& e) { return e.mode == kModeOneStateFields ? kOneStateBytes : kStateBytes; }
+
+// Reads and checks a mode 4 or 5 payload's field header (e: its entry, which check_entry passed;
+// the payload holds payload_bytes(e, n) bytes): the word counts add up to num_words, Z <=
+// num_raw, prob_bits 11 or 12 (mode 5: 6 to 12), L in [1, kMaxFieldTableBytes], the reserved byte
+// and the table's padding zero. (The table's contents: read_field_table.)
+EP_HD int read_field_layout(const uint8_t* payload, const ChunkEntry& e, FieldLayout& f) {
+  const bool one = e.mode == kModeOneStateFields;
+  const uint64_t states = 2 * field_state_bytes(e);
+  const uint8_t* h = payload + states;
+  f.symbol_words = load_le<uint32_t>(h);
+  const uint32_t nonzero = load_le<uint32_t>(h + 4);
+  const uint32_t checksum = load_le<uint32_t>(h + 8);
+  f.prob_bits = h[12];
+  f.table_bytes = load_le<uint16_t>(h + 14);
+  const bool bits_ok = one ? f.prob_bits >= uint32_t(kMinProbBits) && f.prob_bits <= uint32_t(kMaxProbBits)
+                           : f.prob_bits == uint32_t(kProbBits) || f.prob_bits == uint32_t(kMaxProbBits);
+  if (h[13] != 0 || !bits_ok) return kErrStream;
+  if (f.table_bytes == 0 || f.table_bytes > kMaxFieldTableBytes || nonzero > e.num_raw) return kErrStream;
+  const uint64_t prefix_words = field_prefix_bytes(f.table_bytes) / 2;
+  if (prefix_words + f.symbol_words > e.num_words) return kErrStream;
+  f.field_words = static_cast<uint32_t>(e.num_words - prefix_words - f.symbol_words);
+  for (uint64_t b = kFieldHeaderBytes + f.table_bytes; b < field_prefix_bytes(f.table_bytes); ++b)
+    if (h[b] != 0) return kErrPadding;
+  f.table_offset = states + kFieldHeaderBytes;
+  f.words_offset = states + field_prefix_bytes(f.table_bytes);
+  f.field_entry = ChunkEntry{one ? kModeOneState : kModeRans, f.field_words, nonzero, checksum};
+  return kOk;
+}
+
+// Reads a mode 4 or 5 payload's field table (layout f) into freq[1025] / start[1025]: exactly L bytes,
+// frequencies summing to 2^prob_bits, symbols in [1, 64) or the +0.0 symbol.
+EP_HD int read_field_table(const uint8_t* payload, const FieldLayout& f, uint32_t* freq, uint32_t* start) {
+  for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
+  uint64_t used = 0;
+  const int st = read_table_v4_prefix(payload + f.table_offset, f.table_bytes, 0, f.prob_bits, freq, used);
+  if (st != kOk) return st;
+  if (used != f.table_bytes) return kErrTable;
+  for (int s = 1u << kRawBits; s < kZeroSymbol; ++s)
+    if (freq[s] != 0) return kErrTable;
+  return cumulative(freq, start, int(f.prob_bits)) ? int(kOk) : int(kErrTable);
+}
+
+// Packs fields w[k] >> 6 (k < count; the field stream's decoded values, each below 2^12) as 6-bit
+// fields at `raw` (raw_bytes(count) bytes, the last byte's unused bits zero, and 2 bytes of slack
+// after them: eight fields go out as one 8-byte store), eight at a time (on x86-64 the eight bytes
+// by one SSE2 shift and pack).
+inline void pack_field_values(const uint16_t* w, uint32_t count, uint8_t* raw) {
+  uint32_t k = 0;
+  for (; k + 8 <= count; k += 8) {
+#if defined(__x86_64__)
+    const __m128i v = _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)), kRawBits);
+    const uint64_t bytes = uint64_t(_mm_cvtsi128_si64(_mm_packus_epi16(v, v)));
+#else
+    uint64_t bytes = 0;
+    for (int j = 0; j < 8; ++j) bytes |= uint64_t(w[k + j] >> kRawBits) << (8 * j);
+#endif
+    const uint64_t packed = pack6x8(bytes);
+    std::memcpy(raw + 6 * (k / 8), &packed, 8);  // (little-endian: the low 6 bytes are the fields)
+  }
+  BitWriter bits(raw + 6 * (k / 8));
+  for (; k < count; ++k) bits.put(uint32_t(w[k]) >> kRawBits, kRawBits);
+  bits.finish();
+}
+
+// ---- host decoding (the CUDA decoder reads versions 2 to 5) ----
+
+// A worker's scratch for decoding mode 4 chunks of at most cv values: the field table, the field
+// stream and the chunk rebuilt as mode 0 payloads (states, words, then raw fields: the field
+// stream's zeros, or the fields packed), the field stream's values.
+struct FieldDecodeScratch {
+  DecodeTable table;
+  std::unique_ptr<uint8_t[]> field_payload, chunk_payload;
+  std::unique_ptr<uint16_t[]> values;
+  explicit FieldDecodeScratch(uint32_t cv)
+      : field_payload(new uint8_t[kStateBytes + 2ull * cv + raw_bytes(cv) + 64]),
+        chunk_payload(new uint8_t[kStateBytes + 2ull * cv + raw_bytes(cv) + 64]),
+        values(new uint16_t[cv > 0 ? cv : 1]) {}
+};
+
+// Decodes a mode 4 or 5 chunk (payload_bytes(e, n) bytes at `payload`, e checked by check_entry, n
+// at most the scratch's cv) with the chunk's table: the field stream decoded as a mode 0 (mode 5:
+// mode 2) chunk, its values packed as the chunk's raw fields, then the chunk decoded as mode 0
+// (mode 2), each stream with every check of such a chunk (word and field counts, final states,
+// checksum). build(freq, start, table, prob_bits) builds a decoder table and decode(payload,
+// entry, n, table, out) decodes a mode 0 chunk, on the caller's path (every path gives the same
+// status and values); mode 2 decodes with the portable core, as the host decodes mode 2.
+template <typename Build, typename Decode>
+int decode_coded_fields_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                              uint16_t* out, FieldDecodeScratch& s, Build&& build, Decode&& decode) {
+  FieldLayout f;
+  int st = read_field_layout(payload, e, f);
+  if (st != kOk) return st;
+  // a mode 0 chunk's bound: at most one word per value (so the scratch holds them)
+  if (f.symbol_words > n || f.field_words > e.num_raw) return kErrStream;
+  uint32_t freq[kNumSymbols], start[kNumSymbols];
+  st = read_field_table(payload, f, freq, start);
+  if (st != kOk) return st;
+  build(freq, start, s.table, int(f.prob_bits));
+  const bool one = e.mode == kModeOneStateFields;
+  const uint64_t sb = field_state_bytes(e);
+  const uint8_t* words = payload + f.words_offset;
+  uint8_t* fp = s.field_payload.get();
+  std::memcpy(fp, payload + sb, sb);
+  std::memcpy(fp + sb, words + 2ull * f.symbol_words, 2ull * f.field_words);
+  std::memset(fp + sb + 2ull * f.field_words, 0, raw_bytes(f.field_entry.num_raw));
+  uint16_t* w = s.values.get();
+  st = one ? decode_one_state_chunk(fp, f.field_entry, e.num_raw, s.table, w)
+           : decode(fp, f.field_entry, e.num_raw, s.table, w);
+  if (st != kOk) return st;
+  uint8_t* cp = s.chunk_payload.get();
+  std::memcpy(cp, payload, sb);
+  std::memcpy(cp + sb, words, 2ull * f.symbol_words);
+  pack_field_values(w, e.num_raw, cp + sb + 2ull * f.symbol_words);
+  const ChunkEntry chunk{one ? kModeOneState : kModeRans, f.symbol_words, e.num_raw, e.checksum};
+  return one ? decode_one_state_chunk(cp, chunk, n, table, out) : decode(cp, chunk, n, table, out);
+}
+
+}  // namespace ep_comm::lossless
