@@ -71,13 +71,14 @@ def gpu_library(prebuilt: str | os.PathLike | None = None) -> ctypes.CDLL:
     lib.ep_lossless_encode_workspace_bytes.restype = ctypes.c_size_t
     lib.ep_lossless_encode_workspace_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32]
     lib.ep_lossless_decode_workspace_bytes.restype = ctypes.c_size_t
-    lib.ep_lossless_decode_workspace_bytes.argtypes = [u64, ctypes.c_uint32]
+    lib.ep_lossless_decode_workspace_bytes.argtypes = [u64, ctypes.c_uint32, u64]
     lib.ep_lossless_max_blob_bytes.restype = ctypes.c_size_t
     lib.ep_lossless_max_blob_bytes.argtypes = [u64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
     # (values, num_values, shape, ndim, chunk_values, version, out, out_size, workspace, workspace_bytes, stream)
     lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, vp, vp,
                                             vp, ctypes.c_size_t, vp]
-    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, vp, vp, ctypes.c_size_t, vp]
+    # (blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, status, workspace, workspace_bytes, stream)
+    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, u64, vp, vp, ctypes.c_size_t, vp]
     return lib
 
 
@@ -105,7 +106,7 @@ class DeviceCodec:
         n = self.n = x.numel()
         self.shape = (ctypes.c_int64 * 1)(n)
         self.ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, chunk_values, version),
-                                  lib.ep_lossless_decode_workspace_bytes(n, chunk_values)),
+                                  lib.ep_lossless_decode_workspace_bytes(n, chunk_values, 0)),
                               dtype=torch.uint8, device=x.device)
         self.out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, chunk_values, version), dtype=torch.uint8,
                                device=x.device)
@@ -129,7 +130,7 @@ class DeviceCodec:
 
     def decode(self) -> None:
         rc = self.lib.ep_lossless_decode_cuda(self.out.data_ptr(), self._blob_bytes, self.y.data_ptr(), self.n,
-                                              self.cv, self.status.data_ptr(), self.ws.data_ptr(), self.ws.numel(),
+                                              self.cv, 0, self.status.data_ptr(), self.ws.data_ptr(), self.ws.numel(),
                                               self.stream)
         if rc:
             raise RuntimeError(f"decode launch failed: CUDA error {rc}")

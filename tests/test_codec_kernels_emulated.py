@@ -35,7 +35,9 @@ from support.codec_kernel_cases import (
 )
 from support.emulated_cuda import build, build_racecheck, codec_library, load
 from support.native import compiler
-from test_codec_lossless_v5 import FORGERIES, _metadata_case, _mixed_message, forge, one_state_blob, with_chunk_values
+from test_codec_lossless_v5 import (FORGERIES, _layout, _metadata_case, _mixed_message, forge, one_state_blob,
+                                    with_chunk_values)
+from test_codec_lossless_v6 import _field_header, _gradient_like, _payloads
 
 from ep_comm.codecs import fp8, lossless
 
@@ -112,9 +114,9 @@ def test_default_build_decodes_at_any_alignment(libs, blob_offset, out_offset):
         space[start:start + b.numel()] = b
         out = torch.full((n + 32,), 0x5A5A, dtype=torch.int16)
         first = ((-out.data_ptr()) % 16 + out_offset) // 2
-        ws = torch.zeros(lib.ep_lossless_decode_workspace_bytes(n, cv), dtype=torch.uint8)
+        ws = torch.zeros(lib.ep_lossless_decode_workspace_bytes(n, cv, 0), dtype=torch.uint8)
         status = torch.full((1,), -1, dtype=torch.int32)
-        rc = lib.ep_lossless_decode_cuda(space.data_ptr() + start, b.numel(), out.data_ptr() + 2 * first, n, cv,
+        rc = lib.ep_lossless_decode_cuda(space.data_ptr() + start, b.numel(), out.data_ptr() + 2 * first, n, cv, 0,
                                          status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
         assert rc == 0 and int(status) == want, (int(status), want)
         if want == 0:
@@ -221,12 +223,78 @@ def test_every_metadata_byte_of_a_format_version_5_blob_corrupted_gets_the_host_
     assert len(seen) >= 5 and 0 not in seen, seen
 
 
+def _field_chunks(blob: torch.Tensor) -> int:
+    """A version 6 blob's chunks with coded fields (modes 4 and 5): the decoder's workspace slots."""
+    return sum(e["mode"] in (4, 5) for e in _layout(blob)["entries"])
+
+
+V6_CASES = [  # (name, values, chunk_values, the least chunks of modes 4 and 5)
+    ("message", lambda: _gradient_like(16), 65536, 2),
+    ("small_chunks", lambda: _gradient_like(4, seed=6), 4096, 5),
+    ("no_zeros", lambda: _gradient_like(2, seed=7, zero_share=0.0), 8192, 2),
+    ("tail", lambda: _gradient_like(3, seed=8).reshape(-1)[:3 * 7168 - 5], 16384, 1),
+    ("one_state", lambda: _gradient_like(1, seed=2).reshape(-1)[:5000], 65536, 1),
+    ("one_state_small", lambda: _gradient_like(1, seed=1).reshape(-1)[:96], 65536, 1),
+]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
+def test_decodes_format_version_6(libs, schedule, variant: str, case: str, make, chunk_values: int,
+                                  coded: int) -> None:
+    """Format version 6 blobs of the host encoder (chunks whose raw fields are coded: mode 4 with
+    32 states, mode 5 with one) decode exactly on every decoder build, with the workspace the
+    metadata's count of such chunks sizes; without that room, a corrupted directory."""
+    x = make()
+    blob = lossless.encode(x, chunk_values=chunk_values, version=6)
+    fields = _field_chunks(blob)
+    assert int(blob[4]) == 6 and fields >= coded
+    status, y = device_decode(libs[variant], blob, x.numel(), chunk_values, "cpu", fields)
+    assert status == 0, MESSAGES[status]
+    assert torch.equal(y, bits(x))
+    assert MESSAGES[device_decode(libs[variant], blob, x.numel(), chunk_values, "cpu", fields - 1)[0]] == \
+        "corrupted chunk directory"
+
+
+@pytest.mark.parametrize("variant", ["default", "per_step", "early_loads"])
+@pytest.mark.parametrize("case", ["small_chunks", "one_state"])
+def test_every_field_byte_of_a_format_version_6_chunk_corrupted_gets_the_host_status(libs, variant: str,
+                                                                                      case: str) -> None:
+    """The first chunk with coded fields: each byte of its states, field header and table, every
+    7th byte of its words, flipped; and truncations of the blob: the host's status on the kernels
+    (and the values where the host decodes it)."""
+    _, make, chunk_values, _ = next(c for c in V6_CASES if c[0] == case)
+    x = make()
+    blob = lossless.encode(x, chunk_values=chunk_values, version=6)
+    fields = _field_chunks(blob)
+    chunk = next(c for c in _payloads(blob) if c["mode"] in (4, 5))
+    f = _field_header(blob.numpy().tobytes(), chunk)
+    states = 8 if chunk["mode"] == 5 else 256
+    prefix_end = chunk["at"] + states + 16 + (f["table_bytes"] + 3) // 4 * 4
+    bads = []
+    for pos in [*range(chunk["at"], prefix_end), *range(prefix_end, chunk["at"] + chunk["size"], 7)]:
+        bad = blob.clone()
+        bad[pos] ^= 0x5A
+        bads.append(bad)
+    bads += [blob[:cut].clone() for cut in (chunk["at"] + 100, blob.numel() - 3)]
+    seen = set()
+    for bad in bads:
+        want = host_status(bad)
+        status, y = device_decode(libs[variant], bad, x.numel(), chunk_values, "cpu", fields)
+        assert status == want, (MESSAGES[status], MESSAGES[want])
+        if want == 0:
+            assert torch.equal(y, bits(lossless.decode(bad)))
+        seen.add(want)
+    assert len(seen) >= 3 and 0 not in seen, seen
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant: str) -> None:
     """The codec kernels under ThreadSanitizer (tests/native/emulated_racecheck.cpp): no two
     threads of a block touch the same memory, one of them writing, without a barrier between them,
     in either schedule order, and every round trip is exact, as is the decoding of a format 5 blob
-    of the host encoder (extra tables built by validate_kernel's warps). (Checked by mutation:
+    of the host encoder (extra tables built by validate_kernel's warps) and of format 6 blobs
+    (chunks with coded fields, 32 states and one, rebuilt by fields_kernel). (Checked by mutation:
     without the __syncwarp after the encoder's tile store, TSan reports the race.)"""
     try:
         exe = build_racecheck(tmp_path / "racecheck", VARIANTS[variant])
@@ -239,8 +307,14 @@ def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant:
     assert int(blob[17]) >= 4
     (tmp_path / "v5.blob").write_bytes(blob.numpy().tobytes())
     (tmp_path / "v5.values").write_bytes(bits(x).numpy().tobytes())
+    args = [str(tmp_path / "v5.blob"), str(tmp_path / "v5.values"), "4096", "0"]
+    for name, x6, cv in (("v6", _gradient_like(2, seed=3), 4096), ("v6_one", _gradient_like(1, seed=2)[0, :3000], 65536)):
+        blob6 = lossless.encode(x6, chunk_values=cv, version=6)
+        (tmp_path / f"{name}.blob").write_bytes(blob6.numpy().tobytes())
+        (tmp_path / f"{name}.values").write_bytes(bits(x6).numpy().tobytes())
+        assert _field_chunks(blob6) >= 1
+        args += [str(tmp_path / f"{name}.blob"), str(tmp_path / f"{name}.values"), str(cv), str(_field_chunks(blob6))]
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
-    args = [str(tmp_path / "v5.blob"), str(tmp_path / "v5.values"), "4096"]
     done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0 and "FATAL: ThreadSanitizer" in done.stderr and "WARNING:" not in done.stderr:
         pytest.skip(f"ThreadSanitizer cannot run on this machine: {done.stderr.strip()[-300:]}")

@@ -31,8 +31,8 @@ class HostKernels:
     def lossless_encode_workspace_bytes(self, num_values, chunk_values, version):
         return 64 + num_values // 7
 
-    def lossless_decode_workspace_bytes(self, num_values, chunk_values):
-        return 32 + num_values // 9
+    def lossless_decode_workspace_bytes(self, num_values, chunk_values, field_chunks=0):
+        return 32 + num_values // 9 + 1000 * field_chunks
 
     def lossless_max_blob_bytes(self, num_values, ndim, chunk_values, version):
         return _host.lossless_max_blob_bytes(num_values, ndim, chunk_values, version)
@@ -52,9 +52,10 @@ class HostKernels:
         ctypes.c_int64.from_address(out_size).value = blob.size
 
     def lossless_decode(self, blob, blob_bytes, out, num_values, min_chunk_values, status, workspace,
-                        workspace_bytes, stream):
+                        workspace_bytes, stream, field_chunks=0):
         self.calls.append("decode")
-        assert workspace_bytes >= self.lossless_decode_workspace_bytes(num_values, min_chunk_values) and stream == 0
+        assert workspace_bytes >= self.lossless_decode_workspace_bytes(num_values, min_chunk_values, field_chunks)
+        assert stream == 0
         data = np.frombuffer(ctypes.string_at(blob, blob_bytes), dtype=np.uint8)
         code = 0
         try:
@@ -269,24 +270,34 @@ def test_many_blobs_with_one_read_back(kernels, monkeypatch):
     assert str(error.value) == str(host_error.value)
 
 
-def test_device_path_decodes_format_6_on_the_host(kernels):
-    """A version 6 blob (written on the host; the kernels read 2 to 5) reaching the device path:
-    decode, decode_into and decode_into_many decode it on the host, without a kernel launch, the
-    shape still checked; a version 5 blob beside it still goes to the kernels."""
+def test_device_path_decodes_format_6(kernels):
+    """A version 6 blob (written on the host: the kernels write 4 and 5) with chunks of coded
+    fields, beside a version 5 one: decode, decode_into and decode_into_many run the kernels with
+    the workspace for its chunks with coded fields (the count the metadata gives), the shape still
+    checked first; the values exact."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(16, 7168, generator=g)
     m, e = torch.frexp(x)
     x = torch.ldexp(torch.round(m * 8) / 8, e).to(torch.bfloat16)  # 2 of 6 low mantissa bits used
     blob = lossless.encode(x, version=6)  # on the host: version 6 is not a kernel format
     assert int(blob[4]) == 6 and kernels.calls == []
+    layout = lossless_device.layouts([blob])[0]
+    assert layout.shape == (16, 7168) and layout.field_chunks == 2  # both chunks: mode 4
     assert torch.equal(_bits(lossless.decode(blob, expected_shape=(16, 7168))), _bits(x))
     with pytest.raises(ValueError, match="expected"):
         lossless.decode(blob, expected_shape=(7168, 16))
     out = torch.empty(16, 7168, dtype=torch.bfloat16)
     assert lossless.decode_into(blob, out) is out and torch.equal(_bits(out), _bits(x))
-    assert kernels.calls == []
     y = torch.randn(3, 300, generator=g).to(torch.bfloat16)
     outs = [torch.empty_like(x), torch.empty_like(y)]
     lossless.decode_into_many([blob, lossless.encode(y)], outs)
     assert torch.equal(_bits(outs[0]), _bits(x)) and torch.equal(_bits(outs[1]), _bits(y))
-    assert kernels.calls == ["encode", "decode"]
+    assert kernels.calls == ["decode", "decode", "encode", "decode", "decode"]
+    # a corrupted field stream: the host decoder's error
+    bad = blob.clone()
+    bad[-7] ^= 0x11
+    with pytest.raises(ValueError) as error:
+        lossless.decode(bad)
+    with pytest.raises(ValueError) as host_error:
+        _host.lossless_decode(bad.numpy().ctypes.data, bad.numel(), 1, True, None)
+    assert str(error.value) == str(host_error.value)

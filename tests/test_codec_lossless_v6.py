@@ -256,17 +256,18 @@ def test_small_and_six_bit_fields_keep_mode_0():
         assert all(e["mode"] != 4 for e in _layout(blob)["entries"])
 
 
-def test_version_6_is_accepted_by_encode_and_host_metadata_only_where_decoded():
-    """encode writes 6 on request; the default stays 5 (the CUDA decoder reads 2 to 5): the
-    metadata checks before the CUDA decoder reject version 6, and lossless_device.header raises
-    HostOnlyFormat, which decode answers on the host."""
+def test_version_6_is_written_on_request_and_its_metadata_counts_the_chunks_with_coded_fields():
+    """encode writes 6 on request (the default stays 5, which the CUDA encoder writes too); the
+    metadata checks before the CUDA decoder read version 6 and count its chunks with coded fields,
+    which size the decoder's workspace."""
     x = _gradient_like(8)
     blob = lossless.encode(x, version=6)
     assert int(blob[4]) == 6 and lossless.FORMAT_VERSION == 5
-    with pytest.raises(ValueError, match="version"):
-        _host.lossless_metadata_bytes(blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy(), blob.numel())
-    with pytest.raises(lossless_device.HostOnlyFormat, match="version 6"):
-        lossless_device.header(blob)
+    metadata = _host.lossless_metadata_bytes(blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy(), blob.numel())
+    shape, cv, field_chunks = _host.lossless_parse_metadata(blob[:metadata].numpy(), blob.numel())
+    assert (tuple(shape), cv) == (tuple(x.shape), 65536)
+    assert field_chunks == sum(e["mode"] in (4, 5) for e in _layout(blob)["entries"]) > 0
+    assert lossless_device.layouts([blob])[0].field_chunks == field_chunks
     with pytest.raises(ValueError, match="version must be one of"):
         lossless.encode(x, version=7)
 

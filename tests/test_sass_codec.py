@@ -120,6 +120,14 @@ def test_decoders_do_not_spill(cubins, name):
     assert not spills, "\n".join(spills)
 
 
+@pytest.mark.parametrize("name", ["fields_kernel_aligned", "fields_kernel_unaligned"])
+def test_format_6_field_kernels_do_not_spill(cubins, name):
+    """The kernels that decode format 6's field streams before the decoder runs (a decode step of
+    their own, a table read and built per chunk) keep to registers too."""
+    spills = _spills(_kernel(cubins, LOSSLESS, name))
+    assert not spills, "\n".join(spills)
+
+
 def _is_async_copy_128(i: sass.Instruction) -> bool:
     """cp.async of 16 bytes from global to shared memory (``LDGSTS.E.BYPASS.128`` and kin)."""
     return i.op == "LDGSTS" and "128" in i.modifiers

@@ -1365,12 +1365,12 @@ EP_HD uint32_t rans_encode_one_state(const uint16_t* v, uint32_t n, const EncSym
 // Decodes a mode 2 chunk (payload_bytes(e, n) bytes at `payload`, bounds-checked by the caller)
 // with the checks of decode_chunk: the state in range, every word and raw field consumed, the
 // state back at its initial value, the last raw byte's unused bits zero, the checksum.
-EP_HD int decode_one_state_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                                 uint16_t* out) {
-  uint32_t x = load_le<uint32_t>(payload);
+// (decode_one_state_streams: the same with the state, the words and the raw fields at `state`,
+// `words` and `raw`, wherever they lie: version 6's mode 5 decodes its two streams with it.)
+EP_HD int decode_one_state_streams(const uint8_t* state, const uint8_t* words, const uint8_t* raw, const ChunkEntry& e,
+                                   uint32_t n, const DecodeTable& table, uint16_t* out) {
+  uint32_t x = load_le<uint32_t>(state);
   if (x < kStateLow) return kErrStream;
-  const uint8_t* words = payload + kOneStateBytes;
-  const uint8_t* raw = words + 2ull * e.num_words;
   const uint64_t nraw_bytes = raw_bytes(e.num_raw);
   uint32_t wpos = 0, rpos = 0, checksum = 0;
   for (uint32_t i = 0; i < n; ++i) {
@@ -1389,8 +1389,14 @@ EP_HD int decode_one_state_chunk(const uint8_t* payload, const ChunkEntry& e, ui
     checksum += checksum_term(out[i], i);
   }
   if (wpos != e.num_words || rpos != e.num_raw || x != kStateLow) return kErrStream;
-  if (!raw_tail_zero(payload, e)) return kErrPadding;
+  const uint64_t tail_bits = uint64_t(kRawBits) * e.num_raw;  // raw_tail_zero
+  if (tail_bits % 8 != 0 && (raw[tail_bits / 8] >> (tail_bits % 8)) != 0) return kErrPadding;
   return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+EP_HD int decode_one_state_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                                 uint16_t* out) {
+  const uint8_t* words = payload + kOneStateBytes;
+  return decode_one_state_streams(payload, words, words + 2ull * e.num_words, e, n, table, out);
 }
 
 // A mode 3 chunk: n values +0.0 (check_entry checked its fields).

@@ -30,15 +30,18 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
 // min(255, chunks) extra decoder tables of about 16 KiB each and 8 KiB of scratch for each of the
 // first 32 (validate_kernel reads 32 tables at a time), beside the shared table and the chunk
 // offsets.
-size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values);
+// With field_chunks > 0, room for that many format 6 chunks with coded fields (modes 4 and 5): a
+// decoder table, two symbol arrays and the packed fields each (about 25 KiB and 0.75 bytes a value).
+size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint64_t field_chunks);
 
-// blob [blob_bytes] (format version 2 to 5) -> out [num_values] bf16 bits. *status (device int) is
+// blob [blob_bytes] (format version 2 to 6; field_chunks: its chunks of modes 4 and 5, as the
+// workspace was sized for) -> out [num_values] bf16 bits. *status (device int) is
 // set to 0 on success or a lossless::Status code (the blob is corrupted, or does not hold
 // num_values values): the one the host decoder reports for the same blob (that of the first
 // failing chunk); out is undefined then. Reads stay inside the blob. min_chunk_values bounds the
 // blob's chunk size from below, which sizes the workspace (use the encoder's chunk_values).
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                            uint32_t min_chunk_values, int* status, void* workspace,
+                            uint32_t min_chunk_values, uint64_t field_chunks, int* status, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
 
 // x [rows, hidden] bf16 bits -> q [rows, hidden] e4m3 bytes and scales: [rows, hidden/128] float32,

@@ -9,8 +9,8 @@ size_t lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_value
   return ep_lossless_encode_workspace_bytes(num_values, chunk_values, version);
 }
 
-size_t lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values) {
-  return ep_lossless_decode_workspace_bytes(num_values, chunk_values);
+size_t lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint64_t field_chunks) {
+  return ep_lossless_decode_workspace_bytes(num_values, chunk_values, field_chunks);
 }
 
 size_t lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version) {
@@ -25,9 +25,9 @@ int launch_lossless_encode(const uint16_t* values, uint64_t num_values, const in
 }
 
 int launch_lossless_decode(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                           uint32_t min_chunk_values, int32_t* status, void* workspace, size_t workspace_bytes,
-                           void* stream) {
-  return ep_lossless_decode_cuda(blob, blob_bytes, out, num_values, min_chunk_values, status, workspace,
+                           uint32_t min_chunk_values, uint64_t field_chunks, int32_t* status, void* workspace,
+                           size_t workspace_bytes, void* stream) {
+  return ep_lossless_decode_cuda(blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, status, workspace,
                                  workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 

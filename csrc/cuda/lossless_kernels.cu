@@ -50,12 +50,21 @@
 //                  its own that was stored raw drops it (the others renumbered; block 0 alone then
 //                  moves the coded payloads down by the bytes dropped and places every chunk), and
 //                  a blob of +0.0 only in several chunks is written as the fewest chunks.
-// Decode (three launches; formats 2 to 5):
+// Decode (three launches, four with format 6's coded fields; formats 2 to 6):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
 //                  chunk offsets (block scan) and the decoder's tables: the shared one, and format
 //                  5's extra tables (one warp per table: read_extra_table, then the warp fills its
-//                  DecodeTable in the workspace);
+//                  DecodeTable in the workspace); format 6: each chunk with coded fields gets a
+//                  slot of the workspace (a block scan: the caller counts them from the metadata and
+//                  sizes the workspace for them);
+//   fields_kernel_aligned / _unaligned  (format 6 with chunks of modes 4 and 5 only) one warp per
+//                  such chunk (rebuild_fields_warp): the field header and table read by lane 0, the
+//                  field stream's decoder table built in the slot, the field stream decoded (the
+//                  per-step decoder's step, a zero raw section; mode 5: lane 0) into the chunk's
+//                  output, and the chunk rebuilt in the slot as a mode 0 (2) payload: its states
+//                  and words copied, its fields packed; or the field stream's status, which the
+//                  decoder reports after the chunk's padding check, as the host does;
 //   decode_kernel_staged  (blob and output 16-byte aligned) one warp per chunk, 8 per block
 //                  sharing the shared decoder table in shared memory; the streams staged in
 //                  per-warp shared rings by 16-byte loads, 8-step groups without bounds checks,
@@ -69,11 +78,13 @@
 //                  in global memory (L1/L2-cached), a separate instantiation of the same decoder
 //                  taken per warp;
 //   (every decoder) a one-state chunk (mode 2) decoded by lane 0 (decode_one_state_chunk), a
-//                  +0.0 chunk (mode 3) zero-filled by its warp;
+//                  +0.0 chunk (mode 3) zero-filled by its warp; a format 6 chunk with coded fields
+//                  decoded from its rebuilt payload in the slot as mode 0 (2);
 //   report_kernel  the status of the first failing chunk, as on the host.
 #include <cuda_runtime.h>
 
 #include "codec/lossless_core.h"
+#include "codec/lossless_fields.h"
 #include "codec/lossless_tables.h"
 #include "codec_launch.h"
 #include "common/device_sync.h"
@@ -1245,6 +1256,16 @@ struct DecWs {
   unsigned long long* first_error;  // [1]: min over failing chunks c of c << 8 | status
   uint32_t* table_scratch;          // [min(extra, kMetaWarps) * 2 * kNumSymbols]: validate_kernel's
                                     // per-warp freq[1025] and start[1025] of an extra table
+  // version 6's chunks with coded fields (modes 4 and 5): field_slot[c] is chunk c's slot among
+  // them (validate_kernel), each slot field_slot_bytes of field_space: the field stream's decoder
+  // table, its freq[1025] and start[1025], the chunk's fields packed; zeros: the field streams'
+  // raw section (zero bytes, raw_bytes(chunk_values) and 16 more)
+  uint32_t* field_slot;             // [chunks], or null with no slots
+  uint8_t* field_space;             // [field_slots * field_slot_bytes]
+  uint8_t* zeros;                   // [field_zero_bytes]
+  uint32_t* field_result;           // [2 * field_slots]: fields_kernel's status and symbol word count
+  uint64_t field_slots, field_slot_bytes, field_zero_bytes, field_rebuilt_bytes;
+  uint32_t field_values;            // the most values of a chunk the slots hold
 };
 
 // The most extra tables a blob of at most `chunks` chunks holds (version 5: at most one per chunk
@@ -1252,7 +1273,21 @@ struct DecWs {
 // the blob's format.
 uint64_t max_extra_tables(uint64_t chunks) { return chunks < kMaxExtraTables ? chunks : kMaxExtraTables; }
 
-size_t carve_dec(uint64_t chunks, char* base, DecWs* ws) {
+// Bytes of a version 6 chunk of at most `chunk_values` values rebuilt as a mode 0 payload (states,
+// at most one word a value, the packed fields) and the 16-byte blocks the staged decoder reads.
+uint64_t field_rebuilt_bytes(uint32_t chunk_values) {
+  return kStateBytes + 2ull * chunk_values + raw_bytes(chunk_values) + 32;
+}
+// Bytes of one version 6 field slot: a DecodeTable, freq[1025] and start[1025], the rebuilt chunk,
+// each 256-byte aligned.
+uint64_t field_slot_bytes(uint32_t chunk_values) {
+  const auto up = [](uint64_t b) { return (b + 255) & ~uint64_t(255); };
+  return up(sizeof(DecodeTable)) + up(8ull * kNumSymbols) + up(field_rebuilt_bytes(chunk_values));
+}
+
+// The workspace of a blob of at most `chunks` chunks of at most `chunk_values` values, with
+// `field_chunks` chunks of modes 4 and 5 (version 6).
+size_t carve_dec(uint64_t chunks, uint32_t chunk_values, uint64_t field_chunks, char* base, DecWs* ws) {
   Carver c{base};
   DecWs w;
   const uint64_t extra = max_extra_tables(chunks);
@@ -1262,6 +1297,15 @@ size_t carve_dec(uint64_t chunks, char* base, DecWs* ws) {
   w.header = c.take<Header>(sizeof(Header));
   w.first_error = c.take<unsigned long long>(8);
   w.table_scratch = c.take<uint32_t>(4 * 2 * kNumSymbols * scratch_warps);
+  w.field_slots = field_chunks;
+  w.field_values = chunk_values;
+  w.field_rebuilt_bytes = field_rebuilt_bytes(chunk_values);
+  w.field_slot_bytes = field_slot_bytes(chunk_values);
+  w.field_zero_bytes = field_chunks > 0 ? raw_bytes(chunk_values) + 16 : 0;
+  w.field_slot = field_chunks > 0 ? c.take<uint32_t>(4 * chunks) : nullptr;
+  w.field_space = field_chunks > 0 ? c.take<uint8_t>(w.field_slot_bytes * field_chunks) : nullptr;
+  w.zeros = field_chunks > 0 ? c.take<uint8_t>(w.field_zero_bytes) : nullptr;
+  w.field_result = field_chunks > 0 ? c.take<uint32_t>(8 * field_chunks) : nullptr;
   if (ws) *ws = w;
   return c.off;
 }
@@ -1329,7 +1373,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   const int t = threadIdx.x;
   if (t == 0) {
     *ws.first_error = kNoError;
-    st = parse_header_fields(blob, size, h, ~0ull, kVersion5);
+    st = parse_header_fields(blob, size, h, ~0ull, kVersion6);
   }
   __syncthreads();
   // parse_header's loops: the table's zero padding, then the metadata checksum
@@ -1355,7 +1399,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = start[s] = 0;
   const int header_status = st;  // read by every thread before thread 0 may write st below
   __syncthreads();
-  if (header_status == kOk && h.version == kVersion5) {
+  if (header_status == kOk && extra_tables_format(h.version)) {
     if (t == 0) {  // the table section in order: the shared table, the extra tables' framing (contents below)
       uint64_t shared_bytes = 0;
       st = read_table(blob, h, freq, start, &shared_bytes);
@@ -1388,7 +1432,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
     if (t == 0 && (bad || (h.num_table_entries > 0 && fsum != (1u << h.prob_bits)))) st = kErrTable;
   }
   __syncthreads();
-  if (st == kOk && h.version == kVersion5 && build_extra_tables(blob, h, refs, ws) && t == 0) st = kErrTable;
+  if (st == kOk && extra_tables_format(h.version) && build_extra_tables(blob, h, refs, ws) && t == 0) st = kErrTable;
   __syncthreads();
   if (st != kOk) {
     if (t == 0) *status = st;
@@ -1407,11 +1451,12 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   if (t == 0) first_failure = kNoError;
   if (uint32_t(t) < kMaxExtraTables) used_tables[t] = 0;
   __syncthreads();
-  uint64_t base = h.data_offset;
+  uint64_t base = h.data_offset, field_base = 0;
   for (uint64_t r = 0; r < chunks; r += kMetaThreads) {
     const uint64_t c = r + t;
     uint64_t bytes = 0;
     bool entry_bad = false;
+    uint32_t coded_fields = 0;
     if (c < chunks) {
       ChunkEntry e = read_entry(blob, h, c);
       const uint32_t cn = chunk_count(h, c), table = entry_table(e);
@@ -1419,6 +1464,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
       e.mode &= kModeMask;  // version 5: the mode without the table
       if (!entry_bad) bytes = align4(payload_bytes(e, cn));
       if (!entry_bad && table != 0) atomicMax(&used_tables[table - 1], 1u);
+      coded_fields = !entry_bad && (e.mode == kModeCodedFields || e.mode == kModeOneStateFields);
     }
     uint64_t round_total = 0;
     const uint64_t at = base + block_exclusive_scan<uint64_t>(bytes, scratch64, &round_total);
@@ -1427,7 +1473,18 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
       if (entry_bad || at + bytes > size) atomicMin(&first_failure, (static_cast<unsigned long long>(c) << 1) | (entry_bad ? 0ull : 1ull));
     }
     base += round_total;
+    if (__syncthreads_or(coded_fields)) {  // version 6: the chunk's field slot (block-uniform)
+      uint32_t round_fields = 0;
+      const uint64_t slot = field_base + block_exclusive_scan<uint32_t>(coded_fields, scratch32, &round_fields);
+      // more slots than the caller counted, or larger chunks than it sized them for (a blob changed
+      // since): no slot, a corrupted directory
+      if (coded_fields && (slot >= ws.field_slots || chunk_count(h, c) > ws.field_values))
+        atomicMin(&first_failure, static_cast<unsigned long long>(c) << 1);
+      else if (coded_fields) ws.field_slot[c] = static_cast<uint32_t>(slot);
+      field_base += round_fields;
+    }
   }
+  for (uint64_t i = t; i < ws.field_zero_bytes; i += kMetaThreads) ws.zeros[i] = 0;
   __syncthreads();
   if (first_failure != kNoError) {
     if (t == 0) *status = (first_failure & 1) ? kErrSize : kErrDirectory;
@@ -1490,6 +1547,10 @@ struct RansStreams {
   __device__ RansStreams(const uint8_t* payload, const ChunkEntry& e)
       : words(payload + kStateBytes), raw(payload + kStateBytes + 2ull * e.num_words), num_words(e.num_words),
         num_raw(e.num_raw), nraw_bytes(static_cast<uint32_t>(raw_bytes(e.num_raw))) {}
+  // (version 6: words and raw fields elsewhere, e's counts)
+  __device__ RansStreams(const uint8_t* w, const uint8_t* r, const ChunkEntry& e)
+      : words(w), raw(r), num_words(e.num_words), num_raw(e.num_raw),
+        nraw_bytes(static_cast<uint32_t>(raw_bytes(e.num_raw))) {}
 };
 
 // One lane's decode step before renormalisation (dec_step): the slot's table entry, the new
@@ -1532,13 +1593,14 @@ __device__ int finish_rans_warp(const uint8_t* payload, const ChunkEntry& e, boo
 // OwnTable (here and in the decoders below): `table` is the chunk's own (version 5's extra table
 // in the workspace, global memory), else the block's shared copy; two instantiations, inlined
 // apart, so the shared one's lookups stay shared-memory loads.
+// decode_rans_streams: the same with the 32 states at `states` and the streams st wherever they
+// lie (version 6's modes 4: the field stream, the chunk with its fields packed elsewhere).
 template <bool Aligned, bool OwnTable>
-__device__ __forceinline__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
-                                                const DecodeTable& table, uint16_t* dst, int lane) {
+__device__ __forceinline__ int decode_rans_streams(const uint8_t* states, const RansStreams& st, const ChunkEntry& e,
+                                                   uint32_t cn, const DecodeTable& table, uint16_t* dst, int lane) {
   const unsigned below = (1u << lane) - 1u;
-  uint32_t x = load_le<uint32_t>(payload + 4 * lane);
+  uint32_t x = load_le<uint32_t>(states + 4 * lane);
   if (__any_sync(kFull, x < kStateLow)) return kErrStream;  // load_states
-  const RansStreams st(payload, e);
   const uint32_t zero_start = table.zero_start, zero_freq = table.zero_freq;
   const uint32_t slot_mask = table.slot_mask, prob_bits = table.prob_bits;
   uint32_t wpos = 0, rpos = 0, checksum = 0;
@@ -1597,7 +1659,106 @@ __device__ __forceinline__ int decode_rans_warp(const uint8_t* payload, const Ch
     }
     if (valid) keep_value(x, d.y, v, i, dst, checksum);
   }
-  return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
+  // finish_rans_warp's checks, the raw stream's last byte read where it lies
+  if (__any_sync(kFull, bad)) return kErrStream;
+  if (wpos != e.num_words || rpos != e.num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
+  const uint32_t tail_bits = kRawBits * e.num_raw;
+  if (tail_bits % 8 != 0 && (st.raw[tail_bits / 8] >> (tail_bits % 8)) != 0) return kErrPadding;
+  return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+}
+template <bool Aligned, bool OwnTable>
+__device__ __forceinline__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
+                                                const DecodeTable& table, uint16_t* dst, int lane) {
+  return decode_rans_streams<Aligned, OwnTable>(payload, RansStreams(payload, e), e, cn, table, dst, lane);
+}
+
+// Version 6's field slot `slot` of the workspace: the field stream's decoder table, its freq[1025]
+// and start[1025], the chunk rebuilt as a mode 0 (2) payload (states, the symbols' words, the
+// fields packed; 16-byte aligned, field_rebuilt_bytes of room), and the slot's status and symbol
+// word count.
+struct FieldSlot {
+  DecodeTable* table;
+  uint32_t* freq;
+  uint32_t* start;
+  uint8_t* rebuilt;
+};
+__device__ inline uint64_t up256(uint64_t b) { return (b + 255) & ~uint64_t(255); }
+__device__ FieldSlot field_slot(const DecWs& ws, uint32_t slot) {
+  uint8_t* space = ws.field_space + ws.field_slot_bytes * slot;
+  uint32_t* freq = reinterpret_cast<uint32_t*>(space + up256(sizeof(DecodeTable)));
+  return FieldSlot{reinterpret_cast<DecodeTable*>(space), freq, freq + kNumSymbols,
+                   reinterpret_cast<uint8_t*>(freq) + up256(8ull * kNumSymbols)};
+}
+
+// A version 6 chunk with coded fields (mode 4: 32 states, mode 5: one; lossless_fields.h), first
+// part, as the host's decode_coded_fields_chunk: lane 0 reads the field header and the field table
+// (into the chunk's slot), the warp builds the field stream's decoder table there; the field stream
+// decodes as a mode 0 (2) chunk with a zero raw section into dst (the values w_k at dst[k], k <
+// num_raw <= cn: the chunk's output, rewritten by the second part); the slot gets the chunk rebuilt
+// as a mode 0 (2) payload: its states and symbols' words copied, the fields w_k >> 6 packed after
+// them. Returns the status (every check of the host's, in its order); *symbol_words gets S.
+template <bool Aligned>
+__device__ int rebuild_fields_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, uint16_t* dst, int lane,
+                                   const DecWs& ws, const FieldSlot& fs, uint32_t* symbol_words_out) {
+  const bool one = e.mode == kModeOneStateFields;
+  const uint64_t sb = field_state_bytes(e);
+  FieldLayout f{};
+  int st = kOk;
+  if (lane == 0) {
+    st = read_field_layout(payload, e, f);
+    // a mode 0 chunk's bound: at most one word per value (so the rebuilt payload fits its room)
+    if (st == kOk && (f.symbol_words > cn || f.field_words > e.num_raw)) st = kErrStream;
+    if (st == kOk) st = read_field_table(payload, f, fs.freq, fs.start);
+  }
+  st = __shfl_sync(kFull, st, 0);
+  if (st != kOk) return st;
+  const uint32_t symbol_words = __shfl_sync(kFull, f.symbol_words, 0);
+  const uint32_t prob_bits = __shfl_sync(kFull, f.prob_bits, 0);
+  const uint32_t words_offset = __shfl_sync(kFull, static_cast<uint32_t>(f.words_offset), 0);
+  const ChunkEntry fe{__shfl_sync(kFull, f.field_entry.mode, 0), __shfl_sync(kFull, f.field_entry.num_words, 0),
+                      __shfl_sync(kFull, f.field_entry.num_raw, 0), __shfl_sync(kFull, f.field_entry.checksum, 0)};
+  __syncwarp();  // lane 0's freq and start are visible to the warp
+  DecodeTable& ft = *fs.table;
+  for (uint32_t s = lane; s < (1u << prob_bits); s += kLanes) ft.entry[s] = slot_entry(fs.freq, fs.start, s);
+  if (lane == 0) {
+    ft.zero_start = fs.start[kZeroSymbol];
+    ft.zero_freq = fs.freq[kZeroSymbol];
+    ft.prob_bits = prob_bits;
+    ft.slot_mask = (1u << prob_bits) - 1;
+  }
+  __syncwarp();
+  const uint8_t* words = payload + words_offset;
+  const uint8_t* field_words = words + 2ull * symbol_words;
+  const uint32_t num_fields = e.num_raw;
+  if (one)
+    st = __shfl_sync(kFull, lane == 0 ? decode_one_state_streams(payload + sb, field_words, ws.zeros, fe, num_fields, ft,
+                                                                 dst)
+                                      : 0, 0);
+  else
+    st = decode_rans_streams<Aligned, true>(payload + sb, RansStreams(field_words, ws.zeros, fe), fe, num_fields, ft,
+                                            dst, lane);
+  if (st != kOk) return st;
+  __syncwarp();  // the field stream's values in dst are visible to the warp
+  // the rebuilt payload: states, words, then pack_field_values (eight fields, 6 bytes, a lane and
+  // step; the last fields by lane 0)
+  uint8_t* r = fs.rebuilt;
+  for (uint32_t b = lane; b < sb; b += kLanes) r[b] = payload[b];
+  for (uint32_t b = lane; b < 2 * symbol_words; b += kLanes) r[sb + b] = words[b];
+  uint8_t* fields = r + sb + 2ull * symbol_words;
+  const uint32_t groups = num_fields / 8;
+  for (uint32_t g = lane; g < groups; g += kLanes) {
+    uint64_t bytes = 0;
+    for (int j = 0; j < 8; ++j) bytes |= uint64_t(dst[8 * g + j] >> kRawBits) << (8 * j);
+    const uint64_t packed = pack6x8(bytes);
+    for (int j = 0; j < 6; ++j) fields[6 * g + j] = static_cast<uint8_t>(packed >> (8 * j));
+  }
+  if (lane == 0) {
+    BitWriter bits(fields + 6 * groups);
+    for (uint32_t k = 8 * groups; k < num_fields; ++k) bits.put(uint32_t(dst[k]) >> kRawBits, kRawBits);
+    bits.finish();
+  }
+  *symbol_words_out = symbol_words;
+  return kOk;
 }
 
 // Word w of a word stream of num_words words, 0 past its end.
@@ -1913,7 +2074,8 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
     ChunkEntry e = read_entry(blob, h, c);
     // version 5: the mode word is mode | table << 8 (validate_kernel checked it); own: the chunk's
     // table, 0 for the shared one (always in older versions)
-    const uint32_t word = __shfl_sync(kFull, e.mode, 0), mode = word & kModeMask, own = word >> 8;
+    const uint32_t word = __shfl_sync(kFull, e.mode, 0), own = word >> 8;
+    uint32_t mode = word & kModeMask;
     e.mode = mode;
     const uint8_t* payload = blob + ws.offsets[c];
     const uint64_t used = payload_bytes(e, cn), padded = ws.offsets[c + 1] - ws.offsets[c];
@@ -1922,15 +2084,30 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
     for (uint64_t k = used + lane; k < padded; k += kLanes) bad |= payload[k] != 0;
     int st = kErrPadding;
     if (!__any_sync(kFull, bad)) {
-      if (mode == kModeRaw)
+      // what the staged decoder reads the chunk from: the blob, or (version 6) the rebuilt chunk
+      const uint8_t* source = blob;
+      uint64_t source_size = size, at = ws.offsets[c];
+      st = kOk;
+      if (mode == kModeCodedFields || mode == kModeOneStateFields) {  // version 6: fields_kernel rebuilt it
+        const uint32_t slot = ws.field_slot[c];
+        st = int(ws.field_result[2 * slot]);
+        mode = mode == kModeOneStateFields ? kModeOneState : kModeRans;
+        e = ChunkEntry{mode, ws.field_result[2 * slot + 1], e.num_raw, e.checksum};
+        payload = source = field_slot(ws, slot).rebuilt;
+        source_size = ws.field_rebuilt_bytes;
+        at = 0;
+      }
+      if (st != kOk) {
+        // the field stream's status, fields_kernel's
+      } else if (mode == kModeRaw)
         st = decode_raw_warp(payload, e, cn, dst, lane);
       else if (mode == kModeZero)
         st = decode_zero_warp(cn, dst, lane);
       else if (mode == kModeOneState)
         st = __shfl_sync(kFull, lane == 0 ? decode_one_state_chunk(payload, e, cn, table, dst) : 0, 0);
       else if constexpr (Mode == kDecodeStaged)
-        st = own == 0 ? decode_rans_warp_staged<false>(blob, size, ws.offsets[c], e, cn, table, dst, lane, rings[warp])
-                      : decode_rans_warp_staged<true>(blob, size, ws.offsets[c], e, cn, ws.table[own], dst, lane,
+        st = own == 0 ? decode_rans_warp_staged<false>(source, source_size, at, e, cn, table, dst, lane, rings[warp])
+                      : decode_rans_warp_staged<true>(source, source_size, at, e, cn, ws.table[own], dst, lane,
                                                       rings[warp]);
       else if constexpr (EP_LOSSLESS_DEC_WINDOW)
         st = own == 0 ? decode_rans_warp_window<Aligned, false>(payload, e, cn, table, dst, lane)
@@ -1963,6 +2140,44 @@ __global__ void __launch_bounds__(32 * kStagedWarps, EP_LOSSLESS_DEC_STAGED_MIN_
   __shared__ int valid_blob;
   __shared__ StagedRings rings[kStagedWarps];
   decode_block<kDecodeStaged, kStagedWarps>(blob, size, out, ws, status, table, valid_blob, rings);
+}
+
+// Version 6: each chunk with coded fields (modes 4 and 5), one warp a chunk (rebuild_fields_warp):
+// its slot gets the chunk rebuilt as a mode 0 (2) payload, or the status of its field stream, for
+// the decode kernel that follows (which reports it after the chunk's padding check, as the host).
+template <bool Aligned>
+__device__ __forceinline__ void fields_block(const uint8_t* blob, uint16_t* out, const DecWs& ws, int valid_blob) {
+  if (!valid_blob) return;
+  const Header h = *ws.header;
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(kFull, int(threadIdx.x / 32), 0);
+  for (uint64_t c = blockIdx.x * uint64_t(kDecWarps) + warp; c < h.num_chunks; c += uint64_t(gridDim.x) * kDecWarps) {
+    ChunkEntry e = read_entry(blob, h, c);
+    const uint32_t mode = __shfl_sync(kFull, e.mode, 0) & kModeMask;
+    if (mode != kModeCodedFields && mode != kModeOneStateFields) continue;  // (warp-uniform)
+    e.mode = mode;
+    const uint32_t slot = ws.field_slot[c];
+    uint32_t symbol_words = 0;
+    const int st = rebuild_fields_warp<Aligned>(blob + ws.offsets[c], e, chunk_count(h, c), out + c * h.chunk_values,
+                                                lane, ws, field_slot(ws, slot), &symbol_words);
+    if (lane == 0) {
+      ws.field_result[2 * slot] = uint32_t(st);
+      ws.field_result[2 * slot + 1] = symbol_words;
+    }
+  }
+}
+__global__ void __launch_bounds__(32 * kDecWarps) fields_kernel_aligned(const uint8_t* blob, uint16_t* out, DecWs ws,
+                                                                       const int* status) {
+  __shared__ int valid_blob;
+  if (threadIdx.x == 0) valid_blob = *status == kOk;  // one read, so the whole block agrees
+  __syncthreads();
+  fields_block<true>(blob, out, ws, valid_blob);
+}
+__global__ void __launch_bounds__(32 * kDecWarps) fields_kernel_unaligned(const uint8_t* blob, uint16_t* out, DecWs ws,
+                                                                         const int* status) {
+  __shared__ int valid_blob;
+  if (threadIdx.x == 0) valid_blob = *status == kOk;
+  __syncthreads();
+  fields_block<false>(blob, out, ws, valid_blob);
 }
 
 // One thread: the status of the lowest failing chunk, as the host decoder reports it.
@@ -2023,21 +2238,29 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   return static_cast<int>(cudaGetLastError());
 }
 
-size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values) {
+size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint64_t field_chunks) {
   if (chunk_values == 0) return 0;
-  return carve_dec(num_chunks_for(num_values, chunk_values), nullptr, nullptr);
+  return carve_dec(num_chunks_for(num_values, chunk_values), chunk_values, field_chunks, nullptr, nullptr);
 }
 
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                            uint32_t min_chunk_values, int* status, void* workspace,
+                            uint32_t min_chunk_values, uint64_t field_chunks, int* status, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream) {
   if (min_chunk_values < kMinChunkValues) return cudaErrorInvalidValue;
   const uint64_t max_chunks = num_chunks_for(num_values, min_chunk_values);
-  if (workspace_bytes < ep_lossless_decode_workspace_bytes(num_values, min_chunk_values))
+  if (workspace_bytes < ep_lossless_decode_workspace_bytes(num_values, min_chunk_values, field_chunks))
     return cudaErrorInvalidValue;
   DecWs ws;
-  carve_dec(max_chunks, static_cast<char*>(workspace), &ws);
+  carve_dec(max_chunks, min_chunk_values, field_chunks, static_cast<char*>(workspace), &ws);
   EP_LAUNCH(validate_kernel, 1, kMetaThreads, stream)(blob, blob_bytes, num_values, max_chunks, ws, status);
+  if (max_chunks > 0 && field_chunks > 0) {  // version 6: the chunks with coded fields rebuilt first
+    const uint64_t blocks = (max_chunks + kDecWarps - 1) / kDecWarps;
+    const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
+    if ((reinterpret_cast<uintptr_t>(blob) & 1) == 0)
+      EP_LAUNCH(fields_kernel_aligned, grid, 32 * kDecWarps, stream)(blob, out, ws, status);
+    else
+      EP_LAUNCH(fields_kernel_unaligned, grid, 32 * kDecWarps, stream)(blob, out, ws, status);
+  }
   // the staged decoder where blob and out are 16-byte aligned (EP_LOSSLESS_DEC_STAGED=0: never)
   const bool staged = EP_LOSSLESS_DEC_STAGED && ((reinterpret_cast<uintptr_t>(blob) | reinterpret_cast<uintptr_t>(out)) & 15) == 0;
   if (max_chunks > 0 && staged) {

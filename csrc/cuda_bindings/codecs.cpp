@@ -31,7 +31,7 @@ void register_codecs(py::module_& m) {
   m.def("lossless_encode_workspace_bytes", &lossless_encode_workspace_bytes, py::arg("num_values"),
         py::arg("chunk_values"), py::arg("version"));
   m.def("lossless_decode_workspace_bytes", &lossless_decode_workspace_bytes, py::arg("num_values"),
-        py::arg("chunk_values"));
+        py::arg("chunk_values"), py::arg("field_chunks") = 0);
   m.def("lossless_max_blob_bytes", &lossless_max_blob_bytes, py::arg("num_values"), py::arg("ndim"),
         py::arg("chunk_values"), py::arg("version"));
   m.def(
@@ -52,15 +52,17 @@ void register_codecs(py::module_& m) {
   m.def(
       "lossless_decode",
       [](uintptr_t blob, uint64_t blob_bytes, uintptr_t out, uint64_t num_values, uint32_t min_chunk_values,
-         uintptr_t status, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+         uintptr_t status, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream, uint64_t field_chunks) {
         check_rc(launch_lossless_decode(device_ptr<const uint8_t>(blob), blob_bytes, device_ptr<uint16_t>(out),
-                                        num_values, min_chunk_values, device_ptr<int32_t>(status),
+                                        num_values, min_chunk_values, field_chunks, device_ptr<int32_t>(status),
                                         device_ptr<void>(workspace), workspace_bytes, device_ptr<void>(stream)),
                  "lossless decode launch");
       },
       py::arg("blob"), py::arg("blob_bytes"), py::arg("out"), py::arg("num_values"), py::arg("min_chunk_values"),
       py::arg("status"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-      "blob -> out [num_values] bf16 bits, status (device int32: 0 or a lossless::Status); asynchronous");
+      py::arg("field_chunks") = 0,
+      "blob -> out [num_values] bf16 bits, status (device int32: 0 or a lossless::Status); asynchronous;\n"
+      "field_chunks: the blob's chunks with coded fields (format 6), as the workspace was sized for");
   m.def(
       "fp8_quantize",
       [](uintptr_t x, int64_t rows, int64_t hidden, bool round_scale, bool use_ue8m0, uintptr_t q, uintptr_t scales,

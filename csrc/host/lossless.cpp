@@ -865,13 +865,13 @@ uint64_t metadata_bytes(const py::buffer& prefix, uint64_t blob_bytes) {
                                 std::to_string(size));
   // parse_header_fields reads only the prefix's bytes (a valid header and shape fit in it)
   Header h;
-  const int st = parse_header_fields(b, blob_bytes, h, size, kVersion5);
+  const int st = parse_header_fields(b, blob_bytes, h, size, kVersion6);
   if (st != kOk) fail(st);
   return h.data_offset;
 }
 
-// (shape list, chunk_values) from a blob's first metadata_bytes bytes and its size: every check
-// decode makes before it allocates (parse: header, table, metadata checksum, each directory entry,
+// (shape list, chunk_values, chunks with coded fields) from a blob's first metadata_bytes bytes and
+// its size: every check decode makes before it allocates (parse: header, table, metadata checksum, each directory entry,
 // payload sizes adding up to the blob's size). Raises ValueError on a bad blob.
 py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   py::buffer_info info = metadata.request();
@@ -880,14 +880,19 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   Header h;
   // parse_header_fields reads only the metadata's bytes; parse reads bytes [0, data_offset) only,
   // data_offset itself coming from the fixed fields
-  int st = parse_header_fields(b, blob_bytes, h, size, kVersion5);
+  int st = parse_header_fields(b, blob_bytes, h, size, kVersion6);
   if (st != kOk) fail(st);
   if (size != h.data_offset)
     throw std::invalid_argument("metadata must hold the blob's first " + std::to_string(h.data_offset) +
                                 " bytes, got " + std::to_string(size));
   Parsed p;
   parse(b, blob_bytes, p);
-  return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values);
+  uint64_t field_chunks = 0;  // version 6's chunks with coded fields, which the CUDA decoder gives a slot
+  for (uint64_t c = 0; c < p.h.num_chunks; ++c) {
+    const uint32_t mode = read_entry(b, p.h, c).mode & kModeMask;
+    field_chunks += mode == kModeCodedFields || mode == kModeOneStateFields;
+  }
+  return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values, field_chunks);
 }
 
 // Decodes one mode 0 chunk at SIMD level `level` (decode_chunk's result).
@@ -1119,7 +1124,8 @@ void register_lossless(py::module_& m) {
         "bytes of a blob's header, table and directory, from its first min(blob_bytes,\n"
         "LOSSLESS_HEADER_PREFIX_BYTES) bytes and its size; checks the fixed header; ValueError on a bad one");
   m.def("lossless_parse_metadata", &parse_metadata, py::arg("metadata"), py::arg("blob_bytes"),
-        "(shape list, chunk_values) from a blob's first lossless_metadata_bytes bytes and its size, with\n"
+        "(shape list, chunk_values, chunks with coded fields) from a blob's first lossless_metadata_bytes\n"
+        "bytes and its size, with\n"
         "every check decode makes before allocating; ValueError on a bad blob");
   m.def("lossless_error_message", [](int status) { return std::string(error_message(status)); }, py::arg("status"),
         "text of a lossless::Status code (as in the ValueError of a failed decode)");

@@ -8,8 +8,8 @@ independent chunks (one CPU task, one GPU warp each). Format version 5, the defa
 and the GPU: a chunk may carry a table of its own where that pays (messages that join values of
 different statistics); a blob's only chunk of up to a quarter of ``chunk_values`` (4,096 to
 16,384 values) is coded with one rANS state (and 6 to 12 probability bits); a chunk of +0.0 only
-takes no payload. Versions 2 to 4 still decode and are written on request; version 6 (on request,
-host only) also codes a chunk's low mantissa bits where they carry little information
+takes no payload. Versions 2 to 4 still decode and are written on request; version 6 (written on
+request by the host encoder) also codes a chunk's low mantissa bits where they carry little information
 (gradients). The blob is self-describing: magic, version, shape, tables, per-chunk sizes and
 checksums; ``decode`` validates every field before use and raises ``ValueError`` on a truncated or
 corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
@@ -51,9 +51,9 @@ MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
 # The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 5
 # (a chunk may carry its own frequency table), written by the host and the CUDA encoders alike;
-# versions 2 to 4 are written on request, and the host and CUDA decoders read 2 to 5. Version 6
+# versions 2 to 4 are written on request, and the host and CUDA decoders read 2 to 6. Version 6
 # (version 5 where a chunk's raw fields may be coded too: gradients' low mantissa bits) is written
-# and decoded on the host, on request; a GPU blob of it is decoded on the host and moved back.
+# by the host encoder, on request.
 FORMAT_VERSION = 5
 FORMAT_VERSIONS = (2, 3, 4, 5, 6)
 
@@ -117,7 +117,7 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
             5 where a chunk's 6 low mantissa bits are entropy-coded too where that pays: gradients);
             or 4, 3 or 2 (the older formats, for comparisons). Versions 4 and 5 are coded by the
             CUDA kernels on a GPU; 6, 3 and 2 always on the CPU, the blob then moved to ``x``'s
-            device (a GPU decodes version 6 on the host: ``decode`` does that by itself).
+            device (every version decodes on either).
 
     Returns:
         1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when
@@ -332,21 +332,12 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool | str = True,
         expected_shape = list(expected_shape)
     if lossless_device.available(blob.device):
         blob = blob.detach().contiguous()
-        try:
-            shape, chunk_values = lossless_device.header(blob)
-        except lossless_device.HostOnlyFormat:  # decoded on the host, the result moved to the GPU
-            return _decode_host(blob, threads, simd, expected_shape).to(blob.device)
+        layout = lossless_device.layouts([blob])[0]
         if expected_shape is not None:
-            _check_shape(shape, tuple(expected_shape))
-        out = torch.empty(shape, dtype=torch.bfloat16, device=blob.device)
-        lossless_device.decode_into(blob, out, chunk_values)
+            _check_shape(layout.shape, tuple(expected_shape))
+        out = torch.empty(layout.shape, dtype=torch.bfloat16, device=blob.device)
+        lossless_device.decode_into(blob, out, layout.chunk_values, layout.field_chunks)
         return out
-    return _decode_host(blob, threads, simd, expected_shape)
-
-
-def _decode_host(blob: torch.Tensor, threads: int, simd: bool | str,
-                 expected_shape: list[int] | None) -> torch.Tensor:
-    """:func:`decode` by the host decoder (``blob`` checked, on any device): a CPU tensor."""
     blob = _host_blob(blob)
     # one C++ call: parse, check the shape, allocate, decode; int16 bit patterns in the blob's shape
     values = _lib().lossless_decode(blob.data_ptr(), blob.numel(), threads, _simd_level(simd), expected_shape)
@@ -392,12 +383,9 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
     _check_simd(simd)
     if lossless_device.available(out.device):
         blob = blob.detach().to(out.device).contiguous()
-        try:
-            shape, chunk_values = lossless_device.header(blob)
-        except lossless_device.HostOnlyFormat:  # decoded on the host, then copied
-            return out.copy_(_decode_host(blob, threads, simd, list(out.shape)))
-        _check_shape(shape, tuple(out.shape))
-        lossless_device.decode_into(blob, out, chunk_values)
+        layout = lossless_device.layouts([blob])[0]
+        _check_shape(layout.shape, tuple(out.shape))
+        lossless_device.decode_into(blob, out, layout.chunk_values, layout.field_chunks)
         return out
     if out.device.type != "cpu" or out.is_neg() or out.data_ptr() % out.element_size():
         # not writable in place through its data pointer (another device, a negative view, an
@@ -430,15 +418,11 @@ def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, thr
     if outs and len({out.device for out in outs}) == 1 and lossless_device.available(outs[0].device):
         device = outs[0].device
         blobs = [blob.detach().to(device).contiguous() for blob in blobs]
-        try:
-            found = lossless_device.headers(blobs)
-        except lossless_device.HostOnlyFormat:  # one or more only the host decodes: each decoded alone
-            for blob, out in zip(blobs, outs):
-                decode_into(blob, out, threads=threads, simd=simd)
-            return
-        for (shape, _), out in zip(found, outs):
-            _check_shape(shape, tuple(out.shape))
-        lossless_device.decode_many(blobs, list(outs), [chunk_values for _, chunk_values in found])
+        found = lossless_device.layouts(blobs)
+        for layout, out in zip(found, outs):
+            _check_shape(layout.shape, tuple(out.shape))
+        lossless_device.decode_many(blobs, list(outs), [layout.chunk_values for layout in found],
+                                    [layout.field_chunks for layout in found])
         return
     for blob, out in zip(blobs, outs):
         decode_into(blob, out, threads=threads, simd=simd)

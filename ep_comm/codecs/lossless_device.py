@@ -3,13 +3,15 @@
 the GPU is coded there and its blob stays there.
 
 The kernels compile the same core as the host build, so a device blob is byte-identical to the
-host encoder's of the same format version (4 or 5; the decoder reads 2 to 5) and either side
+host encoder's of the same format version (4 or 5; the decoder reads 2 to 6) and either side
 decodes the other's blobs. Each call synchronises its stream once:
 an encode to learn the blob's size, a decode to read the kernels' status (a corrupted blob raises
 the ``ValueError`` the host decoder raises for it). Workspaces come from torch's caching
 allocator, on the current stream of the tensor's device.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,11 +34,6 @@ _BLOB_ALIGN = 16  # blobs coded into one buffer start 16-byte aligned (the encod
 
 
 ENCODE_VERSIONS = (4, 5)  # the formats the kernels write
-HOST_ONLY_VERSIONS = (6,)  # formats the host decodes and the kernels do not (coded raw fields)
-
-
-class HostOnlyFormat(ValueError):
-    """A blob in a format of HOST_ONLY_VERSIONS: the caller decodes it on the host instead."""
 
 
 def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
@@ -87,7 +84,7 @@ def encode_many(xs: list[torch.Tensor], chunk_values: int, version: int) -> list
 def header(blob: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """``(shape, chunk_values)`` that a blob (1-D uint8, any device) declares, after every check
     the host decoder makes before it allocates (header, table, metadata checksum, chunk
-    directory, sizes; format versions 2 to 5). ``ValueError`` if it is bad. See :func:`headers`."""
+    directory, sizes; format versions 2 to 6). ``ValueError`` if it is bad. See :func:`headers`."""
     return headers([blob])[0]
 
 
@@ -95,18 +92,28 @@ def headers(blobs: list[torch.Tensor]) -> list[tuple[tuple[int, ...], int]]:
     """:func:`header` of several blobs on one device: their metadata comes to the host in two
     copies for all (the fixed headers, then header, table and directory: about 16 bytes per
     chunk). Raises the ValueError of the first bad blob."""
+    return [(layout.shape, layout.chunk_values) for layout in layouts(blobs)]
+
+
+class BlobLayout(NamedTuple):
+    """What the decoder's launch needs of a blob, read from its metadata on the host."""
+    shape: tuple[int, ...]
+    chunk_values: int
+    field_chunks: int  # format 6's chunks with coded fields (modes 4 and 5): workspace slots
+
+
+def layouts(blobs: list[torch.Tensor]) -> list[BlobLayout]:
+    """:func:`headers` with each blob's count of chunks with coded fields, which sizes the
+    decoder's workspace (:func:`decode_many`)."""
     host = _host()
     sizes = [b.numel() for b in blobs]
     prefixes = _to_host([b[: min(n, host.LOSSLESS_HEADER_PREFIX_BYTES)] for b, n in zip(blobs, sizes)])
-    for i, p in enumerate(prefixes):
-        if p.numel() > 4 and bytes(p[:4].numpy()) == b"EPLB" and int(p[4]) in HOST_ONLY_VERSIONS:
-            raise HostOnlyFormat(f"blob {i} is in lossless format version {int(p[4])}, which only the host decodes")
     metadata_bytes = [host.lossless_metadata_bytes(p.numpy(), n) for p, n in zip(prefixes, sizes)]
     metadata = _to_host([b[:m] for b, m in zip(blobs, metadata_bytes)])
     result = []
     for m, n in zip(metadata, sizes):
-        shape, chunk_values = host.lossless_parse_metadata(m.numpy(), n)
-        result.append((tuple(shape), int(chunk_values)))
+        shape, chunk_values, field_chunks = host.lossless_parse_metadata(m.numpy(), n)
+        result.append(BlobLayout(tuple(shape), int(chunk_values), int(field_chunks)))
     return result
 
 
@@ -118,20 +125,23 @@ def _to_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(joined.split([p.numel() for p in parts]))
 
 
-def decode_into(blob: torch.Tensor, out: torch.Tensor, chunk_values: int) -> None:
+def decode_into(blob: torch.Tensor, out: torch.Tensor, chunk_values: int, field_chunks: int = 0) -> None:
     """Decodes ``blob`` (1-D uint8, on ``out``'s device) into ``out`` (contiguous bf16 CUDA
-    tensor of the blob's shape, as :func:`header` read it with ``chunk_values``).
+    tensor of the blob's shape, as :func:`layouts` read it with ``chunk_values`` and
+    ``field_chunks``).
 
     Raises:
         ValueError: the blob is corrupted (the host decoder's message); ``out`` is then
             unspecified.
     """
-    decode_many([blob], [out], [chunk_values])
+    decode_many([blob], [out], [chunk_values], [field_chunks])
 
 
-def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], chunk_values: list[int]) -> None:
+def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], chunk_values: list[int],
+                field_chunks: list[int] | None = None) -> None:
     """:func:`decode_into` of several blobs into their outputs (all on one device), decoded one
-    after another on the current stream with one synchronisation for all.
+    after another on the current stream with one synchronisation for all. ``field_chunks``: each
+    blob's chunks with coded fields (:func:`layouts`; None: none, format 5 and older).
 
     Raises:
         ValueError: a blob is corrupted (the host decoder's message for the first such blob);
@@ -142,15 +152,16 @@ def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], chunk_value
     device = outs[0].device
     kernels = device_kernels.codec_kernels(device)
     flats = [out.view(torch.int16).reshape(-1) for out in outs]
+    fields = [0] * len(blobs) if field_chunks is None else field_chunks
     with device_kernels.launch_context(device):
         # one workspace for all: the launches run in stream order, each done before the next starts
-        workspace = torch.empty(max(kernels.lossless_decode_workspace_bytes(f.numel(), cv)
-                                    for f, cv in zip(flats, chunk_values)), dtype=torch.uint8, device=device)
+        workspace = torch.empty(max(kernels.lossless_decode_workspace_bytes(f.numel(), cv, k)
+                                    for f, cv, k in zip(flats, chunk_values, fields)), dtype=torch.uint8, device=device)
         status = torch.zeros(len(blobs), dtype=torch.int32, device=device)
         stream = device_kernels.current_stream(device)
-        for i, (blob, flat, cv) in enumerate(zip(blobs, flats, chunk_values)):
+        for i, (blob, flat, cv, k) in enumerate(zip(blobs, flats, chunk_values, fields)):
             kernels.lossless_decode(blob.data_ptr(), blob.numel(), flat.data_ptr(), flat.numel(), cv,
-                                    status.data_ptr() + 4 * i, workspace.data_ptr(), workspace.numel(), stream)
+                                    status.data_ptr() + 4 * i, workspace.data_ptr(), workspace.numel(), stream, k)
         codes = status.tolist()  # the one synchronisation
     for code in codes:
         if code != 0:

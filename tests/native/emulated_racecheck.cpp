@@ -39,10 +39,10 @@ bool round_trip(const std::vector<uint16_t>& v, uint32_t cv, uint32_t version) {
   if (ep_lossless_encode_cuda(v.data(), n, shape, 1, cv, version, blob.data(), &size, ws.data(), ws.size(),
                               nullptr) != 0)
     return false;
-  std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv), 0xA5);
+  std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv, 0), 0xA5);
   std::vector<uint16_t> out(n + 1, 0x5A5A);
   int status = -1;
-  if (ep_lossless_decode_cuda(blob.data(), size, out.data(), n, cv, &status, dws.data(), dws.size(), nullptr) != 0)
+  if (ep_lossless_decode_cuda(blob.data(), size, out.data(), n, cv, 0, &status, dws.data(), dws.size(), nullptr) != 0)
     return false;
   return status == 0 && std::memcmp(out.data(), v.data(), 2 * n) == 0;
 }
@@ -58,14 +58,16 @@ std::vector<uint8_t> read_file(const char* path) {
   return bytes;
 }
 
-// A blob decoded at chunk size cv gives `values` (bf16 bits).
-bool decodes(const std::vector<uint8_t>& blob, const std::vector<uint8_t>& values, uint32_t cv) {
+// A blob decoded at chunk size cv (with `field_chunks` chunks of coded fields, format 6) gives
+// `values` (bf16 bits).
+bool decodes(const std::vector<uint8_t>& blob, const std::vector<uint8_t>& values, uint32_t cv, uint64_t field_chunks) {
   const uint64_t n = values.size() / 2;
-  std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv), 0xA5);
+  std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv, field_chunks), 0xA5);
   std::vector<uint16_t> out(n + 1, 0x5A5A);
   int status = -1;
   if (blob.empty() ||
-      ep_lossless_decode_cuda(blob.data(), blob.size(), out.data(), n, cv, &status, dws.data(), dws.size(), nullptr) != 0)
+      ep_lossless_decode_cuda(blob.data(), blob.size(), out.data(), n, cv, field_chunks, &status, dws.data(), dws.size(),
+                              nullptr) != 0)
     return false;
   return status == 0 && std::memcmp(out.data(), values.data(), 2 * n) == 0;
 }
@@ -101,8 +103,9 @@ int main(int argc, char** argv) {
       }
     }
     if (!fp8_runs(make_values(64 * 512, 120, 6, 0.0, 7), 512)) ++failures;
-    for (int a = 1; a + 2 < argc; a += 3) {  // blob file, values file, chunk size
-      if (!decodes(read_file(argv[a]), read_file(argv[a + 1]), uint32_t(std::strtoul(argv[a + 2], nullptr, 10)))) {
+    for (int a = 1; a + 3 < argc; a += 4) {  // blob file, values file, chunk size, chunks with coded fields
+      if (!decodes(read_file(argv[a]), read_file(argv[a + 1]), uint32_t(std::strtoul(argv[a + 2], nullptr, 10)),
+                   std::strtoull(argv[a + 3], nullptr, 10))) {
         std::printf("decode failed: %s reverse=%d\n", argv[a], reverse);
         ++failures;
       }

@@ -53,14 +53,17 @@ def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
     return out[:int(size.item())].cpu()
 
 
-def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int, device: str) -> tuple[int, torch.Tensor]:
-    """(status, values [n] int16 on the CPU) of the kernels decoding ``blob`` (CPU uint8)."""
+def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int, device: str,
+                  field_chunks: int = 0) -> tuple[int, torch.Tensor]:
+    """(status, values [n] int16 on the CPU) of the kernels decoding ``blob`` (CPU uint8), with
+    workspace for ``field_chunks`` chunks of format 6's modes 4 and 5."""
     b = blob.to(device) if blob.numel() else torch.zeros(1, dtype=torch.uint8, device=device)
-    ws = torch.full((lib.ep_lossless_decode_workspace_bytes(n, cv),), 0xA5, dtype=torch.uint8, device=device)
+    ws = torch.full((lib.ep_lossless_decode_workspace_bytes(n, cv, field_chunks),), 0xA5, dtype=torch.uint8,
+                    device=device)
     # a value the decoder does not write keeps this pattern, not an earlier call's right answer
     y = torch.full((max(n, 1),), 0x5A5A, dtype=torch.int16, device=device)
     status = torch.full((1,), -1, dtype=torch.int32, device=device)
-    rc = lib.ep_lossless_decode_cuda(b.data_ptr(), blob.numel(), y.data_ptr(), n, cv, status.data_ptr(),
+    rc = lib.ep_lossless_decode_cuda(b.data_ptr(), blob.numel(), y.data_ptr(), n, cv, field_chunks, status.data_ptr(),
                                      ws.data_ptr(), ws.numel(), _stream(device))
     assert rc == 0
     _sync(device)
