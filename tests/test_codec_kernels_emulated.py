@@ -22,22 +22,24 @@ from support.codec_kernel_cases import (
     MESSAGES,
     V5_CASES,
     V5_DECODE_CASES,
+    V6_CASES,
     bits,
     blob_layout,
     check_blob_is_byte_identical_and_decodes,
     check_blob_is_byte_identical_and_decodes_tensor,
     check_rejects_corrupted_blobs_like_the_host,
     device_decode,
+    field_chunks,
     from_bits,
+    gradient_like,
     host_status,
     many_tables,
     mixed_rows,
 )
 from support.emulated_cuda import build, build_racecheck, codec_library, load
 from support.native import compiler
-from test_codec_lossless_v5 import (FORGERIES, _layout, _metadata_case, _mixed_message, forge, one_state_blob,
-                                    with_chunk_values)
-from test_codec_lossless_v6 import _field_header, _gradient_like, _payloads
+from test_codec_lossless_v5 import FORGERIES, _metadata_case, _mixed_message, forge, one_state_blob, with_chunk_values
+from test_codec_lossless_v6 import _field_header, _payloads
 
 from ep_comm.codecs import fp8, lossless
 
@@ -223,21 +225,6 @@ def test_every_metadata_byte_of_a_format_version_5_blob_corrupted_gets_the_host_
     assert len(seen) >= 5 and 0 not in seen, seen
 
 
-def _field_chunks(blob: torch.Tensor) -> int:
-    """A version 6 blob's chunks with coded fields (modes 4 and 5): the decoder's workspace slots."""
-    return sum(e["mode"] in (4, 5) for e in _layout(blob)["entries"])
-
-
-V6_CASES = [  # (name, values, chunk_values, the least chunks of modes 4 and 5)
-    ("message", lambda: _gradient_like(16), 65536, 2),
-    ("small_chunks", lambda: _gradient_like(4, seed=6), 4096, 5),
-    ("no_zeros", lambda: _gradient_like(2, seed=7, zero_share=0.0), 8192, 2),
-    ("tail", lambda: _gradient_like(3, seed=8).reshape(-1)[:3 * 7168 - 5], 16384, 1),
-    ("one_state", lambda: _gradient_like(1, seed=2).reshape(-1)[:5000], 65536, 1),
-    ("one_state_small", lambda: _gradient_like(1, seed=1).reshape(-1)[:96], 65536, 1),
-]
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
 def test_decodes_format_version_6(libs, schedule, variant: str, case: str, make, chunk_values: int,
@@ -247,7 +234,7 @@ def test_decodes_format_version_6(libs, schedule, variant: str, case: str, make,
     metadata's count of such chunks sizes; without that room, a corrupted directory."""
     x = make()
     blob = lossless.encode(x, chunk_values=chunk_values, version=6)
-    fields = _field_chunks(blob)
+    fields = field_chunks(blob)
     assert int(blob[4]) == 6 and fields >= coded
     status, y = device_decode(libs[variant], blob, x.numel(), chunk_values, "cpu", fields)
     assert status == 0, MESSAGES[status]
@@ -266,7 +253,7 @@ def test_every_field_byte_of_a_format_version_6_chunk_corrupted_gets_the_host_st
     _, make, chunk_values, _ = next(c for c in V6_CASES if c[0] == case)
     x = make()
     blob = lossless.encode(x, chunk_values=chunk_values, version=6)
-    fields = _field_chunks(blob)
+    fields = field_chunks(blob)
     chunk = next(c for c in _payloads(blob) if c["mode"] in (4, 5))
     f = _field_header(blob.numpy().tobytes(), chunk)
     states = 8 if chunk["mode"] == 5 else 256
@@ -308,12 +295,12 @@ def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant:
     (tmp_path / "v5.blob").write_bytes(blob.numpy().tobytes())
     (tmp_path / "v5.values").write_bytes(bits(x).numpy().tobytes())
     args = [str(tmp_path / "v5.blob"), str(tmp_path / "v5.values"), "4096", "0"]
-    for name, x6, cv in (("v6", _gradient_like(2, seed=3), 4096), ("v6_one", _gradient_like(1, seed=2)[0, :3000], 65536)):
+    for name, x6, cv in (("v6", gradient_like(2, seed=3), 4096), ("v6_one", gradient_like(1, seed=2)[0, :3000], 65536)):
         blob6 = lossless.encode(x6, chunk_values=cv, version=6)
         (tmp_path / f"{name}.blob").write_bytes(blob6.numpy().tobytes())
         (tmp_path / f"{name}.values").write_bytes(bits(x6).numpy().tobytes())
-        assert _field_chunks(blob6) >= 1
-        args += [str(tmp_path / f"{name}.blob"), str(tmp_path / f"{name}.values"), str(cv), str(_field_chunks(blob6))]
+        assert field_chunks(blob6) >= 1
+        args += [str(tmp_path / f"{name}.blob"), str(tmp_path / f"{name}.values"), str(cv), str(field_chunks(blob6))]
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
     done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0 and "FATAL: ThreadSanitizer" in done.stderr and "WARNING:" not in done.stderr:

@@ -13,7 +13,7 @@ import struct
 
 import pytest
 import torch
-from support.codec_kernel_cases import read_table_v4
+from support.codec_kernel_cases import gradient_like, read_table_v4
 from test_codec_lossless_v4 import _inputs, _same_error_everywhere, bits
 from test_codec_lossless_v5 import _inputs_v5, _layout, _reseal
 
@@ -21,19 +21,6 @@ from ep_comm import _host
 from ep_comm.codecs import lossless, lossless_device
 
 H = 7168
-
-
-def _gradient_like(rows: int = 64, seed: int = 5, zero_share: float = 0.5, kept_bits: int = 2) -> torch.Tensor:
-    """[rows, 7168] values like a backward pass's: about `zero_share` of them +0.0, the others of
-    float32 products rounded to `kept_bits` + 1 mantissa bits before the bf16 conversion, so that
-    most of their 6 low mantissa bits are zero (a gradient summed from few low-precision terms)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, H, generator=g) * torch.randn(rows, H, generator=g) * 1e-3
-    m, e = torch.frexp(x)
-    scale = float(1 << (kept_bits + 1))
-    x = torch.ldexp(torch.round(m * scale) / scale, e)
-    x[torch.rand(rows, H, generator=g) < zero_share] = 0
-    return x.bfloat16()
 
 
 def _payloads(blob: torch.Tensor) -> list[dict]:
@@ -67,10 +54,10 @@ def _field_header(b: bytes, chunk: dict) -> dict:
 
 
 CASES = [*_inputs_v5(),
-         ("gradient_message", _gradient_like(), None),
-         ("gradient_small_chunks", _gradient_like(16, seed=6), 8192),
-         ("gradient_no_zeros", _gradient_like(8, seed=7, zero_share=0.0, kept_bits=3), None),
-         ("gradient_odd_tail", _gradient_like(3, seed=8).reshape(-1)[:3 * H - 5], 16384)]
+         ("gradient_message", gradient_like(), None),
+         ("gradient_small_chunks", gradient_like(16, seed=6), 8192),
+         ("gradient_no_zeros", gradient_like(8, seed=7, zero_share=0.0, kept_bits=3), None),
+         ("gradient_odd_tail", gradient_like(3, seed=8).reshape(-1)[:3 * H - 5], 16384)]
 
 
 @pytest.mark.parametrize("name,x,chunk_values", CASES, ids=[c[0] for c in CASES])
@@ -104,7 +91,7 @@ def test_mode_4_layout_reads_by_the_definition():
     and the table's padding are zero, the table (11 or 12 bits) holds exactly the fields that occur
     (symbol f for f in [1, 64), 1024 for f = 0) and no other symbol, the nonzero count and the
     field checksum are the fields'; its symbols' words are mode 0's (the same chunk in version 5)."""
-    x = _gradient_like()
+    x = gradient_like()
     blob = lossless.encode(x, version=6)
     v5 = lossless.encode(x, version=5)
     b, b5 = blob.numpy().tobytes(), v5.numpy().tobytes()
@@ -204,7 +191,7 @@ def _field_symbol_64(b, chunk, f):
 @pytest.mark.parametrize("forgery,edit,message", FIELD_FORGERIES, ids=[f[0] for f in FIELD_FORGERIES])
 def test_forged_field_headers_are_rejected(forgery, edit, message):
     """A mode 4 chunk's field header or table forged: the named error, the same on every path."""
-    blob = lossless.encode(_gradient_like(8), version=6)
+    blob = lossless.encode(gradient_like(8), version=6)
     if forgery == "field_symbol_64":
         layout = _layout(blob)
         b = bytearray(blob.numpy().tobytes())
@@ -220,7 +207,7 @@ def test_forged_field_headers_are_rejected(forgery, edit, message):
 def test_forged_mode_4_entries_are_rejected():
     """Mode 4 in a version 5 blob, with no fields, or with fewer words than its field header: a
     corrupted directory on every path."""
-    blob = lossless.encode(_gradient_like(8), version=6)
+    blob = lossless.encode(gradient_like(8), version=6)
     layout = _layout(blob)
     index = next(i for i, e in enumerate(layout["entries"]) if e["mode"] == 4)
     at = layout["directory"] + 16 * index
@@ -237,7 +224,7 @@ def test_every_field_header_byte_and_sampled_payload_bytes_corrupted_are_rejecte
     """Every byte of the first mode 4 chunk's states, field header and table, and every 11th byte
     of its words, flipped: a ValueError, the same on every path (never a wrong tensor, a crash or a
     hang)."""
-    blob = lossless.encode(_gradient_like(1, seed=9, zero_share=0.0), chunk_values=4096, version=6)
+    blob = lossless.encode(gradient_like(1, seed=9, zero_share=0.0), chunk_values=4096, version=6)
     chunk = next(c for c in _payloads(blob) if c["mode"] == 4)
     f = _field_header(blob.numpy().tobytes(), chunk)
     prefix_end = chunk["at"] + 256 + 16 + (f["table_bytes"] + 3) // 4 * 4
@@ -251,7 +238,7 @@ def test_small_and_six_bit_fields_keep_mode_0():
     """Fields that carry about 6 bits (random activations) and chunks of fewer than 1,024 fields
     stay mode 0."""
     g = torch.Generator().manual_seed(3)
-    for x, cv in ((torch.randn(64, H, generator=g).bfloat16(), None), (_gradient_like(1), 1024)):
+    for x, cv in ((torch.randn(64, H, generator=g).bfloat16(), None), (gradient_like(1), 1024)):
         blob = lossless.encode(x, chunk_values=cv, version=6)
         assert all(e["mode"] != 4 for e in _layout(blob)["entries"])
 
@@ -260,7 +247,7 @@ def test_version_6_is_written_on_request_and_its_metadata_counts_the_chunks_with
     """encode writes 6 on request (the default stays 5, which the CUDA encoder writes too); the
     metadata checks before the CUDA decoder read version 6 and count its chunks with coded fields,
     which size the decoder's workspace."""
-    x = _gradient_like(8)
+    x = gradient_like(8)
     blob = lossless.encode(x, version=6)
     assert int(blob[4]) == 6 and lossless.FORMAT_VERSION == 5
     metadata = _host.lossless_metadata_bytes(blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy(), blob.numel())
@@ -273,7 +260,7 @@ def test_version_6_is_written_on_request_and_its_metadata_counts_the_chunks_with
 
 
 def test_same_bytes_on_any_thread_count():
-    x = _gradient_like(16, seed=11)
+    x = gradient_like(16, seed=11)
     blobs = {t: bytes(lossless.encode(x, threads=t, version=6).numpy()) for t in (1, 2, 3, 8)}
     assert len(set(blobs.values())) == 1
 
@@ -290,7 +277,7 @@ def test_one_state_chunks_code_their_fields_as_mode_5():
     its field header read by the definition (field table of 6 to 12 bits); a 96-value gradient
     of 13 distinct fields included (the tensor of MTCNN's where version 5 was a byte above zipnn)."""
     g = torch.Generator().manual_seed(21)
-    cases = [_gradient_like(1, seed=s).reshape(-1)[:n] for s, n in ((1, 96), (2, 1000), (3, 4096), (4, 16384))]
+    cases = [gradient_like(1, seed=s).reshape(-1)[:n] for s, n in ((1, 96), (2, 1000), (3, 4096), (4, 16384))]
     small = torch.ldexp(torch.round(torch.frexp(torch.randn(96, generator=g))[0] * 4) / 4,
                         torch.randint(-8, -4, (96,), generator=g)).bfloat16()
     for x in [*cases, small]:
@@ -311,7 +298,7 @@ def test_forged_mode_5_entries_are_rejected():
     """Mode 5 in a blob of two chunks, with a table index, in a version 5 blob, or on more values
     than a one-state chunk may hold: a corrupted directory on every path; its field header's bytes
     flipped: an error on every path."""
-    x = _gradient_like(1, seed=4).reshape(-1)[:2000]
+    x = gradient_like(1, seed=4).reshape(-1)[:2000]
     blob = lossless.encode(x, version=6)
     layout = _layout(blob)
     assert layout["entries"][0]["mode"] == 5

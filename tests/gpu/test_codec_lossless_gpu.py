@@ -1,8 +1,9 @@
 """The lossless codec's CUDA kernels (csrc/cuda/lossless_kernels.cu, built as a small library by
 bench/codec_gpu.py) against the host build of the same core: device blobs are byte-identical to
-the host encoder's (format versions 4 and 5), device decoding is exact, and the device rejects corrupted blobs with the
-status the host decoder reports. The cases and checks are tests/support/codec_kernel_cases.py's, which
-tests/test_codec_kernels_emulated.py also runs on the CPU through the CUDA emulation."""
+the host encoder's (format versions 4 and 5), device decoding is exact (format 6 too), and the
+device rejects corrupted blobs with the status the host decoder reports. The cases and checks are
+tests/support/codec_kernel_cases.py's, which tests/test_codec_kernels_emulated.py also runs on the
+CPU through the CUDA emulation."""
 from __future__ import annotations
 
 import ctypes
@@ -17,11 +18,14 @@ from support.codec_kernel_cases import (
     CORRUPTION_CASES,
     V5_CASES,
     V5_DECODE_CASES,
+    V6_CASES,
     bits,
     check_blob_is_byte_identical_and_decodes,
     check_rejects_corrupted_blobs_like_the_host,
     device_decode,
     device_encode,
+    field_chunks,
+    host_status,
     many_tables,
 )
 
@@ -97,3 +101,19 @@ def test_device_encodes_format_version_5_like_the_host(lib: ctypes.CDLL, case: s
     assert dev.numel() == host.numel() and torch.equal(dev, host)
     status, y = device_decode(lib, dev, x.numel(), chunk_values, "cuda")
     assert status == 0 and torch.equal(y.cpu(), bits(x))
+
+
+@pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
+def test_device_decodes_format_version_6(lib: ctypes.CDLL, case: str, make, chunk_values: int, coded: int) -> None:
+    """Host-encoded format 6 blobs (chunks whose raw fields are rANS-coded, rebuilt by
+    fields_kernel in workspace slots) decode exactly on the GPU; a corrupted field stream gets the
+    host's status."""
+    x = make()
+    blob = lossless.encode(x, chunk_values=chunk_values, version=6)
+    slots = field_chunks(blob)
+    assert slots >= coded
+    status, y = device_decode(lib, blob, x.numel(), chunk_values, "cuda", slots)
+    assert status == 0 and torch.equal(y, bits(x))
+    bad = blob.clone()
+    bad[-5] ^= 0x24
+    assert device_decode(lib, bad, x.numel(), chunk_values, "cuda", slots)[0] == host_status(bad)

@@ -70,6 +70,41 @@ def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int, device:
     return int(status.item()), y[:n].cpu()
 
 
+def gradient_like(rows: int = 64, seed: int = 5, zero_share: float = 0.5, kept_bits: int = 2,
+                  hidden: int = 7168) -> torch.Tensor:
+    """[rows, hidden] values like a backward pass's: about `zero_share` of them +0.0, the others of
+    float32 products rounded to `kept_bits` + 1 mantissa bits before the bf16 conversion, so that
+    most of their 6 low mantissa bits are zero (a gradient summed from few low-precision terms):
+    format 6 codes their fields."""
+    g = _gen(seed)
+    x = torch.randn(rows, hidden, generator=g) * torch.randn(rows, hidden, generator=g) * 1e-3
+    m, e = torch.frexp(x)
+    scale = float(1 << (kept_bits + 1))
+    x = torch.ldexp(torch.round(m * scale) / scale, e)
+    x[torch.rand(rows, hidden, generator=g) < zero_share] = 0
+    return x.bfloat16()
+
+
+def field_chunks(blob: torch.Tensor) -> int:
+    """A format 6 blob's chunks with coded fields (modes 4 and 5), which the decoder's workspace
+    takes a slot for."""
+    layout = blob_layout(blob)
+    b = blob.numpy().tobytes()
+    modes = [struct.unpack_from("<I", b, layout["directory"] + 16 * c)[0] & 0xFF for c in range(layout["chunks"])]
+    return sum(m in (4, 5) for m in modes)
+
+
+# format 6 cases: (name, values, chunk_values, the least chunks with coded fields)
+V6_CASES = [
+    ("message", lambda: gradient_like(16), 65536, 2),
+    ("small_chunks", lambda: gradient_like(4, seed=6), 4096, 5),
+    ("no_zeros", lambda: gradient_like(2, seed=7, zero_share=0.0), 8192, 2),
+    ("tail", lambda: gradient_like(3, seed=8).reshape(-1)[:3 * 7168 - 5], 16384, 1),
+    ("one_state", lambda: gradient_like(1, seed=2).reshape(-1)[:5000], 65536, 1),
+    ("one_state_small", lambda: gradient_like(1, seed=1).reshape(-1)[:96], 65536, 1),
+]
+
+
 def host_status(blob: torch.Tensor) -> int:
     """The host decoder's status for ``blob`` (0 when it decodes)."""
     try:
