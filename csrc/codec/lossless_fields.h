@@ -55,6 +55,49 @@ struct FieldLayout {
   ChunkEntry field_entry;   // mode 0, F words, Z raw fields, the field checksum
 };
 
+// ---- the encoder's choice (host; integer arithmetic, so any encoder of the format can make it alike) ----
+
+// Fields a chunk must have before coding them is tried: below this, the field stream's 128 state
+// bytes, header and table take most of what coding can save; a one-state chunk (mode 2 -> 5), whose
+// field stream takes 4 state bytes, from 32.
+constexpr uint32_t kMinCodedFields = 1024;
+constexpr uint32_t kMinCodedFieldsOneState = 32;
+// What coding the fields must save, estimated from their histogram, before the field stream is
+// coded (the coded stream itself is then kept only where it is smaller): 64 bytes and a 32nd of
+// the fields' bytes (one-state chunks: any saving). A mode 4 chunk decodes its fields as a second
+// rANS stream, in about as long again as its symbols, so fields of nearly 6 bits' information stay
+// raw (MiniLM's activations: 1.2% of their field bytes to gain for 3.7x their decode time).
+constexpr uint64_t kMinFieldSavingBytes = 64;
+constexpr uint32_t kMinFieldSavingShift = 5;
+
+// floor(1024 log2(x)) within 1 for x in [1, 2^44]: log2_q10 of x's top 20 bits, plus the shift.
+EP_HD uint64_t log2_q10_wide(uint64_t x) {
+  uint32_t shift = 0;
+  while ((x >> shift) > (1ull << 20)) ++shift;
+  return (uint64_t(shift) << 10) + log2_q10(static_cast<uint32_t>(x >> shift));
+}
+
+// The empirical entropy of fields counts[64] over `total` (> 0), in 1/1024 bits.
+EP_HD uint64_t field_entropy_q10(const uint64_t* counts, uint64_t total) {
+  const uint64_t log_total = log2_q10_wide(total);
+  uint64_t bits = 0;
+  for (int f = 0; f < 1 << kRawBits; ++f)
+    if (counts[f] != 0) bits += counts[f] * (log_total - log2_q10_wide(counts[f]));
+  return bits;
+}
+
+// Whether `num_fields` fields, whose `sampled` (> 0) counted ones have entropy_q10
+// (field_entropy_q10), are estimated to code smaller by the least saving: their entropy
+// (extrapolated to all of them) plus the field stream's states, their slack (a lane's bytes exceed
+// its information by up to 4) and the field header, against their raw bytes.
+EP_HD bool field_coding_may_pay(uint64_t entropy_q10, uint64_t sampled, uint32_t num_fields, bool one_state) {
+  constexpr uint64_t kByte = 8 << 10;
+  const uint64_t raw = raw_bytes(num_fields);
+  const uint64_t overhead = kFieldHeaderBytes + (one_state ? 2 * kOneStateBytes : kStateBytes + 4 * kLanes);
+  const uint64_t least = one_state ? 0 : kMinFieldSavingBytes + (raw >> kMinFieldSavingShift);
+  return entropy_q10 * num_fields / sampled + kByte * (overhead + least) < kByte * raw;
+}
+
 // Bytes of a mode 4 payload's field header and padded table.
 EP_HD uint64_t field_prefix_bytes(uint32_t table_bytes) { return kFieldHeaderBytes + align4(table_bytes); }
 
@@ -133,23 +176,30 @@ struct FieldDecodeScratch {
   DecodeTable table;
   std::unique_ptr<uint8_t[]> field_payload, chunk_payload;
   std::unique_ptr<uint16_t[]> values;
+  FieldLayout layout;       // of the chunk being decoded (prepare_coded_fields)
+  ChunkEntry chunk_entry;   // the chunk rebuilt in chunk_payload (finish_coded_fields)
   explicit FieldDecodeScratch(uint32_t cv)
       : field_payload(new uint8_t[kStateBytes + 2ull * cv + raw_bytes(cv) + 64]),
         chunk_payload(new uint8_t[kStateBytes + 2ull * cv + raw_bytes(cv) + 64]),
         values(new uint16_t[cv > 0 ? cv : 1]) {}
 };
 
-// Decodes a mode 4 or 5 chunk (payload_bytes(e, n) bytes at `payload`, e checked by check_entry, n
-// at most the scratch's cv) with the chunk's table: the field stream decoded as a mode 0 (mode 5:
-// mode 2) chunk, its values packed as the chunk's raw fields, then the chunk decoded as mode 0
-// (mode 2), each stream with every check of such a chunk (word and field counts, final states,
-// checksum). build(freq, start, table, prob_bits) builds a decoder table and decode(payload,
-// entry, n, table, out) decodes a mode 0 chunk, on the caller's path (every path gives the same
-// status and values); mode 2 decodes with the portable core, as the host decodes mode 2.
-template <typename Build, typename Decode>
-int decode_coded_fields_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                              uint16_t* out, FieldDecodeScratch& s, Build&& build, Decode&& decode) {
-  FieldLayout f;
+// Decoding a mode 4 or 5 chunk (payload_bytes(e, n) bytes at `payload`, e checked by check_entry,
+// n at most the scratch's cv) with the chunk's table takes three steps, so that a caller may decode
+// two chunks' streams together:
+//   prepare_coded_fields: the field header and table read (s.layout), the field table built by
+//     build(freq, start, table, prob_bits) into s.table, the field stream rebuilt as a mode 0
+//     (mode 5: mode 2) payload in s.field_payload (its states, its words, a zero raw section):
+//     decoding it (s.layout.field_entry, e.num_raw values, s.table) gives the values w_k in
+//     s.values;
+//   finish_coded_fields: the chunk rebuilt as a mode 0 (2) payload in s.chunk_payload (its states,
+//     the symbols' words, the fields w_k >> 6 packed), entry s.chunk_entry: decoding it gives the
+//     chunk's values.
+// Each stream gets every check of such a chunk (word and field counts, final states, checksum).
+template <typename Build>
+int prepare_coded_fields(const uint8_t* payload, const ChunkEntry& e, uint32_t n, FieldDecodeScratch& s,
+                         Build&& build) {
+  FieldLayout& f = s.layout;
   int st = read_field_layout(payload, e, f);
   if (st != kOk) return st;
   // a mode 0 chunk's bound: at most one word per value (so the scratch holds them)
@@ -158,23 +208,41 @@ int decode_coded_fields_chunk(const uint8_t* payload, const ChunkEntry& e, uint3
   st = read_field_table(payload, f, freq, start);
   if (st != kOk) return st;
   build(freq, start, s.table, int(f.prob_bits));
-  const bool one = e.mode == kModeOneStateFields;
   const uint64_t sb = field_state_bytes(e);
   const uint8_t* words = payload + f.words_offset;
   uint8_t* fp = s.field_payload.get();
   std::memcpy(fp, payload + sb, sb);
   std::memcpy(fp + sb, words + 2ull * f.symbol_words, 2ull * f.field_words);
   std::memset(fp + sb + 2ull * f.field_words, 0, raw_bytes(f.field_entry.num_raw));
-  uint16_t* w = s.values.get();
-  st = one ? decode_one_state_chunk(fp, f.field_entry, e.num_raw, s.table, w)
-           : decode(fp, f.field_entry, e.num_raw, s.table, w);
-  if (st != kOk) return st;
+  return kOk;
+}
+inline void finish_coded_fields(const uint8_t* payload, const ChunkEntry& e, FieldDecodeScratch& s) {
+  const FieldLayout& f = s.layout;
+  const uint64_t sb = field_state_bytes(e);
   uint8_t* cp = s.chunk_payload.get();
   std::memcpy(cp, payload, sb);
-  std::memcpy(cp + sb, words, 2ull * f.symbol_words);
-  pack_field_values(w, e.num_raw, cp + sb + 2ull * f.symbol_words);
-  const ChunkEntry chunk{one ? kModeOneState : kModeRans, f.symbol_words, e.num_raw, e.checksum};
-  return one ? decode_one_state_chunk(cp, chunk, n, table, out) : decode(cp, chunk, n, table, out);
+  std::memcpy(cp + sb, payload + f.words_offset, 2ull * f.symbol_words);
+  pack_field_values(s.values.get(), e.num_raw, cp + sb + 2ull * f.symbol_words);
+  s.chunk_entry = ChunkEntry{e.mode == kModeOneStateFields ? kModeOneState : kModeRans, f.symbol_words, e.num_raw,
+                             e.checksum};
+}
+
+// The three steps on one chunk: decode(payload, entry, n, table, out) decodes a mode 0 chunk on the
+// caller's path (every path gives the same status and values); mode 2 decodes with the portable
+// core, as the host decodes mode 2.
+template <typename Build, typename Decode>
+int decode_coded_fields_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                              uint16_t* out, FieldDecodeScratch& s, Build&& build, Decode&& decode) {
+  int st = prepare_coded_fields(payload, e, n, s, build);
+  if (st != kOk) return st;
+  const bool one = e.mode == kModeOneStateFields;
+  const ChunkEntry& fe = s.layout.field_entry;
+  st = one ? decode_one_state_chunk(s.field_payload.get(), fe, e.num_raw, s.table, s.values.get())
+           : decode(s.field_payload.get(), fe, e.num_raw, s.table, s.values.get());
+  if (st != kOk) return st;
+  finish_coded_fields(payload, e, s);
+  return one ? decode_one_state_chunk(s.chunk_payload.get(), s.chunk_entry, n, table, out)
+             : decode(s.chunk_payload.get(), s.chunk_entry, n, table, out);
 }
 
 }  // namespace ep_comm::lossless

@@ -152,27 +152,6 @@ struct FieldScratch {
         payload(new uint8_t[2 * kStateBytes + kFieldHeaderBytes + kMaxFieldTableBytes + 4ull * cv + 16]) {}
 };
 
-// Fields a chunk must have before coding them is tried: below this, the field stream's 128 state
-// bytes, header and table take most of what coding can save.
-constexpr uint32_t kMinCodedFields = 1024;
-// The same for a one-state chunk (mode 2 -> 5), whose field stream takes 4 state bytes.
-constexpr uint32_t kMinCodedFieldsOneState = 32;
-// What coding the fields must save, estimated from their histogram, before the field stream is
-// coded (the coded stream itself is then kept only where it is smaller): 64 bytes and a 32nd of
-// the fields' bytes. A mode 4 chunk decodes its fields as a second rANS stream, in about as long
-// again as its symbols, so fields of nearly 6 bits' information stay raw (MiniLM's activations:
-// 1.2% of their field bytes to gain for 3.7x their decode time).
-constexpr double kMinFieldSavingBytes = 64;
-constexpr double kMinFieldSavingShare = 1.0 / 32;
-
-// The fields' estimated bytes when coded (their empirical entropy) from counts[64] over `total`.
-double field_entropy_bytes(const uint64_t* counts, uint64_t total) {
-  double sum_c_log_c = 0.0;
-  for (int f = 0; f < 1 << kRawBits; ++f)
-    if (counts[f] != 0) sum_c_log_c += double(counts[f]) * std::log2(double(counts[f]));
-  return (double(total) * std::log2(double(total)) - sum_c_log_c) / 8.0;
-}
-
 // Version 6: recodes a mode 0 chunk (values v[0, n), entry e, payload at `payload`) as mode 4 where
 // its fields code smaller: first an estimate from every 16th value's field (fields of nearly 6 bits'
 // information, activations' and weights', stop there), then from all of them; where that promises
@@ -183,11 +162,7 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   const uint32_t num_fields = e.num_raw;
   const bool one = e.mode == kModeOneState;  // mode 2 -> 5 (one state a stream), else 0 -> 4
   if (num_fields < (one ? kMinCodedFieldsOneState : kMinCodedFields)) return;
-  const uint64_t raw = raw_bytes(num_fields);
   const uint64_t states_bytes = one ? kOneStateBytes : kStateBytes;
-  // the field stream's states (and their slack: a lane's bytes exceed its information by up to 4),
-  // the field header
-  const double overhead = double(kFieldHeaderBytes) + (one ? 8.0 : double(kStateBytes) + 4.0 * kLanes);
   uint64_t counts[1 << kRawBits] = {};
   uint64_t sampled = 0;
   for (uint32_t i = 0; i < n; i += 16) {
@@ -197,10 +172,7 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   }
   // the sample's entropy underestimates the fields' (a sample's empirical entropy is biased low):
   // a chunk it already rules out is not coded
-  const double least_saving = one ? 0.0 : kMinFieldSavingBytes + kMinFieldSavingShare * double(raw);
-  if (sampled >= 256 &&
-      field_entropy_bytes(counts, sampled) * double(num_fields) / double(sampled) + overhead + least_saving >= double(raw))
-    return;
+  if (sampled >= 256 && !field_coding_may_pay(field_entropy_q10(counts, sampled), sampled, num_fields, one)) return;
   // the field stream's values, then their counts (four tables: no store-to-load chain on a
   // repeated field) and checksum, each loop without branches
   uint16_t* w = fs.values.get();
@@ -217,7 +189,7 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   for (k = 0; k < num_fields; ++k) checksum += checksum_term(w[k], k);
   for (int f = 0; f < 1 << kRawBits; ++f) counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
   const uint32_t nonzero = num_fields - static_cast<uint32_t>(counts[0]);
-  if (field_entropy_bytes(counts, num_fields) + overhead + least_saving >= double(raw)) return;
+  if (!field_coding_may_pay(field_entropy_q10(counts, num_fields), num_fields, num_fields, one)) return;
   CodingTable& t = fs.table;
   uint64_t symbol_counts[kNumSymbols] = {};
   for (uint32_t f = 0; f < 1u << kRawBits; ++f) symbol_counts[field_symbol(f)] = counts[f];
@@ -982,11 +954,17 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
     for (const ChunkEntry& e : entries) {
       if (e.mode != kModeCodedFields && e.mode != kModeOneStateFields) continue;
       const uint32_t most = h.num_values < h.chunk_values ? static_cast<uint32_t>(h.num_values) : h.chunk_values;
-      for (int w = 0; w < nt; ++w) field_scratch.emplace_back(new FieldDecodeScratch(most));
+      for (int w = 0; w < 2 * nt; ++w) field_scratch.emplace_back(new FieldDecodeScratch(most));
       break;
     }
     const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
     const int64_t tasks = (int64_t(h.num_chunks) + per_task - 1) / per_task;
+    const auto build_field_table = [level](const uint32_t* freq, const uint32_t* start, DecodeTable& t, int prob_bits) {
+#if defined(__x86_64__)
+      if (level == kSimdAvx512) return build_decode_table_avx512(freq, start, t, prob_bits);
+#endif
+      build_decode_table(freq, start, t, prob_bits);
+    };
     parallel_for_workers(tasks, nt, [&](int worker, int64_t task) {
       // rANS chunks of this task whose padding is zero, for the SIMD decoders
       const uint8_t* payloads[2];
@@ -995,6 +973,12 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
       uint16_t* dsts[2];
       int64_t rans_chunks[2];
       int num_rans = 0;
+      // version 6's mode 4 chunks of this task (SIMD levels): their field streams, decoded
+      // together (a pair in lockstep on AVX-512), then the chunks rebuilt join the rANS chunks
+      FieldDecodeScratch* fields[2];
+      const uint8_t* field_sources[2];
+      int64_t field_chunks[2];
+      int num_fields = 0;
       for (int64_t c = task * per_task; c < std::min<int64_t>((task + 1) * per_task, h.num_chunks); ++c) {
         const ChunkEntry& e = entries[c];
         const uint32_t n = chunk_count(h, uint64_t(c));
@@ -1011,7 +995,18 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
           } else if (e.mode == kModeOneState) {
             st = decode_one_state_chunk(payload, e, n, shared, dst);
           } else if (e.mode == kModeCodedFields || e.mode == kModeOneStateFields) {
-            st = decode_coded_fields_chunk_at(level, payload, e, n, table_of(c), dst, *field_scratch[size_t(worker)]);
+            FieldDecodeScratch& fs = *field_scratch[size_t(2 * worker + (c - task * per_task))];
+            if (e.mode == kModeOneStateFields || level < kSimdAvx2) {
+              st = decode_coded_fields_chunk_at(level, payload, e, n, table_of(c), dst, fs);
+            } else {
+              st = prepare_coded_fields(payload, e, n, fs, build_field_table);
+              if (st == kOk) {
+                fields[num_fields] = &fs;
+                field_sources[num_fields] = payload;
+                field_chunks[num_fields++] = c;
+                continue;
+              }
+            }
           } else if (level >= kSimdAvx2) {
             payloads[num_rans] = payload;
             rans_entries[num_rans] = &e;
@@ -1025,6 +1020,41 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
         }
         chunk_status[c] = st;
       }
+#if defined(__x86_64__)
+      if (num_fields > 0) {
+        const uint8_t* fp[2];
+        const ChunkEntry* fe[2];
+        uint32_t fn[2];
+        const DecodeTable* ft[2];
+        uint16_t* fw[2];
+        int fst[2];
+        for (int k = 0; k < num_fields; ++k) {
+          fp[k] = fields[k]->field_payload.get();
+          fe[k] = &fields[k]->layout.field_entry;
+          fn[k] = entries[field_chunks[k]].num_raw;
+          ft[k] = &fields[k]->table;
+          fw[k] = fields[k]->values.get();
+        }
+        if (level == kSimdAvx512) {
+          decode_chunks_avx512(num_fields, fp, fe, fn, ft, fw, fst);
+        } else {
+          for (int k = 0; k < num_fields; ++k) fst[k] = decode_chunk_avx2(fp[k], *fe[k], fn[k], *ft[k], fw[k]);
+        }
+        for (int k = 0; k < num_fields; ++k) {
+          const int64_t c = field_chunks[k];
+          if (fst[k] != kOk) {
+            chunk_status[c] = fst[k];
+            continue;
+          }
+          finish_coded_fields(field_sources[k], entries[c], *fields[k]);
+          payloads[num_rans] = fields[k]->chunk_payload.get();
+          rans_entries[num_rans] = &fields[k]->chunk_entry;
+          counts[num_rans] = chunk_count(h, uint64_t(c));
+          dsts[num_rans] = o + uint64_t(c) * h.chunk_values;
+          rans_chunks[num_rans++] = c;
+        }
+      }
+#endif
       if (num_rans == 0) return;
 #if defined(__x86_64__)
       int st[2];
