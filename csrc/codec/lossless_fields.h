@@ -66,7 +66,7 @@ constexpr uint32_t kMinCodedFieldsOneState = 32;
 // coded (the coded stream itself is then kept only where it is smaller): 64 bytes and a 32nd of
 // the fields' bytes (one-state chunks: any saving). A mode 4 chunk decodes its fields as a second
 // rANS stream, in about as long again as its symbols, so fields of nearly 6 bits' information stay
-// raw (MiniLM's activations: 1.2% of their field bytes to gain for 3.7x their decode time).
+// raw (MiniLM's activations: 1.2% of their field bytes to gain, for two streams to decode, not one).
 constexpr uint64_t kMinFieldSavingBytes = 64;
 constexpr uint32_t kMinFieldSavingShift = 5;
 
