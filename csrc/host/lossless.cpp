@@ -176,18 +176,27 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   // the field stream's values, then their counts (four tables: no store-to-load chain on a
   // repeated field) and checksum, each loop without branches
   uint16_t* w = fs.values.get();
-  uint32_t k = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    w[k] = static_cast<uint16_t>((v[i] & kRawMask) << kRawBits);
-    k += v[i] != 0;
-  }
-  uint32_t counts4[4][1 << kRawBits] = {};
   uint32_t checksum = 0;
-  for (k = 0; k + 4 <= num_fields; k += 4)
-    for (int j = 0; j < 4; ++j) ++counts4[j][w[k + j] >> kRawBits];
-  for (; k < num_fields; ++k) ++counts4[0][w[k] >> kRawBits];
-  for (k = 0; k < num_fields; ++k) checksum += checksum_term(w[k], k);
-  for (int f = 0; f < 1 << kRawBits; ++f) counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
+  std::fill(counts, counts + (1 << kRawBits), 0);
+#if defined(__x86_64__)
+  if (level == kSimdAvx512) {
+    field_values_avx512(v, n, w, counts, checksum);
+  } else
+#endif
+  {
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      w[k] = static_cast<uint16_t>((v[i] & kRawMask) << kRawBits);
+      k += v[i] != 0;
+    }
+    uint32_t counts4[4][1 << kRawBits] = {};
+    for (k = 0; k + 4 <= num_fields; k += 4)
+      for (int j = 0; j < 4; ++j) ++counts4[j][w[k + j] >> kRawBits];
+    for (; k < num_fields; ++k) ++counts4[0][w[k] >> kRawBits];
+    for (k = 0; k < num_fields; ++k) checksum += checksum_term(w[k], k);
+    for (int f = 0; f < 1 << kRawBits; ++f)
+      counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
+  }
   const uint32_t nonzero = num_fields - static_cast<uint32_t>(counts[0]);
   if (!field_coding_may_pay(field_entropy_q10(counts, num_fields), num_fields, num_fields, one)) return;
   CodingTable& t = fs.table;
