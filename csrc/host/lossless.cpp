@@ -152,17 +152,12 @@ struct FieldScratch {
         payload(new uint8_t[2 * kStateBytes + kFieldHeaderBytes + kMaxFieldTableBytes + 4ull * cv + 16]) {}
 };
 
-// Version 6: recodes a mode 0 chunk (values v[0, n), entry e, payload at `payload`) as mode 4 where
-// its fields code smaller: first an estimate from every 16th value's field (fields of nearly 6 bits'
-// information, activations' and weights', stop there), then from all of them; where that promises
-// the least saving (kMinFieldSavingBytes, kMinFieldSavingShare), the field stream is coded (at SIMD
-// level `level`, so the blob is the same at every level) and the mode 4 payload, assembled in fs,
-// replaces the mode 0 one when smaller. Changes nothing otherwise.
-void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, ChunkEntry& e, const uint8_t*& payload) {
-  const uint32_t num_fields = e.num_raw;
-  const bool one = e.mode == kModeOneState;  // mode 2 -> 5 (one state a stream), else 0 -> 4
-  if (num_fields < (one ? kMinCodedFieldsOneState : kMinCodedFields)) return;
-  const uint64_t states_bytes = one ? kOneStateBytes : kStateBytes;
+// Version 6: whether a chunk of values v[0, n) with `num_fields` fields (one_state: coded with one
+// state) may code them smaller, judged from every 16th value's field: fields of nearly 6 bits'
+// information (activations', weights') stop here; the sample's empirical entropy is biased low,
+// so a chunk it rules out would not pay. (code_fields then decides from all the fields.)
+bool fields_may_pay(const uint16_t* v, uint32_t n, uint32_t num_fields, bool one_state) {
+  if (num_fields < (one_state ? kMinCodedFieldsOneState : kMinCodedFields)) return false;
   uint64_t counts[1 << kRawBits] = {};
   uint64_t sampled = 0;
   for (uint32_t i = 0; i < n; i += 16) {
@@ -170,9 +165,19 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
     ++counts[v[i] & kRawMask];
     ++sampled;
   }
-  // the sample's entropy underestimates the fields' (a sample's empirical entropy is biased low):
-  // a chunk it already rules out is not coded
-  if (sampled >= 256 && !field_coding_may_pay(field_entropy_q10(counts, sampled), sampled, num_fields, one)) return;
+  return sampled < 256 || field_coding_may_pay(field_entropy_q10(counts, sampled), sampled, num_fields, one_state);
+}
+
+// Version 6: recodes a mode 0 (2) chunk (values v[0, n), entry e, payload at `payload`, for which
+// fields_may_pay held) as mode 4 (5) where its fields code smaller: the fields' counts decide (the
+// least saving of field_coding_may_pay); then the field stream is coded (at SIMD level `level`, so
+// the blob is the same at every level) and the mode 4 (5) payload, assembled in fs, replaces the
+// mode 0 (2) one when smaller. Returns whether it did (else nothing changed).
+bool code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, ChunkEntry& e, const uint8_t*& payload) {
+  const uint32_t num_fields = e.num_raw;
+  const bool one = e.mode == kModeOneState;  // mode 2 -> 5 (one state a stream), else 0 -> 4
+  const uint64_t states_bytes = one ? kOneStateBytes : kStateBytes;
+  uint64_t counts[1 << kRawBits] = {};
   // the field stream's values, then their counts (four tables: no store-to-load chain on a
   // repeated field) and checksum, each loop without branches
   uint16_t* w = fs.values.get();
@@ -198,7 +203,7 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
       counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
   }
   const uint32_t nonzero = num_fields - static_cast<uint32_t>(counts[0]);
-  if (!field_coding_may_pay(field_entropy_q10(counts, num_fields), num_fields, num_fields, one)) return;
+  if (!field_coding_may_pay(field_entropy_q10(counts, num_fields), num_fields, num_fields, one)) return false;
   CodingTable& t = fs.table;
   uint64_t symbol_counts[kNumSymbols] = {};
   for (uint32_t f = 0; f < 1u << kRawBits; ++f) symbol_counts[field_symbol(f)] = counts[f];
@@ -206,7 +211,7 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   t.prob_bits = one ? choose_one_state_prob_bits(symbol_counts, num_fields, t.freq)
                     : choose_prob_bits(symbol_counts, num_fields, 1, t.freq, freq12);
   finish_table(t, int(kVersion4));  // version 4's table encoding (entries until the sum, as read)
-  if (t.bytes > kMaxFieldTableBytes) return;
+  if (t.bytes > kMaxFieldTableBytes) return false;
   uint32_t states[kLanes];
   uint16_t* words_end = fs.words.get() + kSlackWords + num_fields;
   uint32_t field_words = 0;
@@ -231,7 +236,7 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   const uint32_t symbol_words = e.num_words;
   const uint64_t prefix = field_prefix_bytes(t.bytes);
   const uint64_t coded = 2 * states_bytes + prefix + 2ull * symbol_words + 2ull * field_words;
-  if (coded >= payload_bytes(e, n)) return;
+  if (coded >= payload_bytes(e, n)) return false;
   uint8_t* o = fs.payload.get();
   std::memcpy(o, payload, states_bytes);
   std::memcpy(o + states_bytes, states, states_bytes);
@@ -249,6 +254,17 @@ void code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
   e.mode = one ? kModeOneStateFields : kModeCodedFields;
   e.num_words = static_cast<uint32_t>(prefix / 2 + symbol_words + field_words);
   payload = o;
+  return true;
+}
+
+// The raw fields of values v[0, n) (`zeros` of them +0.0) packed at `raw` at SIMD level `level`
+// (the same bytes at every level); returns their count.
+uint32_t pack_raw_fields(int level, const uint16_t* v, uint32_t n, uint32_t zeros, uint8_t* raw) {
+#if defined(__x86_64__)
+  if (level >= kSimdAvx2) return split_fields_avx2(v, n, zeros, raw);
+#endif
+  (void)level;
+  return split_fields_scalar(v, n, zeros, raw);
 }
 
 // Codes `count` (1 or 2) chunks: chunk k's values v[k][0, n[k]) with table *tables[k] in
@@ -275,6 +291,9 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
   uint32_t num_words[kMaxChunksPerClaim];
   uint8_t* fields[kMaxChunksPerClaim];  // raw fields the AVX-512 rANS pass packs (null: packed already)
   uint8_t* cv_fields[kMaxChunksPerClaim];
+  // version 6: chunks whose fields may be coded (fields_may_pay), packed only if they are not
+  bool try_fields[kMaxChunksPerClaim] = {false, false};
+  uint8_t* raw_at[kMaxChunksPerClaim];
   int num_coded = 0;
   for (int k = 0; k < count; ++k) {
     e[k]->checksum = survey[k]->checksum;
@@ -287,16 +306,20 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     uint8_t* raw = reinterpret_cast<uint8_t*>(end);
     e[k]->mode = one_state ? kModeOneState : kModeRans;
     fields[k] = nullptr;
+    raw_at[k] = raw;
+    try_fields[k] = field_scratch != nullptr && !one_state &&
+                    fields_may_pay(v[k], n[k], n[k] - survey[k]->zeros, false);
+    if (try_fields[k]) {  // packed after code_fields, only if it declines
+      e[k]->num_raw = n[k] - survey[k]->zeros;
+    }
 #if defined(__x86_64__)
-    if (level == kSimdAvx512 && !one_state && survey[k]->zeros == 0) {  // packed by the rANS pass
+    else if (level == kSimdAvx512 && !one_state && survey[k]->zeros == 0) {  // packed by the rANS pass
       fields[k] = raw;
       e[k]->num_raw = n[k];
-    } else if (level >= kSimdAvx2) {
-      e[k]->num_raw = split_fields_avx2(v[k], n[k], survey[k]->zeros, raw);
-    } else
+    }
 #endif
-    {
-      e[k]->num_raw = split_fields_scalar(v[k], n[k], survey[k]->zeros, raw);
+    else {
+      e[k]->num_raw = pack_raw_fields(level, v[k], n[k], survey[k]->zeros, raw);
     }
     if (one_state) {
       uint32_t state = 0;
@@ -304,7 +327,8 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
       uint8_t* p = reinterpret_cast<uint8_t*>(end - e[k]->num_words) - kOneStateBytes;
       std::memcpy(p, &state, kOneStateBytes);
       payload[k] = p;
-      if (field_scratch != nullptr) code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k]);
+      if (field_scratch != nullptr && fields_may_pay(v[k], n[k], e[k]->num_raw, true))
+        code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k]);
       continue;
     }
     coded[num_coded] = k;
@@ -344,8 +368,8 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     if (e[k]->mode != kModeZero && larger) {  // coding does not shrink it: raw
       *e[k] = ChunkEntry{kModeRaw, 0, 0, e[k]->checksum};
       payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
-    } else if (field_scratch != nullptr && e[k]->mode == kModeRans) {
-      code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k]);
+    } else if (try_fields[k] && !code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k])) {
+      pack_raw_fields(level, v[k], n[k], survey[k]->zeros, raw_at[k]);  // mode 0 after all
     }
   }
 }
