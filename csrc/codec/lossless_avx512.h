@@ -409,6 +409,16 @@ EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n
   return k;
 }
 
+// decode_chunks_avx512 of one chunk (decode_chunk's result).
+inline int decode_chunk_avx512(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
+                               uint16_t* out) {
+  const ChunkEntry* entries[1] = {&e};
+  const DecodeTable* tables[1] = {&table};
+  int status = kOk;
+  decode_chunks_avx512(1, &payload, entries, &n, tables, &out, &status);
+  return status;
+}
+
 // q = floor(y / freq) and r = y - q freq, 16 lanes, for y < freq 2^21 (a state after
 // renormalisation) and rcp = 1 / freq rounded toward zero (SimdEncTables). float(y), rcp and their
 // product are each rounded toward zero (embedded rounding), so the estimate trunc(float(y) * rcp)

@@ -1061,15 +1061,22 @@ EP_HD int read_extra_table_refs(const uint8_t* blob, const Header& h, uint64_t s
   return at == end ? int(kOk) : int(kErrTable);
 }
 
+// Reads a table in version 4's encoding of exactly `bytes` bytes at p, its entries running until
+// the frequencies sum to 2^prob_bits, into freq[1025] / start[1025] (version 5's extra tables,
+// version 6's field tables).
+EP_HD int read_sized_table(const uint8_t* p, uint64_t bytes, uint32_t prob_bits, uint32_t* freq, uint32_t* start) {
+  for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
+  uint64_t used = 0;
+  const int st = read_table_v4_prefix(p, bytes, 0, prob_bits, freq, used);
+  if (st != kOk) return st;
+  if (used != bytes) return kErrTable;
+  return cumulative(freq, start, int(prob_bits)) ? int(kOk) : int(kErrTable);
+}
+
 // Reads extra table `ref` into freq[1025] / start[1025]: exactly its bytes, frequencies summing to
 // 2^prob_bits.
 EP_HD int read_extra_table(const uint8_t* blob, const ExtraTable& ref, uint32_t* freq, uint32_t* start) {
-  for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
-  uint64_t used = 0;
-  const int st = read_table_v4_prefix(blob + ref.offset, ref.bytes, 0, ref.prob_bits, freq, used);
-  if (st != kOk) return st;
-  if (used != ref.bytes) return kErrTable;
-  return cumulative(freq, start, int(ref.prob_bits)) ? int(kOk) : int(kErrTable);
+  return read_sized_table(blob + ref.offset, ref.bytes, ref.prob_bits, freq, start);
 }
 
 // Reads the (shared) table into freq[1025] / start[1025]; validates order and sum. Version 5:

@@ -135,14 +135,11 @@ EP_HD int read_field_layout(const uint8_t* payload, const ChunkEntry& e, FieldLa
 // Reads a mode 4 or 5 payload's field table (layout f) into freq[1025] / start[1025]: exactly L bytes,
 // frequencies summing to 2^prob_bits, symbols in [1, 64) or the +0.0 symbol.
 EP_HD int read_field_table(const uint8_t* payload, const FieldLayout& f, uint32_t* freq, uint32_t* start) {
-  for (int s = 0; s < kNumSymbols; ++s) freq[s] = start[s] = 0;
-  uint64_t used = 0;
-  const int st = read_table_v4_prefix(payload + f.table_offset, f.table_bytes, 0, f.prob_bits, freq, used);
+  const int st = read_sized_table(payload + f.table_offset, f.table_bytes, f.prob_bits, freq, start);
   if (st != kOk) return st;
-  if (used != f.table_bytes) return kErrTable;
   for (int s = 1u << kRawBits; s < kZeroSymbol; ++s)
     if (freq[s] != 0) return kErrTable;
-  return cumulative(freq, start, int(f.prob_bits)) ? int(kOk) : int(kErrTable);
+  return kOk;
 }
 
 // Packs fields w[k] >> 6 (k < count; the field stream's decoded values, each below 2^12) as 6-bit

@@ -904,15 +904,7 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
 int decode_rans_chunk(int level, const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
                       uint16_t* out) {
 #if defined(__x86_64__)
-  if (level == kSimdAvx512) {
-    const uint8_t* payloads[1] = {payload};
-    const ChunkEntry* entries[1] = {&e};
-    const DecodeTable* tables[1] = {&table};
-    uint16_t* outs[1] = {out};
-    int st = kOk;
-    decode_chunks_avx512(1, payloads, entries, &n, tables, outs, &st);
-    return st;
-  }
+  if (level == kSimdAvx512) return decode_chunk_avx512(payload, e, n, table, out);
   if (level == kSimdAvx2) return decode_chunk_avx2(payload, e, n, table, out);
 #endif
   (void)level;

@@ -92,13 +92,7 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
     if (path == kPortable) return decode_chunk(p, e, n, t, o);
     if (path == kScalar) return decode_chunk_scalar(p, e, n, t, o);
     if (path == kAvx2) return decode_chunk_avx2(p, e, n, t, o);
-    const uint8_t* ps[1] = {p};
-    const ChunkEntry* es[1] = {&e};
-    const DecodeTable* ts[1] = {&t};
-    uint16_t* os[1] = {o};
-    int st1 = kOk;
-    decode_chunks_avx512(1, ps, es, &n, ts, os, &st1);
-    return st1;
+    return decode_chunk_avx512(p, e, n, t, o);
   };
   for (uint64_t c = 0; c < h.num_chunks; c += 2) {
     const uint8_t* payloads[2];
