@@ -147,6 +147,10 @@ struct FieldScratch {
   CodingTable table;
   std::unique_ptr<uint16_t[]> values, words;
   std::unique_ptr<uint8_t[]> payload;
+  // the field stream prepared (prepare_field_stream) and coded (code_field_streams)
+  uint32_t num_fields = 0, nonzero = 0, checksum = 0, field_words = 0;
+  uint32_t states[kLanes];
+  uint16_t* words_end() { return words.get() + kSlackWords + num_fields; }
   explicit FieldScratch(uint32_t cv)
       : values(new uint16_t[cv]), words(new uint16_t[cv + kSlackWords]),
         payload(new uint8_t[2 * kStateBytes + kFieldHeaderBytes + kMaxFieldTableBytes + 4ull * cv + 16]) {}
@@ -155,7 +159,7 @@ struct FieldScratch {
 // Version 6: whether a chunk of values v[0, n) with `num_fields` fields (one_state: coded with one
 // state) may code them smaller, judged from every 16th value's field: fields of nearly 6 bits'
 // information (activations', weights') stop here; the sample's empirical entropy is biased low,
-// so a chunk it rules out would not pay. (code_fields then decides from all the fields.)
+// so a chunk it rules out would not pay. (prepare_field_stream then decides from all the fields.)
 bool fields_may_pay(const uint16_t* v, uint32_t n, uint32_t num_fields, bool one_state) {
   if (num_fields < (one_state ? kMinCodedFieldsOneState : kMinCodedFields)) return false;
   uint64_t counts[1 << kRawBits] = {};
@@ -168,21 +172,23 @@ bool fields_may_pay(const uint16_t* v, uint32_t n, uint32_t num_fields, bool one
   return sampled < 256 || field_coding_may_pay(field_entropy_q10(counts, sampled), sampled, num_fields, one_state);
 }
 
-// Version 6: recodes a mode 0 (2) chunk (values v[0, n), entry e, payload at `payload`, for which
-// fields_may_pay held) as mode 4 (5) where its fields code smaller: the fields' counts decide (the
-// least saving of field_coding_may_pay); then the field stream is coded (at SIMD level `level`, so
-// the blob is the same at every level) and the mode 4 (5) payload, assembled in fs, replaces the
-// mode 0 (2) one when smaller. Returns whether it did (else nothing changed).
-bool code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, ChunkEntry& e, const uint8_t*& payload) {
+// Version 6's recoding of a mode 0 (2) chunk (values v[0, n), entry e, payload at `payload`, for
+// which fields_may_pay held) as mode 4 (5) where its fields code smaller, in three steps, so that
+// two chunks' field streams are coded in lockstep on AVX-512:
+//   prepare_field_stream: the field stream's values, counts and checksum in fs; false when the
+//     counts do not promise the least saving (field_coding_may_pay), else the field table chosen;
+//   code_field_streams: the rANS pass of `count` prepared streams at SIMD level `level` (the same
+//     words at every level);
+//   finish_field_stream: the mode 4 (5) payload assembled in fs, replacing the chunk's when
+//     smaller; false (nothing changed) otherwise.
+bool prepare_field_stream(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, const ChunkEntry& e) {
   const uint32_t num_fields = e.num_raw;
   const bool one = e.mode == kModeOneState;  // mode 2 -> 5 (one state a stream), else 0 -> 4
-  const uint64_t states_bytes = one ? kOneStateBytes : kStateBytes;
   uint64_t counts[1 << kRawBits] = {};
   // the field stream's values, then their counts (four tables: no store-to-load chain on a
   // repeated field) and checksum, each loop without branches
   uint16_t* w = fs.values.get();
   uint32_t checksum = 0;
-  std::fill(counts, counts + (1 << kRawBits), 0);
 #if defined(__x86_64__)
   if (level == kSimdAvx512) {
     field_values_avx512(v, n, w, counts, checksum);
@@ -202,7 +208,6 @@ bool code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
     for (int f = 0; f < 1 << kRawBits; ++f)
       counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
   }
-  const uint32_t nonzero = num_fields - static_cast<uint32_t>(counts[0]);
   if (!field_coding_may_pay(field_entropy_q10(counts, num_fields), num_fields, num_fields, one)) return false;
   CodingTable& t = fs.table;
   uint64_t symbol_counts[kNumSymbols] = {};
@@ -212,45 +217,76 @@ bool code_fields(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, Chu
                     : choose_prob_bits(symbol_counts, num_fields, 1, t.freq, freq12);
   finish_table(t, int(kVersion4));  // version 4's table encoding (entries until the sum, as read)
   if (t.bytes > kMaxFieldTableBytes) return false;
-  uint32_t states[kLanes];
-  uint16_t* words_end = fs.words.get() + kSlackWords + num_fields;
-  uint32_t field_words = 0;
-  if (one) {
-    field_words = rans_encode_one_state(w, num_fields, t.syms, states[0], words_end);
+  fs.num_fields = num_fields;
+  fs.nonzero = num_fields - static_cast<uint32_t>(counts[0]);
+  fs.checksum = checksum;
+  return true;
+}
+
+void code_field_streams(int level, FieldScratch* const* fs, int count, bool one_state) {
+  if (count == 0) return;
+  if (one_state) {
+    for (int k = 0; k < count; ++k)
+      fs[k]->field_words = rans_encode_one_state(fs[k]->values.get(), fs[k]->num_fields, fs[k]->table.syms,
+                                                 fs[k]->states[0], fs[k]->words_end());
+    return;
   }
 #if defined(__x86_64__)
-  else if (level == kSimdAvx512) {
-    const uint16_t* vs[1] = {w};
-    const EncSym* syms[1] = {t.syms};
-    const SimdEncTables* simd[1] = {&t.simd};
-    uint32_t* state_ptrs[1] = {states};
-    uint16_t* ends[1] = {words_end};
-    rans_encode_chunks_avx512(1, vs, &num_fields, syms, simd, state_ptrs, ends, &field_words);
-  } else if (level == kSimdAvx2) {
-    field_words = rans_encode_chunk_avx2(w, num_fields, t.syms, t.simd, states, words_end, nonzero != num_fields);
+  if (level == kSimdAvx512) {
+    const uint16_t* vs[kMaxChunksPerClaim];
+    uint32_t ns[kMaxChunksPerClaim], words[kMaxChunksPerClaim];
+    const EncSym* syms[kMaxChunksPerClaim];
+    const SimdEncTables* simd[kMaxChunksPerClaim];
+    uint32_t* state_ptrs[kMaxChunksPerClaim];
+    uint16_t* ends[kMaxChunksPerClaim];
+    for (int k = 0; k < count; ++k) {
+      vs[k] = fs[k]->values.get();
+      ns[k] = fs[k]->num_fields;
+      syms[k] = fs[k]->table.syms;
+      simd[k] = &fs[k]->table.simd;
+      state_ptrs[k] = fs[k]->states;
+      ends[k] = fs[k]->words_end();
+    }
+    rans_encode_chunks_avx512(count, vs, ns, syms, simd, state_ptrs, ends, words);
+    for (int k = 0; k < count; ++k) fs[k]->field_words = words[k];
+    return;
   }
 #endif
-  else {
-    field_words = rans_encode_chunk(w, num_fields, t.syms, states, words_end);
+  for (int k = 0; k < count; ++k) {
+    FieldScratch& f = *fs[k];
+#if defined(__x86_64__)
+    if (level == kSimdAvx2) {
+      f.field_words = rans_encode_chunk_avx2(f.values.get(), f.num_fields, f.table.syms, f.table.simd, f.states,
+                                             f.words_end(), f.nonzero != f.num_fields);
+      continue;
+    }
+#endif
+    f.field_words = rans_encode_chunk(f.values.get(), f.num_fields, f.table.syms, f.states, f.words_end());
   }
-  const uint32_t symbol_words = e.num_words;
+}
+
+bool finish_field_stream(uint32_t n, FieldScratch& fs, ChunkEntry& e, const uint8_t*& payload) {
+  const bool one = e.mode == kModeOneState;
+  const uint64_t states_bytes = one ? kOneStateBytes : kStateBytes;
+  const CodingTable& t = fs.table;
+  const uint32_t symbol_words = e.num_words, field_words = fs.field_words;
   const uint64_t prefix = field_prefix_bytes(t.bytes);
   const uint64_t coded = 2 * states_bytes + prefix + 2ull * symbol_words + 2ull * field_words;
   if (coded >= payload_bytes(e, n)) return false;
   uint8_t* o = fs.payload.get();
   std::memcpy(o, payload, states_bytes);
-  std::memcpy(o + states_bytes, states, states_bytes);
+  std::memcpy(o + states_bytes, fs.states, states_bytes);
   uint8_t* h = o + 2 * states_bytes;
   store_le<uint32_t>(h, symbol_words);
-  store_le<uint32_t>(h + 4, nonzero);
-  store_le<uint32_t>(h + 8, checksum);
+  store_le<uint32_t>(h + 4, fs.nonzero);
+  store_le<uint32_t>(h + 8, fs.checksum);
   h[12] = static_cast<uint8_t>(t.prob_bits);
   h[13] = 0;
   store_le<uint16_t>(h + 14, static_cast<uint16_t>(t.bytes));
   std::memset(h + kFieldHeaderBytes, 0, prefix - kFieldHeaderBytes);
   write_table_v4(h + kFieldHeaderBytes, t.freq, t.gap_order, t.freq_order);
   std::memcpy(h + prefix, payload + states_bytes, 2ull * symbol_words);
-  std::memcpy(h + prefix + 2ull * symbol_words, words_end - field_words, 2ull * field_words);
+  std::memcpy(h + prefix + 2ull * symbol_words, fs.words_end() - field_words, 2ull * field_words);
   e.mode = one ? kModeOneStateFields : kModeCodedFields;
   e.num_words = static_cast<uint32_t>(prefix / 2 + symbol_words + field_words);
   payload = o;
@@ -275,7 +311,7 @@ uint32_t pack_raw_fields(int level, const uint16_t* v, uint32_t n, uint32_t zero
 // chunk modes (a chunk of +0.0 only as mode 3; with `one_state`, the blob's only chunk coded as
 // mode 2, stored raw unless its payload and the table's padded bytes, `table_bytes`, are smaller
 // than its values). fields[k] (version 6; null before): chunk k's FieldScratch, its raw fields
-// coded where that pays (code_fields).
+// coded where that pays (prepare_field_stream, code_field_streams, finish_field_stream).
 void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const CodingTable* const* tables,
                       const ChunkSurvey* const* survey, int level, bool v4, bool one_state, uint64_t table_bytes,
                       uint8_t* const* scratch, FieldScratch* const* field_scratch, ChunkEntry* const* e,
@@ -309,7 +345,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     raw_at[k] = raw;
     try_fields[k] = field_scratch != nullptr && !one_state &&
                     fields_may_pay(v[k], n[k], n[k] - survey[k]->zeros, false);
-    if (try_fields[k]) {  // packed after code_fields, only if it declines
+    if (try_fields[k]) {  // packed after prepare_field_stream, only if coding them is declined
       e[k]->num_raw = n[k] - survey[k]->zeros;
     }
 #if defined(__x86_64__)
@@ -327,8 +363,12 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
       uint8_t* p = reinterpret_cast<uint8_t*>(end - e[k]->num_words) - kOneStateBytes;
       std::memcpy(p, &state, kOneStateBytes);
       payload[k] = p;
-      if (field_scratch != nullptr && fields_may_pay(v[k], n[k], e[k]->num_raw, true))
-        code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k]);
+      FieldScratch* fs = field_scratch != nullptr ? field_scratch[k] : nullptr;
+      if (fs != nullptr && fields_may_pay(v[k], n[k], e[k]->num_raw, true) &&
+          prepare_field_stream(v[k], n[k], level, *fs, *e[k])) {
+        code_field_streams(level, &fs, 1, true);
+        finish_field_stream(n[k], *fs, *e[k], payload[k]);
+      }
       continue;
     }
     coded[num_coded] = k;
@@ -361,6 +401,9 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     std::memcpy(p, states[j], kStateBytes);
     payload[k] = p;
   }
+  FieldScratch* prepared[kMaxChunksPerClaim];
+  int prepared_chunk[kMaxChunksPerClaim];
+  int num_prepared = 0;
   for (int k = 0; k < count; ++k) {
     const bool larger = e[k]->mode == kModeOneState || e[k]->mode == kModeOneStateFields
                             ? align4(table_bytes) + align4(payload_bytes(*e[k], n[k])) >= align4(2ull * n[k])
@@ -368,9 +411,20 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     if (e[k]->mode != kModeZero && larger) {  // coding does not shrink it: raw
       *e[k] = ChunkEntry{kModeRaw, 0, 0, e[k]->checksum};
       payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
-    } else if (try_fields[k] && !code_fields(v[k], n[k], level, *field_scratch[k], *e[k], payload[k])) {
-      pack_raw_fields(level, v[k], n[k], survey[k]->zeros, raw_at[k]);  // mode 0 after all
+    } else if (try_fields[k]) {
+      if (prepare_field_stream(v[k], n[k], level, *field_scratch[k], *e[k])) {
+        prepared[num_prepared] = field_scratch[k];
+        prepared_chunk[num_prepared++] = k;
+      } else {
+        pack_raw_fields(level, v[k], n[k], survey[k]->zeros, raw_at[k]);  // mode 0 after all
+      }
     }
+  }
+  code_field_streams(level, prepared, num_prepared, false);
+  for (int j = 0; j < num_prepared; ++j) {
+    const int k = prepared_chunk[j];
+    if (!finish_field_stream(n[k], *prepared[j], *e[k], payload[k]))
+      pack_raw_fields(level, v[k], n[k], survey[k]->zeros, raw_at[k]);  // mode 0 after all
   }
 }
 
