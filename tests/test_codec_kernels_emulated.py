@@ -243,6 +243,26 @@ def test_decodes_format_version_6(libs, schedule, variant: str, case: str, make,
         "corrupted chunk directory"
 
 
+def test_decoder_refuses_more_field_slots_than_chunks(libs) -> None:
+    """A caller's count of chunks with coded fields above the chunk count (a wrong count, which
+    could overflow the workspace's size) is refused at launch; the workspace size takes at most
+    one slot a chunk."""
+    import ctypes
+
+    lib = libs["default"]
+    x = gradient_like(2, seed=3)
+    blob = lossless.encode(x, chunk_values=4096, version=6)
+    n, chunks = x.numel(), -(-x.numel() // 4096)
+    assert lib.ep_lossless_decode_workspace_bytes(n, 4096, 1 << 60) == lib.ep_lossless_decode_workspace_bytes(
+        n, 4096, chunks)
+    ws = torch.zeros(lib.ep_lossless_decode_workspace_bytes(n, 4096, chunks), dtype=torch.uint8)
+    out = torch.empty(n, dtype=torch.int16)
+    status = torch.full((1,), -1, dtype=torch.int32)
+    rc = lib.ep_lossless_decode_cuda(blob.data_ptr(), blob.numel(), out.data_ptr(), n, 4096, chunks + 1,
+                                     status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
+    assert rc != 0
+
+
 @pytest.mark.parametrize("variant", ["default", "per_step", "early_loads"])
 @pytest.mark.parametrize("case", ["small_chunks", "one_state"])
 def test_every_field_byte_of_a_format_version_6_chunk_corrupted_gets_the_host_status(libs, variant: str,

@@ -4,7 +4,8 @@ code its raw fields with a second rANS stream (mode 4), and a one-state chunk wi
 reads them back exactly; chunks whose low mantissa bits carry little information take mode 4 and
 shrink, the others are version 5's bytes; the field header and table read back by the format's
 definition (a Python reader); corrupted and forged blobs are rejected with the same error on every
-path; a GPU decodes version 6 on the host (the kernels read 2 to 5)."""
+path; the metadata checks before the CUDA decoder count the chunks with coded fields (the
+emulated kernels' tests are in test_codec_kernels_emulated.py)."""
 from __future__ import annotations
 
 import math
@@ -148,15 +149,17 @@ FIELD_FORGERIES = [
     # the table's last byte then reads as padding, or, in the same word, as the table's end
     ("table_bytes_less", _set(14, "<H", lambda f: f["table_bytes"] - 1), "padding|table"),
     ("table_bytes_large", _set(14, "<H", lambda f: 513), "stream"),
-    ("field_symbol_64", None, "table"),
+    ("field_symbol_64", 64, "table"),
+    ("field_symbol_0", 0, "table"),  # field 0 is the +0.0 symbol's, never symbol 0
 ]
 
 
-def _field_symbol_64(b, chunk, f):
-    """The table re-coded with one field's frequency moved to symbol 64 (not a field)."""
+def _field_symbol_moved(b, chunk, f, target):
+    """The table re-coded with one field's frequency moved to symbol `target` (not a field symbol:
+    64, or 0, whose field is the +0.0 symbol's)."""
     freqs = dict(f["freqs"])
-    moved = max(s for s in freqs if s < 64)
-    freqs[64] = freqs.pop(moved)
+    moved = max(s for s in freqs if 0 < s < 64 and s != target)
+    freqs[target] = freqs.pop(moved)
     stream, bits_used = 0, 0
 
     def put(v, k):
@@ -192,12 +195,12 @@ def _field_symbol_64(b, chunk, f):
 def test_forged_field_headers_are_rejected(forgery, edit, message):
     """A mode 4 chunk's field header or table forged: the named error, the same on every path."""
     blob = lossless.encode(gradient_like(8), version=6)
-    if forgery == "field_symbol_64":
+    if forgery.startswith("field_symbol"):
         layout = _layout(blob)
         b = bytearray(blob.numpy().tobytes())
         index, chunk = next((i, c) for i, c in enumerate(_payloads(blob)) if c["mode"] == 4)
         chunk["directory_at"] = layout["directory"] + 16 * index
-        _field_symbol_64(b, chunk, _field_header(bytes(b), chunk))
+        _field_symbol_moved(b, chunk, _field_header(bytes(b), chunk), edit)
         bad = torch.frombuffer(b, dtype=torch.uint8)
     else:
         bad = _forge_field(blob, edit)

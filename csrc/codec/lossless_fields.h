@@ -1,5 +1,6 @@
-// Format version 6's coded raw fields (chunk modes 4 and 5): the layout, shared by the host encoder and
-// decoder, and the host's decoding of a mode 4 chunk (host only: the CUDA decoder reads 2 to 5).
+// Format version 6's coded raw fields (chunk modes 4 and 5): the layout and its checks (shared by the
+// host encoder and decoders and the CUDA decoder), the encoder's choice, and the host's decoding of
+// a chunk with coded fields.
 //
 // A mode 4 chunk is a mode 0 chunk (32 states, the chunk's table) whose num_raw 6-bit raw fields
 // are not stored packed but coded by a second rANS stream, the field stream: the num_raw values
@@ -137,6 +138,7 @@ EP_HD int read_field_layout(const uint8_t* payload, const ChunkEntry& e, FieldLa
 EP_HD int read_field_table(const uint8_t* payload, const FieldLayout& f, uint32_t* freq, uint32_t* start) {
   const int st = read_sized_table(payload + f.table_offset, f.table_bytes, f.prob_bits, freq, start);
   if (st != kOk) return st;
+  if (freq[0] != 0) return kErrTable;  // field 0 is the +0.0 symbol's
   for (int s = 1u << kRawBits; s < kZeroSymbol; ++s)
     if (freq[s] != 0) return kErrTable;
   return kOk;
@@ -164,7 +166,7 @@ inline void pack_field_values(const uint16_t* w, uint32_t count, uint8_t* raw) {
   bits.finish();
 }
 
-// ---- host decoding (the CUDA decoder reads versions 2 to 5) ----
+// ---- host decoding (the CUDA decoder's: rebuild_fields_warp in csrc/cuda/lossless_kernels.cu) ----
 
 // A worker's scratch for decoding mode 4 chunks of at most cv values: the field table, the field
 // stream and the chunk rebuilt as mode 0 payloads (states, words, then raw fields: the field

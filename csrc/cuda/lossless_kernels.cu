@@ -2240,7 +2240,9 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
 
 size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint64_t field_chunks) {
   if (chunk_values == 0) return 0;
-  return carve_dec(num_chunks_for(num_values, chunk_values), chunk_values, field_chunks, nullptr, nullptr);
+  const uint64_t chunks = num_chunks_for(num_values, chunk_values);
+  // (no more slots than chunks: a larger count would only overflow the size)
+  return carve_dec(chunks, chunk_values, field_chunks < chunks ? field_chunks : chunks, nullptr, nullptr);
 }
 
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
@@ -2248,6 +2250,7 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
                             size_t workspace_bytes, cudaStream_t stream) {
   if (min_chunk_values < kMinChunkValues) return cudaErrorInvalidValue;
   const uint64_t max_chunks = num_chunks_for(num_values, min_chunk_values);
+  if (field_chunks > max_chunks) return cudaErrorInvalidValue;  // more slots than chunks: a bad count
   if (workspace_bytes < ep_lossless_decode_workspace_bytes(num_values, min_chunk_values, field_chunks))
     return cudaErrorInvalidValue;
   DecWs ws;

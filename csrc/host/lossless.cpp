@@ -1033,7 +1033,8 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
     for (const ChunkEntry& e : entries) {
       if (e.mode != kModeCodedFields && e.mode != kModeOneStateFields) continue;
       const uint32_t most = h.num_values < h.chunk_values ? static_cast<uint32_t>(h.num_values) : h.chunk_values;
-      for (int w = 0; w < 2 * nt; ++w) field_scratch.emplace_back(new FieldDecodeScratch(most));
+      for (int w = 0; w < (level == kSimdAvx512 ? 2 : 1) * nt; ++w)
+        field_scratch.emplace_back(new FieldDecodeScratch(most));
       break;
     }
     const int64_t per_task = level == kSimdAvx512 ? 2 : 1;
@@ -1074,7 +1075,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
           } else if (e.mode == kModeOneState) {
             st = decode_one_state_chunk(payload, e, n, shared, dst);
           } else if (e.mode == kModeCodedFields || e.mode == kModeOneStateFields) {
-            FieldDecodeScratch& fs = *field_scratch[size_t(2 * worker + (c - task * per_task))];
+            FieldDecodeScratch& fs = *field_scratch[size_t(per_task * worker + (c - task * per_task))];
             if (e.mode == kModeOneStateFields || level < kSimdAvx2) {
               st = decode_coded_fields_chunk_at(level, payload, e, n, table_of(c), dst, fs);
             } else {
