@@ -243,6 +243,26 @@ def test_decodes_format_version_6(libs, schedule, variant: str, case: str, make,
         "corrupted chunk directory"
 
 
+@pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
+def test_encodes_format_version_6_like_the_host(libs, schedule, case: str, make, chunk_values: int,
+                                                 coded: int) -> None:
+    """The kernels' format version 6 blob is the host encoder's, byte for byte (its chunks with coded
+    fields, mode 4 or 5, among them), and decodes exactly."""
+    x = make()
+    blob = check_blob_is_byte_identical_and_decodes_tensor(libs["default"], "cpu", x, chunk_values, version=6)
+    assert int(blob[4]) == 6 and field_chunks(blob) >= coded
+
+
+@pytest.mark.parametrize("case,chunk_values", [("mixed_rows", 14336), ("mixed_rows", 4096), ("normal", 4096),
+                                               ("sparse", 1024), ("one_state", 4096), ("zeros", 64), ("n33", 32),
+                                               ("random_bits", 4096), ("mixed", 65536)])
+def test_encodes_format_version_6_of_other_tensors_like_the_host(libs, case: str, chunk_values: int) -> None:
+    """Tensors whose fields stay packed (activations, weights, +0.0, random bits) and messages whose
+    chunks take tables of their own: the kernels' format version 6 blob is the host's."""
+    x = {**CASES, **V5_CASES}[case]()
+    check_blob_is_byte_identical_and_decodes_tensor(libs["default"], "cpu", x, chunk_values, version=6)
+
+
 def test_decoder_refuses_more_field_slots_than_chunks(libs) -> None:
     """A caller's count of chunks with coded fields above the chunk count (a wrong count, which
     could overflow the workspace's size) is refused at launch; the workspace size takes at most
@@ -301,7 +321,8 @@ def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant:
     threads of a block touch the same memory, one of them writing, without a barrier between them,
     in either schedule order, and every round trip is exact, as is the decoding of a format 5 blob
     of the host encoder (extra tables built by validate_kernel's warps) and of format 6 blobs
-    (chunks with coded fields, 32 states and one, rebuilt by fields_kernel). (Checked by mutation:
+    (chunks with coded fields, 32 states and one, rebuilt by fields_kernel), whose values the
+    kernels also encode to the same bytes (rans_fields_kernel's field streams). (Checked by mutation:
     without the __syncwarp after the encoder's tile store, TSan reports the race.)"""
     try:
         exe = build_racecheck(tmp_path / "racecheck", VARIANTS[variant])
@@ -315,7 +336,9 @@ def test_kernels_have_no_data_race_between_threads_of_a_block(tmp_path, variant:
     (tmp_path / "v5.blob").write_bytes(blob.numpy().tobytes())
     (tmp_path / "v5.values").write_bytes(bits(x).numpy().tobytes())
     args = [str(tmp_path / "v5.blob"), str(tmp_path / "v5.values"), "4096", "0"]
-    for name, x6, cv in (("v6", gradient_like(2, seed=3), 4096), ("v6_one", gradient_like(1, seed=2)[0, :3000], 65536)):
+    # (1-D: the racecheck encodes its values as a 1-D tensor)
+    for name, x6, cv in (("v6", gradient_like(2, seed=3).reshape(-1), 4096),
+                         ("v6_one", gradient_like(1, seed=2)[0, :3000], 65536)):
         blob6 = lossless.encode(x6, chunk_values=cv, version=6)
         (tmp_path / f"{name}.blob").write_bytes(blob6.numpy().tobytes())
         (tmp_path / f"{name}.values").write_bytes(bits(x6).numpy().tobytes())

@@ -271,7 +271,7 @@ def test_many_blobs_with_one_read_back(kernels, monkeypatch):
 
 
 def test_device_path_decodes_format_6(kernels):
-    """A version 6 blob (written on the host: the kernels write 4 and 5) with chunks of coded
+    """A version 6 blob (of a CPU tensor: written by the host encoder) with chunks of coded
     fields, beside a version 5 one: decode, decode_into and decode_into_many run the kernels with
     the workspace for its chunks with coded fields (the count the metadata gives), the shape still
     checked first; the values exact."""
@@ -279,7 +279,7 @@ def test_device_path_decodes_format_6(kernels):
     x = torch.randn(16, 7168, generator=g)
     m, e = torch.frexp(x)
     x = torch.ldexp(torch.round(m * 8) / 8, e).to(torch.bfloat16)  # 2 of 6 low mantissa bits used
-    blob = lossless.encode(x, version=6)  # on the host: version 6 is not a kernel format
+    blob = lossless.encode(x, version=6)  # a CPU tensor: on the host
     assert int(blob[4]) == 6 and kernels.calls == []
     layout = lossless_device.layouts([blob])[0]
     assert layout.shape == (16, 7168) and layout.field_chunks == 2  # both chunks: mode 4

@@ -568,8 +568,13 @@ EP_HD int one_state_min_prob_bits(uint32_t present) {
 // values among 1,025). freq[1025] gets its frequencies.
 // Computed over the present symbols only (the absent ones have frequency 0 and never take a
 // correction), with normalize_counts' and table_bytes_v4's results.
-EP_HD int choose_one_state_prob_bits(const uint64_t* counts, uint64_t total, uint32_t* freq) {
-  uint32_t sym[kNumSymbols], gap[kNumSymbols], trial[kNumSymbols], best_freq[kNumSymbols];
+// scratch: u32[4 * kNumSymbols] (a GPU lane passes global memory: four local arrays of 1,025
+// words would live in local memory).
+EP_HD int choose_one_state_prob_bits_in(const uint64_t* counts, uint64_t total, uint32_t* freq, uint32_t* scratch) {
+  uint32_t* sym = scratch;
+  uint32_t* gap = scratch + kNumSymbols;
+  uint32_t* trial = scratch + 2 * kNumSymbols;
+  uint32_t* best_freq = scratch + 3 * kNumSymbols;
   uint32_t present = 0;
   int previous = -1;
   for (int s = 0; s < kNumSymbols; ++s) {
@@ -624,6 +629,10 @@ EP_HD int choose_one_state_prob_bits(const uint64_t* counts, uint64_t total, uin
   for (int s = 0; s < kNumSymbols; ++s) freq[s] = 0;
   for (uint32_t i = 0; i < present; ++i) freq[sym[i]] = best_freq[i];
   return best;
+}
+EP_HD int choose_one_state_prob_bits(const uint64_t* counts, uint64_t total, uint32_t* freq) {
+  uint32_t scratch[4 * kNumSymbols];
+  return choose_one_state_prob_bits_in(counts, total, freq, scratch);
 }
 
 // ---- rANS steps (one state) ----

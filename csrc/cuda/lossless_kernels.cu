@@ -249,6 +249,9 @@ constexpr uint64_t kSurveyScratchBytes = 8 * kNumSymbols + 4 * kOwnTableScratchW
 constexpr uint64_t kSlotGuard = 16;  // below the words: rans_encode_one_state's store below its cursor
 constexpr uint64_t kRansMaxBlocks = 2048;  // rans_kernel's grid at most (its warps take chunks by ticket)
 constexpr int kRansMinBlocks = 4;          // rans_kernel's blocks resident per SM (its register bound)
+// version 6's rans_kernel (the field streams' serial table choice by lane 0 inlined): 2 blocks, at
+// most 128 registers (at 3 blocks' 80 it spills)
+constexpr int kRansFieldsMinBlocks = 2;
 constexpr uint64_t kGridMax = 65535;
 
 uint64_t blocks_for(uint64_t items, uint64_t per_block, uint64_t most) {
@@ -259,8 +262,34 @@ uint64_t blocks_for(uint64_t items, uint64_t per_block, uint64_t most) {
 // A rans_kernel warp's scratch slot for chunks of at most `values` values: its chunk's words end
 // at kSlotGuard + 2 values, where its packed raw fields begin; 8 bytes of slack past the longest
 // raw fields for the copy's 4-byte loads.
-uint64_t slot_bytes_for(uint64_t values) {
+__host__ __device__ uint64_t slot_bytes_for(uint64_t values) {
   return (kSlotGuard + 2 * values + 6 * ((values + 7) / 8) + 8 + 15) & ~15ull;
+}
+
+// Version 6: a rans_kernel slot's field area, after its words and raw fields (slot_bytes_for):
+// the field stream's values w (coded in place: its words end where the values end) and lane 0's
+// table work (the stream's symbol counts, the field table, scratch for the table's choice).
+struct FieldArea {
+  uint16_t* w;        // [slot values]
+  uint64_t* counts;   // [kNumSymbols]
+  uint32_t* freq;     // [kNumSymbols]
+  uint32_t* scratch;  // [4 * kNumSymbols]: choose_one_state_prob_bits_in's, then the cumulative starts
+};
+__host__ __device__ constexpr uint64_t up16(uint64_t b) { return (b + 15) & ~15ull; }
+__host__ __device__ uint64_t field_area_bytes(uint64_t values) {
+  return up16(2 * values) + up16(8 * kNumSymbols) + up16(4 * kNumSymbols) + up16(16 * kNumSymbols);
+}
+__device__ FieldArea field_area(uint8_t* slot, uint64_t values) {
+  uint8_t* p = slot + slot_bytes_for(values);
+  FieldArea a;
+  a.w = reinterpret_cast<uint16_t*>(p);
+  p += up16(2 * values);
+  a.counts = reinterpret_cast<uint64_t*>(p);
+  p += up16(8 * kNumSymbols);
+  a.freq = reinterpret_cast<uint32_t*>(p);
+  p += up16(4 * kNumSymbols);
+  a.scratch = reinterpret_cast<uint32_t*>(p);
+  return a;
 }
 
 size_t carve(uint64_t n, uint32_t cv, uint32_t version, char* base, EncWs* ws) {
@@ -282,7 +311,8 @@ size_t carve(uint64_t n, uint32_t cv, uint32_t version, char* base, EncWs* ws) {
   w.slots = chunks < warps ? chunks : warps;
   w.slot_values = n < cv ? n : cv;
   w.slot_bytes = slot_bytes_for(w.slot_values);
-  if (own && w.slot_bytes < kSurveyScratchBytes) w.slot_bytes = (kSurveyScratchBytes + 15) & ~15ull;
+  if (version >= kVersion6) w.slot_bytes += field_area_bytes(w.slot_values);
+  if (own && w.slot_bytes < kSurveyScratchBytes) w.slot_bytes = up16(kSurveyScratchBytes);
   w.scratch = c.take<uint8_t>(w.slots * w.slot_bytes);
   // extra tables: at most one a chunk, kMaxExtraTables in all
   const uint64_t extra = own ? (chunks < kMaxExtraTables ? chunks : kMaxExtraTables) : 0;
@@ -756,6 +786,226 @@ __device__ __forceinline__ uint32_t code_chunk_warp(const SharedSym* table, uint
   return nw;
 }
 
+// ---- version 6: a coded chunk's raw fields coded as a field stream (csrc/codec/lossless_fields.h) ----
+
+// A chunk's field stream, coded: in shared memory (a warp's), so that nothing of it stays in
+// registers across the look-back.
+struct FieldCode {
+  uint32_t words, nonzero, checksum;                 // F, Z, the stream's checksum
+  uint32_t prob_bits, gap_order, freq_order, bytes;  // the field table (bytes: L)
+  uint32_t x[kLanes];                                // the final field states (mode 5: x[0])
+};
+
+// The encoder's symbol info of a field table's entry (ftab: SharedSym[65], field f at f, the +0.0
+// symbol at 64), as make_enc_sym makes it.
+__device__ __forceinline__ uint32_t field_index(uint32_t f) { return f == 0 ? 64u : f; }
+__device__ EncSym field_enc_sym(const SharedSym& s, uint32_t prob_bits) {
+  EncSym e;
+  e.rcp = s.rcp;
+  e.start = s.start;
+  e.freq = s.freq;
+  e.bypass = s.freq == 1 ? ~0u : 0u;
+  e.x_max = uint64_t(s.freq) << (32 - prob_bits);
+  e.prob_bits = prob_bits;
+  return e;
+}
+
+// The field table of counts fcounts[64] over `total` fields (prepare_field_stream's: the counts as
+// the stream's symbols, choose_prob_bits or, one state, choose_one_state_prob_bits; version 4's
+// orders and bytes), its encoder entries in ftab; lane 0 alone. Returns false when its bytes
+// exceed kMaxFieldTableBytes.
+__device__ bool field_table_lane(const unsigned long long* fcounts, uint32_t total, bool one_state, const FieldArea& a,
+                                 SharedSym* ftab, FieldCode& fc) {
+  for (int s = 0; s < kNumSymbols; ++s) a.counts[s] = 0;
+  for (uint32_t f = 0; f < 1u << kRawBits; ++f) a.counts[field_symbol(f)] = fcounts[f];
+  const int pb = one_state ? choose_one_state_prob_bits_in(a.counts, total, a.freq, a.scratch)
+                           : choose_prob_bits(a.counts, total, 1, a.freq, a.scratch);
+  uint32_t kg = 0, kf = 0;
+  table_orders_v4_in(a.freq, kg, kf, a.scratch, a.scratch + kNumSymbols);
+  fc.prob_bits = uint32_t(pb);
+  fc.gap_order = kg;
+  fc.freq_order = kf;
+  fc.bytes = table_bytes_v4(a.freq, kg, kf);
+  if (fc.bytes > kMaxFieldTableBytes) return false;
+  cumulative(a.freq, a.scratch, pb);
+  for (uint32_t j = 0; j <= 64; ++j) {
+    const uint32_t sym = j < 64 ? j : uint32_t(kZeroSymbol);
+    const EncSym e = make_enc_sym(a.scratch[sym], a.freq[sym], pb);
+    ftab[j] = SharedSym{e.rcp, e.start, e.freq};
+  }
+  return true;
+}
+
+// A mode 0 chunk (values v[0, cn); e: its entry, its words in the slot) recoded as mode 4 where
+// the host encoder does so (fields_may_pay, prepare_field_stream, finish_field_stream: the same
+// integer decisions): true with fc filled and e turned into mode 4; false, e unchanged,
+// otherwise. One warp, every lane calls. fcounts: the warp's u64[64] in shared memory, ftab its
+// SharedSym[65].
+// The sample's and the fields' counts by shared atomics; the field stream's values (w_k = the k-th
+// field << 6) stored in a.w by a ballot's prefix; its rANS pass as code_chunk_warp's, lane l coding
+// the fields k = l mod 32, its words written backwards in place below w + num_raw: after step t
+// (fields [32 t, num_raw) coded) at most num_raw - 32 t words are written (one a value at most),
+// so they lie at or above field 32 t, which that step read before its ballot.
+__device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, ChunkEntry& e, const FieldArea& a,
+                                 unsigned long long* fcounts, SharedSym* ftab, int lane, FieldCode& fc) {
+  const uint32_t nr = e.num_raw;
+  const unsigned below = (1u << lane) - 1u;
+  if (nr < min_coded_fields(false)) return false;
+  __syncwarp();
+  fcounts[lane] = fcounts[lane + kLanes] = 0;
+  __syncwarp();
+  uint32_t sampled = 0;
+  for (uint64_t i = uint64_t(kFieldSampleStride) * lane; i < cn; i += uint64_t(kFieldSampleStride) * kLanes) {
+    const uint16_t value = v[i];
+    if (value == 0) continue;
+    atomicAdd(&fcounts[raw_of(value)], 1ull);
+    ++sampled;
+  }
+  sampled = warp_sum(sampled);
+  __syncwarp();
+  int go = 0;
+  if (lane == 0)
+    go = field_sample_may_pay(reinterpret_cast<const uint64_t*>(fcounts), sampled, nr, false) ? 1 : 0;
+  if (__shfl_sync(kFull, go, 0) == 0) return false;
+  fcounts[lane] = fcounts[lane + kLanes] = 0;
+  __syncwarp();
+  uint32_t after = 0, checksum = 0;
+  for (uint32_t base = 0; base < cn; base += kLanes) {
+    const uint32_t i = base + lane;
+    const uint16_t value = i < cn ? v[i] : uint16_t(0);
+    const unsigned nz = __ballot_sync(kFull, value != 0);
+    if (value != 0) {
+      const uint32_t k = after + __popc(nz & below);
+      const uint16_t w = static_cast<uint16_t>(raw_of(value) << kRawBits);
+      a.w[k] = w;
+      atomicAdd(&fcounts[raw_of(value)], 1ull);
+      checksum += checksum_term(w, k);
+    }
+    after += __popc(nz);
+  }
+  checksum = warp_sum(checksum);
+  __syncwarp();  // the counts and the values stored
+  int ok = 0;
+  if (lane == 0) {
+    const uint64_t* counts = reinterpret_cast<const uint64_t*>(fcounts);
+    ok = field_coding_may_pay(field_entropy_q10(counts, nr), nr, nr, false) &&
+         field_table_lane(fcounts, nr, false, a, ftab, fc);
+  }
+  __syncwarp();  // lane 0's field table stored
+  if (__shfl_sync(kFull, ok, 0) == 0) return false;
+  const uint32_t pb = fc.prob_bits;
+  uint32_t x = kStateLow, nw = 0;
+  uint16_t* words_end = a.w + nr;
+  for (uint32_t t = (nr + kLanes - 1) / kLanes; t-- > 0;) {
+    const uint32_t k = t * kLanes + lane;
+    const bool valid = k < nr;
+    const SharedSym sym = ftab[field_index(valid ? uint32_t(a.w[k]) >> kRawBits : 0u)];
+    const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - pb));  // enc_needs_word
+    const unsigned mask = __ballot_sync(kFull, need);
+    const uint32_t m = __popc(mask);
+    if (need) words_end[-int64_t(nw) - int64_t(m) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
+    nw += m;
+    if (need) x >>= 16;
+    if (valid) {  // enc_put
+      const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
+      x = (q << pb) + (x - q * sym.freq) + sym.start;
+    }
+  }
+  const uint32_t bytes = fc.bytes;
+  const uint64_t coded = 2 * kStateBytes + field_prefix_bytes(bytes) + 2ull * e.num_words + 2ull * nw;
+  if (coded >= payload_bytes(e, cn)) return false;
+  fc.x[lane] = x;
+  if (lane == 0) {
+    fc.words = nw;
+    fc.nonzero = nr - static_cast<uint32_t>(fcounts[0]);
+    fc.checksum = checksum;
+  }
+  __syncwarp();
+  e = ChunkEntry{kModeCodedFields, static_cast<uint32_t>(field_prefix_bytes(bytes) / 2 + e.num_words + nw), nr,
+                 e.checksum};
+  return true;
+}
+
+// A blob's only chunk, coded with one state (mode 2: values v[0, cn), entry e), recoded as mode 5
+// where the host encoder does so (as code_fields_warp, with one state: the field stream coded in
+// order by rans_encode_one_state's steps, in place as there). Lane 0 alone.
+__device__ bool code_fields_one_state(const uint16_t* v, uint32_t cn, ChunkEntry& e, const FieldArea& a,
+                                      unsigned long long* fcounts, SharedSym* ftab, FieldCode& fc) {
+  const uint32_t nr = e.num_raw;
+  if (nr < min_coded_fields(true)) return false;
+  const uint64_t* counts = reinterpret_cast<const uint64_t*>(fcounts);
+  for (uint32_t f = 0; f < 1u << kRawBits; ++f) fcounts[f] = 0;
+  uint32_t sampled = 0;
+  for (uint32_t i = 0; i < cn; i += kFieldSampleStride) {
+    if (v[i] == 0) continue;
+    ++fcounts[raw_of(v[i])];
+    ++sampled;
+  }
+  if (!field_sample_may_pay(counts, sampled, nr, true)) return false;
+  for (uint32_t f = 0; f < 1u << kRawBits; ++f) fcounts[f] = 0;
+  uint32_t k = 0, checksum = 0;
+  for (uint32_t i = 0; i < cn; ++i) {
+    if (v[i] == 0) continue;
+    const uint16_t w = static_cast<uint16_t>(raw_of(v[i]) << kRawBits);
+    a.w[k] = w;
+    ++fcounts[raw_of(v[i])];
+    checksum += checksum_term(w, k++);
+  }
+  if (!field_coding_may_pay(field_entropy_q10(counts, nr), nr, nr, true)) return false;
+  if (!field_table_lane(fcounts, nr, true, a, ftab, fc)) return false;
+  uint32_t x = kStateLow;
+  uint16_t* const words_end = a.w + nr;
+  uint16_t* cursor = words_end;
+  for (uint32_t j = nr; j-- > 0;)  // enc_step stores at cursor[-1], at or above field j, read first
+    x = enc_step(x, field_enc_sym(ftab[field_index(uint32_t(a.w[j]) >> kRawBits)], fc.prob_bits), cursor);
+  const uint32_t nw = static_cast<uint32_t>(words_end - cursor);
+  const uint64_t coded = 2 * kOneStateBytes + field_prefix_bytes(fc.bytes) + 2ull * e.num_words + 2ull * nw;
+  if (coded >= payload_bytes(e, cn)) return false;
+  fc.words = nw;
+  fc.nonzero = nr - static_cast<uint32_t>(fcounts[0]);
+  fc.checksum = checksum;
+  fc.x[0] = x;
+  e = ChunkEntry{kModeOneStateFields, static_cast<uint32_t>(field_prefix_bytes(fc.bytes) / 2 + e.num_words + nw),
+                 nr, e.checksum};
+  return true;
+}
+
+// A mode 4 or 5 chunk's payload (entry e, fc its field stream; its symbols' states x, its symbol
+// words the S words before `symbol_words_end` in the slot, its field words the F words before
+// a.w + num_raw, its field table a.freq) at q: the two state blocks, the field header, the table,
+// then the words, zero-padded to a multiple of 4 bytes. One warp, every lane calls.
+__device__ void store_fields_payload(uint8_t* q, const ChunkEntry& e, uint32_t cn, uint32_t symbol_words,
+                                     const uint16_t* symbol_words_end, const FieldArea& a, const FieldCode& fc,
+                                     uint32_t x, bool out_aligned, int lane) {
+  const uint64_t sb = field_state_bytes(e);
+  if (uint64_t(lane) < sb / 4) {
+    store_le<uint32_t>(q + 4 * lane, x);
+    store_le<uint32_t>(q + sb + 4 * lane, fc.x[lane]);
+  }
+  uint8_t* h = q + 2 * sb;
+  const uint64_t prefix = field_prefix_bytes(fc.bytes);
+  if (lane == 0) {
+    store_le<uint32_t>(h, symbol_words);
+    store_le<uint32_t>(h + 4, fc.nonzero);
+    store_le<uint32_t>(h + 8, fc.checksum);
+    h[12] = static_cast<uint8_t>(fc.prob_bits);
+    h[13] = 0;
+    store_le<uint16_t>(h + 14, static_cast<uint16_t>(fc.bytes));
+    write_table_v4(h + kFieldHeaderBytes, a.freq, fc.gap_order, fc.freq_order);
+    for (uint64_t b = kFieldHeaderBytes + fc.bytes; b < prefix; ++b) h[b] = 0;
+  }
+  const uint64_t symbol_bytes = 2ull * symbol_words;
+  copy_padded(h + prefix, reinterpret_cast<const uint8_t*>(symbol_words_end - symbol_words), symbol_bytes,
+              align4(symbol_bytes), true, out_aligned, lane);
+  __syncwarp();  // a padding half-word the field words overwrite is stored first
+  uint8_t* fw = h + prefix + symbol_bytes;
+  const uint16_t* src = a.w + e.num_raw - fc.words;
+  for (uint32_t k = lane; k < fc.words; k += kLanes) store_le<uint16_t>(fw + 2ull * k, src[k]);
+  const uint64_t end = payload_bytes(e, cn);
+  if (lane == 0)
+    for (uint64_t b = end; b < align4(end); ++b) q[b] = 0;
+}
+
 // A survey's scratch in a warp's slot: u64 counts[1025], then own_table_saving_q10's words.
 __device__ uint64_t* survey_counts(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
 __device__ uint32_t* survey_scratch(uint8_t* slot) { return reinterpret_cast<uint32_t*>(slot + 8 * kNumSymbols); }
@@ -968,14 +1218,30 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
 // (__launch_bounds__: at most 64 registers a thread, so that 4 blocks, 32 warps, stay resident on an
 // SM for the coding pass; unbounded, version 5's serial table code takes the kernel to 96
 // registers and 2 blocks. Bounded, it compiles without spills: tests/test_sass_codec.py.)
-__global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
-    rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
-                uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
+// Version 6 (rans_fields_kernel): the same with code_fields, each coded chunk's raw fields then
+// coded as a field stream where the host encoder does so (code_fields_warp; a one-state chunk:
+// code_fields_one_state), its payload stored by store_fields_payload.
+// (The kernels are not templates: the CUDA emulation poisons a kernel's __shared__ statics, which
+// a template's would escape; their body is.)
+struct RansShared {
   // the shared table's SharedSym[kNumSymbols]; in phase A's last block, final_tables' arrays first
-  __shared__ __align__(16) unsigned char pool[sizeof(SharedSym) * kNumSymbols];
-  __shared__ __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
-  __shared__ __align__(8) uint8_t rings[kWarpsPerBlock][kFieldRing];
-  __shared__ int last_survey;
+  __align__(16) unsigned char pool[sizeof(SharedSym) * kNumSymbols];
+  __align__(16) uint16_t tiles[kWarpsPerBlock][kTileValues];
+  __align__(16) SharedSym field_tables[kWarpsPerBlock][65];  // version 6: a warp's field table
+  FieldCode field_codes[kWarpsPerBlock];                     // and its field stream
+  __align__(8) uint8_t rings[kWarpsPerBlock][kFieldRing];
+  int last_survey;
+};
+template <bool code_fields>
+__device__ __forceinline__ void rans_pass(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks,
+                                          bool aligned, const EncWs& ws, uint64_t table_at, uint8_t* out,
+                                          bool out_aligned, uint32_t one_state_max, RansShared& sh) {
+  unsigned char* pool = sh.pool;
+  auto& tiles = sh.tiles;
+  auto& rings = sh.rings;
+  auto& field_tables = sh.field_tables;
+  auto& field_codes = sh.field_codes;
+  int& last_survey = sh.last_survey;
   SharedSym* syms = reinterpret_cast<SharedSym*>(pool);
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const uint64_t slot_index = uint64_t(blockIdx.x) * kWarpsPerBlock + warp;
@@ -1049,10 +1315,26 @@ __global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
       x = state;
     }
     ChunkEntry e{one_state ? kModeOneState : kModeRans, nw, nr, counted.checksum};
+    // version 6: the fields coded where that pays (a one-state chunk before its raw-or-coded
+    // choice, a 32-state one after it, as on the host)
+    // (the tile's 512 bytes: the field counts, u64[64]; the tile is not read until the next chunk)
+    unsigned long long* fcounts = reinterpret_cast<unsigned long long*>(tile);
+    if (code_fields && one_state && nr > 0) {
+      int coded = 0;
+      if (lane == 0)
+        coded = code_fields_one_state(v, cn, e, field_area(slot, ws.slot_values), fcounts, field_tables[warp],
+                                      field_codes[warp]) ? 1 : 0;
+      __syncwarp();  // lane 0's field_codes stored
+      if (__shfl_sync(kFull, coded, 0) != 0)
+        e = ChunkEntry{__shfl_sync(kFull, e.mode, 0), __shfl_sync(kFull, e.num_words, 0), nr, e.checksum};
+    }
     const bool raw_pays = one_state ? align4(shared_bytes) + align4(payload_bytes(e, cn)) >= align4(2ull * cn)
                                     : payload_bytes(e, cn) >= 2ull * cn;
     if (raw_pays) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
     if (nr == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
+    if (code_fields && e.mode == kModeRans)
+      code_fields_warp(v, cn, e, field_area(slot, ws.slot_values), fcounts, field_tables[warp], lane,
+                       field_codes[warp]);
     const uint64_t bytes = align4(payload_bytes(e, cn));
     __syncwarp();  // the slot's words and fields are stored before any lane copies them
     const uint64_t offset = lookback_offset(ws.lookback, c, bytes, lane);
@@ -1062,9 +1344,14 @@ __global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
       if (e.mode != kModeZero) atomicMax(&ws.table_info[kInfoNotZero], 1u);  // several warps may set them
       if (e.mode == kModeRaw && table != 0) atomicMax(&ws.table_info[kInfoTakerRaw], 1u);
     }
-    if (e.mode != kModeRans && e.mode != kModeOneState) continue;
+    if (e.mode == kModeRaw || e.mode == kModeZero) continue;
     if (lane == 0) atomicMax(&ws.table_info[kInfoCoded], 1u);
     uint8_t* q = out + data_at + offset;
+    if (e.mode == kModeCodedFields || e.mode == kModeOneStateFields) {
+      store_fields_payload(q, e, cn, nw, words_end, field_area(slot, ws.slot_values), field_codes[warp], x,
+                           out_aligned, lane);
+      continue;
+    }
     const uint64_t states = state_bytes(e);
     if (uint64_t(lane) < states / 4) {
       if (out_aligned) reinterpret_cast<uint32_t*>(q)[lane] = x;
@@ -1073,6 +1360,18 @@ __global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
     const uint64_t len = 2ull * nw + raw_bytes(nr);
     copy_padded(q + states, raw - 2ull * nw, len, bytes - states, true, out_aligned, lane);
   }
+}
+__global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
+    rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
+                uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
+  __shared__ RansShared sh;
+  rans_pass<false>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, sh);
+}
+__global__ void __launch_bounds__(kBlockThreads, kRansFieldsMinBlocks)
+    rans_fields_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
+                       uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
+  __shared__ RansShared sh;
+  rans_pass<true>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, sh);
 }
 
 // The directory entries of chunks c = first, first + stride, ... below `chunks` (one warp each;
@@ -1084,7 +1383,8 @@ __device__ void place_chunks(const uint16_t* values, const EncWs& ws, uint64_t n
                              const uint32_t* new_table, uint8_t* out, bool out_aligned, int lane) {
   for (uint64_t c = first; c < chunks; c += stride) {
     const ChunkEntry e = ws.entries[c];
-    uint32_t table = e.mode == kModeRans && ws.chunk_table != nullptr ? ws.chunk_table[c] : 0u;
+    const bool tabled = e.mode == kModeRans || e.mode == kModeCodedFields;  // (modes 0 and 4 name their table)
+    uint32_t table = tabled && ws.chunk_table != nullptr ? ws.chunk_table[c] : 0u;
     if (new_table != nullptr) table = new_table[table];
     if (lane < 4) {
       const uint32_t field =
@@ -1114,7 +1414,7 @@ __global__ void __launch_bounds__(kMetaThreads) layout_kernel(const uint16_t* va
                                                              uint64_t* out_size, bool out_aligned, uint32_t version) {
   const int t = threadIdx.x, lane = t & 31, warp = t / 32;
   const bool table = ws.table_info[kInfoCoded] != 0;
-  const bool all_zero = version == kVersion5 && chunks > 1 && ws.table_info[kInfoNotZero] == 0;
+  const bool all_zero = extra_tables_format(version) && chunks > 1 && ws.table_info[kInfoNotZero] == 0;
   const uint32_t chosen = table ? ws.table_info[kInfoExtraTables] : 0u;
   const bool renumber = table && ws.table_info[kInfoTakerRaw] != 0;  // an extra table dropped
   const uint32_t shared_bytes = table ? ws.table_info[kInfoSharedBytes] : 0u;
@@ -2203,7 +2503,7 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
                             uint32_t ndim, uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (ndim > uint32_t(kMaxDims) || chunk_values < kMinChunkValues || chunk_values > kMaxChunkValues ||
-      chunk_values % kLanes != 0 || num_values > kMaxValues || (version != kVersion4 && version != kVersion5))
+      chunk_values % kLanes != 0 || num_values > kMaxValues || version < kVersion4 || version > kVersion6)
     return cudaErrorInvalidValue;
   ShapeArg shape{};
   uint64_t product = 1;
@@ -2229,9 +2529,13 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   cudaMemsetAsync(ws.counts, 0, kSyncBytes, stream);
   EP_LAUNCH(histogram_kernel, static_cast<int>(blocks_for(chunks, kMetaWarps, kGridMax)), kMetaThreads,
             stream)(values, num_values, chunk_values, chunks, aligned, one_state_max, ws);
-  if (chunks > 0)
-    EP_LAUNCH(rans_kernel, static_cast<int>(blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks)), kBlockThreads,
-              stream)(values, num_values, chunk_values, chunks, aligned, ws, table_at, out, out_aligned, one_state_max);
+  const int rans_grid = static_cast<int>(blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks));
+  if (chunks > 0 && version >= kVersion6)
+    EP_LAUNCH(rans_fields_kernel, rans_grid, kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
+                                                                     ws, table_at, out, out_aligned, one_state_max);
+  else if (chunks > 0)
+    EP_LAUNCH(rans_kernel, rans_grid, kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned, ws,
+                                                              table_at, out, out_aligned, one_state_max);
   const int layout_grid = static_cast<int>(chunks > 0 ? 1 + blocks_for(chunks, kMetaWarps, kGridMax - 1) : 1);
   EP_LAUNCH(layout_kernel, layout_grid, kMetaThreads, stream)(values, ws, num_values, shape, ndim, chunk_values, chunks,
                                                               table_at, out, out_size, out_aligned, version);

@@ -157,19 +157,18 @@ struct FieldScratch {
 };
 
 // Version 6: whether a chunk of values v[0, n) with `num_fields` fields (one_state: coded with one
-// state) may code them smaller, judged from every 16th value's field: fields of nearly 6 bits'
-// information (activations', weights') stop here; the sample's empirical entropy is biased low,
-// so a chunk it rules out would not pay. (prepare_field_stream then decides from all the fields.)
+// state) may code them smaller, from a sample of its fields (field_sample_may_pay).
+// (prepare_field_stream then decides from all the fields.)
 bool fields_may_pay(const uint16_t* v, uint32_t n, uint32_t num_fields, bool one_state) {
-  if (num_fields < (one_state ? kMinCodedFieldsOneState : kMinCodedFields)) return false;
+  if (num_fields < min_coded_fields(one_state)) return false;
   uint64_t counts[1 << kRawBits] = {};
   uint64_t sampled = 0;
-  for (uint32_t i = 0; i < n; i += 16) {
+  for (uint32_t i = 0; i < n; i += kFieldSampleStride) {
     if (v[i] == 0) continue;
     ++counts[v[i] & kRawMask];
     ++sampled;
   }
-  return sampled < 256 || field_coding_may_pay(field_entropy_q10(counts, sampled), sampled, num_fields, one_state);
+  return field_sample_may_pay(counts, sampled, num_fields, one_state);
 }
 
 // Version 6's recoding of a mode 0 (2) chunk (values v[0, n), entry e, payload at `payload`, for

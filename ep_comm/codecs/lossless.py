@@ -53,7 +53,7 @@ MAX_DIMS = 8
 # (a chunk may carry its own frequency table), written by the host and the CUDA encoders alike;
 # versions 2 to 4 are written on request, and the host and CUDA decoders read 2 to 6. Version 6
 # (version 5 where a chunk's raw fields may be coded too: gradients' low mantissa bits) is written
-# by the host encoder, on request.
+# by both encoders on request.
 FORMAT_VERSION = 5
 FORMAT_VERSIONS = (2, 3, 4, 5, 6)
 
@@ -115,8 +115,8 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         version: the blob format, ``FORMAT_VERSION`` (5: a chunk may carry a frequency table of
             its own, which shrinks messages that join values of different statistics); 6 (version
             5 where a chunk's 6 low mantissa bits are entropy-coded too where that pays: gradients);
-            or 4, 3 or 2 (the older formats, for comparisons). Versions 4 and 5 are coded by the
-            CUDA kernels on a GPU; 6, 3 and 2 always on the CPU, the blob then moved to ``x``'s
+            or 4, 3 or 2 (the older formats, for comparisons). Versions 4 to 6 are coded by the
+            CUDA kernels on a GPU; 3 and 2 always on the CPU, the blob then moved to ``x``'s
             device (every version decodes on either).
 
     Returns:

@@ -33,11 +33,11 @@ def available(device: torch.device) -> bool:
 _BLOB_ALIGN = 16  # blobs coded into one buffer start 16-byte aligned (the encoder's aligned stores)
 
 
-ENCODE_VERSIONS = (4, 5)  # the formats the kernels write
+ENCODE_VERSIONS = (4, 5, 6)  # the formats the kernels write
 
 
 def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
-    """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob in format ``version`` (4 or 5) on
+    """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob in format ``version`` (4 to 6) on
     ``x``'s device.
 
     ``chunk_values`` and ``version`` are checked by the caller (a multiple of 32 in [32, 2**24];
@@ -48,7 +48,7 @@ def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
 
 def encode_many(xs: list[torch.Tensor], chunk_values: int, version: int) -> list[torch.Tensor]:
     """Blobs of several bf16 CUDA tensors on one device (e.g. one message per destination) in
-    format ``version`` (4 or 5), coded one after another on the current stream with one
+    format ``version`` (4 to 6), coded one after another on the current stream with one
     synchronisation for all.
 
     Returns:

@@ -1,6 +1,6 @@
 """The lossless codec's CUDA kernels (csrc/cuda/lossless_kernels.cu, built as a small library by
 bench/codec_gpu.py) against the host build of the same core: device blobs are byte-identical to
-the host encoder's (format versions 4 and 5), device decoding is exact (format 6 too), and the
+the host encoder's (format versions 4 to 6), device decoding is exact, and the
 device rejects corrupted blobs with the status the host decoder reports. The cases and checks are
 tests/support/codec_kernel_cases.py's, which tests/test_codec_kernels_emulated.py also runs on the
 CPU through the CUDA emulation."""
@@ -21,6 +21,7 @@ from support.codec_kernel_cases import (
     V6_CASES,
     bits,
     check_blob_is_byte_identical_and_decodes,
+    check_blob_is_byte_identical_and_decodes_tensor,
     check_rejects_corrupted_blobs_like_the_host,
     device_decode,
     device_encode,
@@ -117,3 +118,20 @@ def test_device_decodes_format_version_6(lib: ctypes.CDLL, case: str, make, chun
     bad = blob.clone()
     bad[-5] ^= 0x24
     assert device_decode(lib, bad, x.numel(), chunk_values, "cuda", slots)[0] == host_status(bad)
+
+
+@pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
+def test_device_encodes_format_version_6_like_the_host(lib: ctypes.CDLL, case: str, make, chunk_values: int,
+                                                       coded: int) -> None:
+    """The kernels' format 6 blob (field streams coded by rans_kernel<true>) is the host encoder's,
+    byte for byte, and decodes exactly on the GPU."""
+    x = make()
+    blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cuda", x, chunk_values, version=6)
+    assert field_chunks(blob) >= coded
+
+
+@pytest.mark.parametrize("case,chunk_values", [("mixed_rows", 14336), ("normal", 4096), ("one_state", 4096)])
+def test_device_encodes_format_version_6_of_other_tensors_like_the_host(lib: ctypes.CDLL, case: str,
+                                                                         chunk_values: int) -> None:
+    x = {**CASES, **V5_CASES}[case]()
+    check_blob_is_byte_identical_and_decodes_tensor(lib, "cuda", x, chunk_values, version=6)

@@ -4,7 +4,8 @@
 // without a barrier between them (csrc/emulation/fibers.h). Each case is encoded, decoded and
 // compared with its input, in both schedule orders; so is each blob given on the command line (a
 // blob file, its values' file and its chunk size: blobs the kernels do not write, such as format
-// 5's); exit status 1 on a wrong result (TSan exits with its own status on a report).
+// 5's; a format 6 blob, of a 1-D tensor, is also encoded again from its values and compared);
+// exit status 1 on a wrong result (TSan exits with its own status on a report).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -72,6 +73,24 @@ bool decodes(const std::vector<uint8_t>& blob, const std::vector<uint8_t>& value
   return status == 0 && std::memcmp(out.data(), values.data(), 2 * n) == 0;
 }
 
+// The kernels' blob of `values` (bf16 bits) at chunk size cv, in blob's format version, is `blob`
+// (format 6's from the host encoder: the field streams coded by rans_fields_kernel).
+bool encodes_to(const std::vector<uint8_t>& blob, const std::vector<uint8_t>& values, uint32_t cv) {
+  if (blob.size() < 5) return false;
+  const uint32_t version = blob[4];
+  const uint64_t n = values.size() / 2;
+  std::vector<uint16_t> v(n);
+  std::memcpy(v.data(), values.data(), 2 * n);
+  const int64_t shape[1] = {int64_t(n)};
+  std::vector<uint8_t> ws(ep_lossless_encode_workspace_bytes(n, cv, version), 0xA5);
+  std::vector<uint8_t> out(ep_lossless_max_blob_bytes(n, 1, cv, version), 0x5A);
+  uint64_t size = 0;
+  if (ep_lossless_encode_cuda(v.data(), n, shape, 1, cv, version, out.data(), &size, ws.data(), ws.size(), nullptr) !=
+      0)
+    return false;
+  return size == blob.size() && std::memcmp(out.data(), blob.data(), size) == 0;
+}
+
 bool fp8_runs(const std::vector<uint16_t>& v, int64_t hidden) {
   const int64_t rows = int64_t(v.size()) / hidden;
   std::vector<uint8_t> q(size_t(rows * hidden));
@@ -107,6 +126,12 @@ int main(int argc, char** argv) {
       if (!decodes(read_file(argv[a]), read_file(argv[a + 1]), uint32_t(std::strtoul(argv[a + 2], nullptr, 10)),
                    std::strtoull(argv[a + 3], nullptr, 10))) {
         std::printf("decode failed: %s reverse=%d\n", argv[a], reverse);
+        ++failures;
+      }
+      const std::vector<uint8_t> blob = read_file(argv[a]);
+      if (blob.size() > 4 && blob[4] == 6 &&
+          !encodes_to(blob, read_file(argv[a + 1]), uint32_t(std::strtoul(argv[a + 2], nullptr, 10)))) {
+        std::printf("encode differs: %s reverse=%d\n", argv[a], reverse);
         ++failures;
       }
     }

@@ -36,7 +36,7 @@ def _sync(device: str) -> None:
 def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
                   version: int = lossless.FORMAT_VERSION) -> torch.Tensor:
     """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk in format ``version``
-    (4 or 5), as a CPU uint8 tensor."""
+    (4 to 6), as a CPU uint8 tensor."""
     flat = x.contiguous().view(torch.int16).reshape(-1).to(device)
     n = flat.numel()
     shape = (ctypes.c_int64 * max(x.dim(), 1))(*x.shape)
@@ -232,7 +232,7 @@ def check_blob_is_byte_identical_and_decodes_tensor(lib: ctypes.CDLL, device: st
     host = lossless.encode(x, chunk_values=chunk_values, version=version)
     dev = device_encode(lib, x, chunk_values, device, version=version)
     assert dev.numel() == host.numel() and torch.equal(dev, host)
-    status, y = device_decode(lib, dev, x.numel(), chunk_values, device)
+    status, y = device_decode(lib, dev, x.numel(), chunk_values, device, field_chunks(dev) if version >= 6 else 0)
     assert status == 0 and torch.equal(y, bits(x))
     return host
 
