@@ -375,9 +375,10 @@ inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const
 }
 
 // Format version 6's field stream of chunk values v[0, n) (lossless_fields.h): w[k] = (v & 63) << 6
-// for the values other than +0.0, in order (32 values a step: a mask of the non-zero ones and a
-// compressing store), their counts by field in counts[64] (added), their checksum (sum of w_k (2k
-// + 1), 16 lanes of 32-bit products); returns their number. w needs room for n values.
+// for the values other than +0.0, in order (32 values a step: a mask of the non-zero ones, a
+// compress in registers and a full 64-byte store: a compressing store to memory is microcoded and
+// several times slower), their counts by field in counts[64] (added), their checksum (sum of w_k
+// (2k + 1), 16 lanes of 32-bit products); returns their number. w needs room for n + 32 values.
 EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n, uint16_t* w, uint64_t* counts,
                                                   uint32_t& checksum) {
   const __m512i low = _mm512_set1_epi16(int16_t(kRawMask));
@@ -386,16 +387,28 @@ EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n
     const __mmask32 in = n - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - i)) - 1;
     const __m512i x = _mm512_maskz_loadu_epi16(in, v + i);
     const __mmask32 nonzero = _mm512_test_epi16_mask(x, x);
-    _mm512_mask_compressstoreu_epi16(w + k, nonzero, _mm512_slli_epi16(_mm512_and_si512(x, low), kRawBits));
+    _mm512_storeu_si512(w + k, _mm512_maskz_compress_epi16(nonzero, _mm512_slli_epi16(_mm512_and_si512(x, low), kRawBits)));
     k += uint32_t(__builtin_popcount(nonzero));
   }
-  // counts: four tables, so that a repeated field does not chain its increments
-  uint32_t c4[4][1 << kRawBits] = {};
+  // counts: eight tables, so that a repeated field does not chain its increments; four fields a
+  // load (one u64 of w, each field a shift and a mask)
+  uint32_t c8[8][1 << kRawBits] = {};
   uint32_t j = 0;
-  for (; j + 4 <= k; j += 4)
-    for (int q = 0; q < 4; ++q) ++c4[q][w[j + q] >> kRawBits];
-  for (; j < k; ++j) ++c4[0][w[j] >> kRawBits];
-  for (int f = 0; f < 1 << kRawBits; ++f) counts[f] += uint64_t(c4[0][f]) + c4[1][f] + c4[2][f] + c4[3][f];
+  for (; j + 8 <= k; j += 8) {
+    uint64_t a, b;
+    std::memcpy(&a, w + j, 8);
+    std::memcpy(&b, w + j + 4, 8);
+    for (int q = 0; q < 4; ++q) {
+      ++c8[q][(a >> (16 * q + kRawBits)) & kRawMask];
+      ++c8[4 + q][(b >> (16 * q + kRawBits)) & kRawMask];
+    }
+  }
+  for (; j < k; ++j) ++c8[0][w[j] >> kRawBits];
+  for (int f = 0; f < 1 << kRawBits; ++f) {
+    uint64_t sum = 0;
+    for (int q = 0; q < 8; ++q) sum += c8[q][f];
+    counts[f] += sum;
+  }
   __m512i sum = _mm512_setzero_si512();
   __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1),
                                  _mm512_set1_epi32(1));  // 2k + 1 for lanes k = 0..15

@@ -138,6 +138,15 @@ void finish_table(CodingTable& t, int version) {
                                           : table_bytes_v4(t.freq, t.gap_order, t.freq_order);
 }
 
+// Version 6: a chunk's field sample (lossless_fields.h: the fields of its values at indices that
+// are multiples of kFieldSampleStride, +0.0 skipped), taken in pass 1 right after each piece's
+// survey, while the piece's values are in cache: a pass of its own before the rANS pass waited on
+// memory for each sampled line (~9% of the encode of activations, whose fields then stay raw).
+struct FieldSample {
+  uint32_t counts[1 << kRawBits] = {};
+  uint32_t sampled = 0;
+};
+
 // Version 6: a worker's scratch for coding one chunk's raw fields (mode 4, lossless_fields.h): the
 // field table, the field stream's values w (cv), its words (written backwards, cv words and
 // kSlackWords of slack below) and the mode 4 payload assembled (at most the mode 0 payload it
@@ -147,28 +156,43 @@ struct FieldScratch {
   CodingTable table;
   std::unique_ptr<uint16_t[]> values, words;
   std::unique_ptr<uint8_t[]> payload;
+  const FieldSample* sample = nullptr;  // of the chunk being coded (set by its caller)
   // the field stream prepared (prepare_field_stream) and coded (code_field_streams)
   uint32_t num_fields = 0, nonzero = 0, checksum = 0, field_words = 0;
   uint32_t states[kLanes];
   uint16_t* words_end() { return words.get() + kSlackWords + num_fields; }
   explicit FieldScratch(uint32_t cv)
-      : values(new uint16_t[cv]), words(new uint16_t[cv + kSlackWords]),
+      : values(new uint16_t[cv + 32]), words(new uint16_t[cv + kSlackWords]),  // (field_values_avx512's slack)
         payload(new uint8_t[2 * kStateBytes + kFieldHeaderBytes + kMaxFieldTableBytes + 4ull * cv + 16]) {}
 };
 
-// Version 6: whether a chunk of values v[0, n) with `num_fields` fields (one_state: coded with one
-// state) may code them smaller, from a sample of its fields (field_sample_may_pay).
-// (prepare_field_stream then decides from all the fields.)
-bool fields_may_pay(const uint16_t* v, uint32_t n, uint32_t num_fields, bool one_state) {
-  if (num_fields < min_coded_fields(one_state)) return false;
-  uint64_t counts[1 << kRawBits] = {};
-  uint64_t sampled = 0;
-  for (uint32_t i = 0; i < n; i += kFieldSampleStride) {
-    if (v[i] == 0) continue;
-    ++counts[v[i] & kRawMask];
-    ++sampled;
+// Adds values [first, first + n) of a chunk (at v) to its field sample s: branch-free (a random
+// share of +0.0 mispredicts), two count tables (no chain of increments through one counter).
+void sample_fields(const uint16_t* v, uint32_t n, uint32_t first, FieldSample& s) {
+  uint32_t c2[2][1 << kRawBits] = {};
+  uint32_t sampled = 0, i = (kFieldSampleStride - first % kFieldSampleStride) % kFieldSampleStride;
+  for (; i + kFieldSampleStride < n; i += 2 * kFieldSampleStride) {
+    const uint16_t a = v[i], b = v[i + kFieldSampleStride];
+    c2[0][a & kRawMask] += a != 0;
+    c2[1][b & kRawMask] += b != 0;
+    sampled += uint32_t(a != 0) + uint32_t(b != 0);
   }
-  return field_sample_may_pay(counts, sampled, num_fields, one_state);
+  if (i < n) {
+    c2[0][v[i] & kRawMask] += v[i] != 0;
+    sampled += v[i] != 0;
+  }
+  for (int f = 0; f < 1 << kRawBits; ++f) s.counts[f] += c2[0][f] + c2[1][f];
+  s.sampled += sampled;
+}
+
+// Version 6: whether a chunk with `num_fields` fields (one_state: coded with one state) and field
+// sample s may code them smaller (field_sample_may_pay). (prepare_field_stream then decides from
+// all the fields.)
+bool fields_may_pay(const FieldSample& s, uint32_t num_fields, bool one_state) {
+  if (num_fields < min_coded_fields(one_state)) return false;
+  uint64_t counts[1 << kRawBits];
+  for (int f = 0; f < 1 << kRawBits; ++f) counts[f] = s.counts[f];
+  return field_sample_may_pay(counts, s.sampled, num_fields, one_state);
 }
 
 // Version 6's recoding of a mode 0 (2) chunk (values v[0, n), entry e, payload at `payload`, for
@@ -343,7 +367,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
     fields[k] = nullptr;
     raw_at[k] = raw;
     try_fields[k] = field_scratch != nullptr && !one_state &&
-                    fields_may_pay(v[k], n[k], n[k] - survey[k]->zeros, false);
+                    fields_may_pay(*field_scratch[k]->sample, n[k] - survey[k]->zeros, false);
     if (try_fields[k]) {  // packed after prepare_field_stream, only if coding them is declined
       e[k]->num_raw = n[k] - survey[k]->zeros;
     }
@@ -363,7 +387,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
       std::memcpy(p, &state, kOneStateBytes);
       payload[k] = p;
       FieldScratch* fs = field_scratch != nullptr ? field_scratch[k] : nullptr;
-      if (fs != nullptr && fields_may_pay(v[k], n[k], e[k]->num_raw, true) &&
+      if (fs != nullptr && fields_may_pay(*fs->sample, e[k]->num_raw, true) &&
           prepare_field_stream(v[k], n[k], level, *fs, *e[k])) {
         code_field_streams(level, &fs, 1, true);
         finish_field_stream(n[k], *fs, *e[k], payload[k]);
@@ -519,6 +543,8 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     };
     std::vector<uint64_t> hist(uint64_t(nt) * kNumSymbols, 0);
     std::vector<ChunkSurvey> piece_surveys(num_chunks * parts), surveys(num_chunks);
+    // version 6: each piece's field sample (then each chunk's, in its first piece's place)
+    std::vector<FieldSample> field_samples(version >= int(kVersion6) ? num_chunks * parts : 0);
     // version 5: each piece's symbol counts (then each chunk's, in its first piece's place), the
     // global counts, each symbol's cost under the first table, each chunk's saving and own table's bytes
     std::vector<uint32_t> piece_counts(own_tables ? num_chunks * parts * kNumSymbols : 0);
@@ -535,6 +561,12 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         for (uint64_t p = 0; p < parts; ++p) {
           surveys[c].checksum += piece_surveys[c * parts + p].checksum;
           surveys[c].zeros += piece_surveys[c * parts + p].zeros;
+          if (p > 0 && !field_samples.empty()) {
+            FieldSample& into = field_samples[c * parts];
+            const FieldSample& piece = field_samples[c * parts + p];
+            for (int f = 0; f < 1 << kRawBits; ++f) into.counts[f] += piece.counts[f];
+            into.sampled += piece.sampled;
+          }
         }
       if (num_values == 0) {
         finish_table(*shared, version);  // no symbol: every chunk raw or none
@@ -679,6 +711,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         {
           piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h);
         }
+        if (!field_samples.empty()) sample_fields(values, last - first, first, field_samples[uint64_t(piece)]);
         if (own_tables) {  // the piece's counts kept, and added to the thread's
           uint32_t* kept = piece_counts.data() + uint64_t(piece) * kNumSymbols;
 #if defined(__x86_64__)
@@ -731,6 +764,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           tables[k] = t == 0 ? shared.get() : &extra[t - 1];
           chunk_surveys[k] = &surveys[uint64_t(c)];
           entries_out[k] = &dir[uint64_t(c)];
+          if (my_fields[k] != nullptr) my_fields[k]->sample = &field_samples[uint64_t(c) * parts];  // (merged)
         }
         encode_chunks_in(count, values, counts, tables, chunk_surveys, level, v4, one_state, shared->bytes, my_scratch,
                          field_scratch.empty() ? nullptr : my_fields, entries_out, payloads);
