@@ -9,7 +9,8 @@ Used by bench/codec_bench.py (GPU rows of its report), by tests/gpu/test_codec_l
     python bench/codec_gpu.py --build-lib LIB.so --arch 90   # here: the kernels, no GPU needed
     python bench/codec_gpu.py --tensors T.pt --lib LIB.so    # there: the GPU table (+ --json)
 
-Encode runs in format version 5 and, for comparison, 4 (``--versions``); each row names its version.
+Encode runs in format version 5 and, for comparison, 4 (``--versions``; 6 too: gradients' raw
+fields coded as a second stream); each row names its version.
 Throughput counts raw bf16 bytes (2 per value) per second of the whole encode (resp. decode)
 call, every kernel of it included, timed with CUDA events over ``reps`` calls after a warm-up.
 The copy bandwidth counts bytes read plus bytes written (a device-to-device copy of the same
@@ -32,7 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ep_comm.codecs import lossless  # noqa: E402
+from ep_comm.codecs import lossless, lossless_device  # noqa: E402
 
 KINDS = ("activations", "weights", "gradients")
 
@@ -98,15 +99,19 @@ def cuda_time(fn: Callable[[], None], reps: int) -> float:
 class DeviceCodec:
     """Encode/decode of one flat bf16 CUDA tensor with preallocated workspaces.
 
-    x: [n] bf16 (or int16) on the GPU; the blob (format ``version``, 4 or 5) lands in
-    ``self.out[:self.blob_bytes()]`` (uint8) and the decoded values in ``self.y`` ([n], x's dtype)."""
+    x: [n] bf16 (or int16) on the GPU; the blob (format ``version``, 4 to 6) lands in
+    ``self.out[:self.blob_bytes()]`` (uint8) and the decoded values in ``self.y`` ([n], x's dtype).
+    Format 6: the decoder's workspace has a slot for every chunk (each may have coded fields);
+    blob_bytes() counts those that do from the blob's metadata, which decode() passes."""
 
     def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, chunk_values: int, version: int = 5):
         self.lib, self.x, self.cv, self.version = lib, x, chunk_values, version
         n = self.n = x.numel()
         self.shape = (ctypes.c_int64 * 1)(n)
+        slots = -(-n // chunk_values) if version >= 6 else 0
+        self.field_chunks = 0
         self.ws = torch.empty(max(lib.ep_lossless_encode_workspace_bytes(n, chunk_values, version),
-                                  lib.ep_lossless_decode_workspace_bytes(n, chunk_values, 0)),
+                                  lib.ep_lossless_decode_workspace_bytes(n, chunk_values, slots)),
                               dtype=torch.uint8, device=x.device)
         self.out = torch.empty(lib.ep_lossless_max_blob_bytes(n, 1, chunk_values, version), dtype=torch.uint8,
                                device=x.device)
@@ -126,12 +131,14 @@ class DeviceCodec:
     def blob_bytes(self) -> int:
         torch.cuda.synchronize()
         self._blob_bytes = int(self.size.item())
+        if self.version >= 6:
+            self.field_chunks = lossless_device.layouts([self.out[:self._blob_bytes]])[0].field_chunks
         return self._blob_bytes
 
     def decode(self) -> None:
         rc = self.lib.ep_lossless_decode_cuda(self.out.data_ptr(), self._blob_bytes, self.y.data_ptr(), self.n,
-                                              self.cv, 0, self.status.data_ptr(), self.ws.data_ptr(), self.ws.numel(),
-                                              self.stream)
+                                              self.cv, self.field_chunks, self.status.data_ptr(), self.ws.data_ptr(),
+                                              self.ws.numel(), self.stream)
         if rc:
             raise RuntimeError(f"decode launch failed: CUDA error {rc}")
 
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-values", default=str(lossless.DEFAULT_CHUNK_VALUES),
                         help="comma-separated chunk sizes in values")
     parser.add_argument("--versions", default="5,4",
-                        help="comma-separated format versions to encode (4, 5); the first for --once")
+                        help="comma-separated format versions to encode (4 to 6); the first for --once")
     parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path)

@@ -1,8 +1,8 @@
 // CUDA build of the lossless BF16 codec (format and coding steps: csrc/codec/lossless_core.h).
 // Blobs are byte-identical to the host encoder's; decoding reports the host decoder's statuses.
 //
-// Encode, format version 4 or 5 (one memset of the histogram, the tickets and a flag, then three
-// kernels):
+// Encode, format version 4, 5 or 6 (one memset of the histogram, the tickets and a flag, then three
+// kernels; format 6's second kernel is rans_fields_kernel):
 //   histogram_kernel  one warp per chunk, 32 per block, each lane reading 8 values per 16-byte
 //                  load one tile ahead: the chunk's checksum and raw-field (non-zero) count, the
 //                  block's symbol histogram (shared, merged by one atomic per seen symbol) -- the
@@ -35,7 +35,14 @@
 //                  when coding does not pay; a blob's only small chunk coded by lane 0 with one
 //                  state, mode 2; chunks of +0.0 only as mode 3); its offset by a decoupled
 //                  look-back over the chunks before it (which were handed out before it, so are
-//                  running: no schedule deadlocks); then a coded chunk's payload goes to its place
+//                  running: no schedule deadlocks). Format 6 (rans_fields_kernel, the same pass):
+//                  before the look-back, a 32-state chunk's raw fields are coded as a field stream
+//                  where the host does so (code_fields_warp: the sample of every 64th value, the
+//                  stream's values compacted into the slot's field area by a ballot prefix, their
+//                  counts by shared atomics, the field table chosen by lane 0, the stream's rANS
+//                  pass by the warp, its words in place; mode 4 when smaller); a one-state chunk's
+//                  by lane 0 before its raw-or-coded choice (code_fields_one_state, mode 5).
+//                  Then a coded chunk's payload goes to its place
 //                  after every table chosen (states, then the slot's words and fields in one
 //                  contiguous copy of 4-byte stores, zero padding). A coded chunk implies the
 //                  shared table, so its place is known; raw chunks wait for layout_kernel;
