@@ -380,6 +380,20 @@ def test_hypothesis_kernels_give_the_host_blob_and_decode_it(libs, x, chunk_valu
         libs[variant].ep_emu_set_schedule(0)
 
 
+@settings(max_examples=40, deadline=None)
+@given(x=_bf16_tensors(), drop=st.sampled_from([0, 2, 4, 5, 6]),
+       chunk_values=st.sampled_from([32, 1024, 4096, 65536]), reverse=st.integers(0, 1))
+def test_hypothesis_kernels_give_the_host_format_6_blob(libs, x, drop, chunk_values, reverse):
+    """Format 6 with the low `drop` mantissa bits cleared (fields of 6 - drop bits, as gradients'
+    are): the kernels' blob is the host's (chunks with coded fields or not) and decodes."""
+    x = from_bits(bits(x) & ~((1 << drop) - 1))
+    libs["default"].ep_emu_set_schedule(reverse)
+    try:
+        check_blob_is_byte_identical_and_decodes_tensor(libs["default"], "cpu", x, chunk_values, version=6)
+    finally:
+        libs["default"].ep_emu_set_schedule(0)
+
+
 @settings(max_examples=80, deadline=None)
 @given(x=_bf16_tensors(), chunk_values=st.sampled_from([32, 96, 4096]), variant=st.sampled_from(sorted(VARIANTS)),
        seed=st.integers(0, 2**31 - 1), damaged=st.integers(1, 3))

@@ -256,7 +256,7 @@ constexpr uint64_t kSurveyScratchBytes = 8 * kNumSymbols + 4 * kOwnTableScratchW
 constexpr uint64_t kSlotGuard = 16;  // below the words: rans_encode_one_state's store below its cursor
 constexpr uint64_t kRansMaxBlocks = 2048;  // rans_kernel's grid at most (its warps take chunks by ticket)
 constexpr int kRansMinBlocks = 4;          // rans_kernel's blocks resident per SM (its register bound)
-// version 6's rans_kernel (the field streams' serial table choice by lane 0 inlined): 2 blocks, at
+// rans_fields_kernel (format 6: the field streams' serial table choice by lane 0 inlined): 2 blocks, at
 // most 128 registers (at 3 blocks' 80 it spills)
 constexpr int kRansFieldsMinBlocks = 2;
 constexpr uint64_t kGridMax = 65535;
