@@ -120,6 +120,20 @@ EP_HD uint64_t field_prefix_bytes(uint32_t table_bytes) { return kFieldHeaderByt
 // Bytes of one of a mode 4 (32 states) or mode 5 (one state) payload's two state blocks.
 EP_HD uint64_t field_state_bytes(const ChunkEntry& e) { return e.mode == kModeOneStateFields ? kOneStateBytes : kStateBytes; }
 
+// Writes a mode 4 or 5 payload's field header, field table (freq[1025] of prob_bits, version 4's
+// orders kg, kf: table_bytes bytes) and the table's zero padding at h (field_prefix_bytes of it).
+EP_HD void write_field_prefix(uint8_t* h, uint32_t symbol_words, uint32_t nonzero, uint32_t checksum, uint32_t prob_bits,
+                              uint32_t table_bytes, const uint32_t* freq, uint32_t kg, uint32_t kf) {
+  store_le<uint32_t>(h, symbol_words);
+  store_le<uint32_t>(h + 4, nonzero);
+  store_le<uint32_t>(h + 8, checksum);
+  h[12] = static_cast<uint8_t>(prob_bits);
+  h[13] = 0;
+  store_le<uint16_t>(h + 14, static_cast<uint16_t>(table_bytes));
+  write_table_v4(h + kFieldHeaderBytes, freq, kg, kf);
+  for (uint64_t b = kFieldHeaderBytes + table_bytes; b < field_prefix_bytes(table_bytes); ++b) h[b] = 0;
+}
+
 // Reads and checks a mode 4 or 5 payload's field header (e: its entry, which check_entry passed;
 // the payload holds payload_bytes(e, n) bytes): the word counts add up to num_words, Z <=
 // num_raw, prob_bits 11 or 12 (mode 5: 6 to 12), L in [1, kMaxFieldTableBytes], the reserved byte

@@ -991,16 +991,9 @@ __device__ void store_fields_payload(uint8_t* q, const ChunkEntry& e, uint32_t c
   }
   uint8_t* h = q + 2 * sb;
   const uint64_t prefix = field_prefix_bytes(fc.bytes);
-  if (lane == 0) {
-    store_le<uint32_t>(h, symbol_words);
-    store_le<uint32_t>(h + 4, fc.nonzero);
-    store_le<uint32_t>(h + 8, fc.checksum);
-    h[12] = static_cast<uint8_t>(fc.prob_bits);
-    h[13] = 0;
-    store_le<uint16_t>(h + 14, static_cast<uint16_t>(fc.bytes));
-    write_table_v4(h + kFieldHeaderBytes, a.freq, fc.gap_order, fc.freq_order);
-    for (uint64_t b = kFieldHeaderBytes + fc.bytes; b < prefix; ++b) h[b] = 0;
-  }
+  if (lane == 0)
+    write_field_prefix(h, symbol_words, fc.nonzero, fc.checksum, fc.prob_bits, fc.bytes, a.freq, fc.gap_order,
+                       fc.freq_order);
   const uint64_t symbol_bytes = 2ull * symbol_words;
   copy_padded(h + prefix, reinterpret_cast<const uint8_t*>(symbol_words_end - symbol_words), symbol_bytes,
               align4(symbol_bytes), true, out_aligned, lane);

@@ -256,12 +256,13 @@ void code_field_streams(int level, FieldScratch* const* fs, int count, bool one_
   }
 #if defined(__x86_64__)
   if (level == kSimdAvx512) {
-    const uint16_t* vs[kMaxChunksPerClaim];
-    uint32_t ns[kMaxChunksPerClaim], words[kMaxChunksPerClaim];
-    const EncSym* syms[kMaxChunksPerClaim];
-    const SimdEncTables* simd[kMaxChunksPerClaim];
-    uint32_t* state_ptrs[kMaxChunksPerClaim];
-    uint16_t* ends[kMaxChunksPerClaim];
+    // (initialised: the compiler cannot see that count <= kMaxChunksPerClaim entries are read)
+    const uint16_t* vs[kMaxChunksPerClaim] = {};
+    uint32_t ns[kMaxChunksPerClaim] = {}, words[kMaxChunksPerClaim] = {};
+    const EncSym* syms[kMaxChunksPerClaim] = {};
+    const SimdEncTables* simd[kMaxChunksPerClaim] = {};
+    uint32_t* state_ptrs[kMaxChunksPerClaim] = {};
+    uint16_t* ends[kMaxChunksPerClaim] = {};
     for (int k = 0; k < count; ++k) {
       vs[k] = fs[k]->values.get();
       ns[k] = fs[k]->num_fields;
@@ -300,14 +301,8 @@ bool finish_field_stream(uint32_t n, FieldScratch& fs, ChunkEntry& e, const uint
   std::memcpy(o, payload, states_bytes);
   std::memcpy(o + states_bytes, fs.states, states_bytes);
   uint8_t* h = o + 2 * states_bytes;
-  store_le<uint32_t>(h, symbol_words);
-  store_le<uint32_t>(h + 4, fs.nonzero);
-  store_le<uint32_t>(h + 8, fs.checksum);
-  h[12] = static_cast<uint8_t>(t.prob_bits);
-  h[13] = 0;
-  store_le<uint16_t>(h + 14, static_cast<uint16_t>(t.bytes));
-  std::memset(h + kFieldHeaderBytes, 0, prefix - kFieldHeaderBytes);
-  write_table_v4(h + kFieldHeaderBytes, t.freq, t.gap_order, t.freq_order);
+  write_field_prefix(h, symbol_words, fs.nonzero, fs.checksum, uint32_t(t.prob_bits), t.bytes, t.freq, t.gap_order,
+                     t.freq_order);
   std::memcpy(h + prefix, payload + states_bytes, 2ull * symbol_words);
   std::memcpy(h + prefix + 2ull * symbol_words, fs.words_end() - field_words, 2ull * field_words);
   e.mode = one ? kModeOneStateFields : kModeCodedFields;
