@@ -732,6 +732,23 @@ __device__ void pack_groups(const uint8_t* ring, uint32_t first, uint32_t end, u
   }
 }
 
+// One step of a warp's 32 interleaved rANS states (lane l's state x coding symbol `sym`, where
+// `valid`), as the core's enc_step: the lanes that renormalise store their low 16 bits below
+// words_end, lane 31's highest (the core codes lane 31 first going backwards), nw words so far.
+__device__ __forceinline__ void warp_enc_step(const SharedSym& sym, bool valid, uint32_t prob_bits, unsigned below,
+                                              uint16_t* words_end, uint32_t& nw, uint32_t& x) {
+  const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - prob_bits));  // enc_needs_word
+  const unsigned mask = __ballot_sync(kFull, need);
+  const uint32_t k = __popc(mask);
+  if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
+  nw += k;
+  if (need) x >>= 16;
+  if (valid) {  // enc_put
+    const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
+    x = (q << prob_bits) + (x - q * sym.freq) + sym.start;
+  }
+}
+
 // The rANS pass of chunk values v[0, cn) (nr of them not +0.0) with `table` (2^prob_bits slots),
 // one warp (every lane calls): lane l owns values i with i % 32 == l, as in the core
 // (rans_encode_chunk); values read in 512-byte tiles one tile ahead, steps backwards (in a step lane
@@ -772,17 +789,7 @@ __device__ __forceinline__ uint32_t code_chunk_warp(const SharedSym* table, uint
       if (value != 0) ring[(nr - after - __popc(nz) + __popc(nz & below)) % kFieldRing] = uint8_t(raw_of(value));
       after += __popc(nz);
       if (one_state) continue;
-      const SharedSym sym = table[valid ? symbol_of(value) : 0];
-      const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - prob_bits));  // enc_needs_word
-      const unsigned mask = __ballot_sync(kFull, need);
-      const uint32_t k = __popc(mask);
-      if (need) words_end[-int64_t(nw) - int64_t(k) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
-      nw += k;
-      if (need) x >>= 16;
-      if (valid) {  // enc_put
-        const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
-        x = (q << prob_bits) + (x - q * sym.freq) + sym.start;
-      }
+      warp_enc_step(table[valid ? symbol_of(value) : 0], valid, prob_bits, below, words_end, nw, x);
     }
     // every field of groups [ceil((nr - after) / 8), packed) is in the ring (at most 263 pending)
     __syncwarp();
@@ -906,17 +913,7 @@ __device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, ChunkEntry& e, 
   for (uint32_t t = (nr + kLanes - 1) / kLanes; t-- > 0;) {
     const uint32_t k = t * kLanes + lane;
     const bool valid = k < nr;
-    const SharedSym sym = ftab[field_index(valid ? uint32_t(a.w[k]) >> kRawBits : 0u)];
-    const bool need = valid && uint64_t(x) >= (uint64_t(sym.freq) << (32 - pb));  // enc_needs_word
-    const unsigned mask = __ballot_sync(kFull, need);
-    const uint32_t m = __popc(mask);
-    if (need) words_end[-int64_t(nw) - int64_t(m) + __popc(mask & below)] = static_cast<uint16_t>(x & 0xFFFFu);
-    nw += m;
-    if (need) x >>= 16;
-    if (valid) {  // enc_put
-      const uint32_t q = static_cast<uint32_t>(__umul64hi(x, sym.rcp)) + (sym.freq == 1 ? x : 0u);
-      x = (q << pb) + (x - q * sym.freq) + sym.start;
-    }
+    warp_enc_step(ftab[field_index(valid ? uint32_t(a.w[k]) >> kRawBits : 0u)], valid, pb, below, words_end, nw, x);
   }
   const uint32_t bytes = fc.bytes;
   const uint64_t coded = 2 * kStateBytes + field_prefix_bytes(bytes) + 2ull * e.num_words + 2ull * nw;
