@@ -11,13 +11,14 @@ extern "C" {
 
 // Bytes of device workspace ep_lossless_encode_cuda needs for num_values values in format
 // `version` (version 5 keeps each chunk's symbol counts, about 4 KiB a chunk, when its chunks may
-// take tables of their own).
+// take tables of their own; version 6's coding slots take a field area each, 2 bytes a value of a
+// chunk and 29 KiB).
 size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint32_t version);
 // Largest blob the encoder can produce in format `version` (size `out` for this; version 5 adds
 // room for the extra tables).
 size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version);
 
-// values [num_values] bf16 bits -> blob in format `version` (4 or 5) in out (capacity
+// values [num_values] bf16 bits -> blob in format `version` (4 to 6) in out (capacity
 // ep_lossless_max_blob_bytes); the blob's size is written to *out_size (device). The blob is
 // byte-identical to the host encoder's of the same version. Returns a cudaError_t of the launches
 // (cudaErrorInvalidValue for bad arguments, another version among them).

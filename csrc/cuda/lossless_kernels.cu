@@ -236,8 +236,8 @@ struct EncWs {
   uint8_t* scratch;                  // [slots * slot_bytes]: one slot per rans_kernel warp that codes
   uint64_t slots;                    // min(chunks, the warps of rans_kernel's grid)
   uint64_t slot_values;              // min(cv, n): the most values of a chunk
-  uint64_t slot_bytes;               // kSlotGuard, words [2 slot_values], raw fields, slack (own tables:
-                                     // at least kSurveyScratchBytes)
+  uint64_t slot_bytes;               // kSlotGuard, words [2 slot_values], raw fields, slack, version 6's
+                                     // FieldArea (own tables: at least kSurveyScratchBytes)
   // version 5 with own tables (own_tables_allowed), else null:
   uint32_t* chunk_counts;            // [chunks * kNumSymbols]: each chunk's symbol counts (histogram_kernel)
   uint64_t* shared_cost;             // [kNumSymbols]: symbol_cost_q10 under the first shared table
