@@ -271,16 +271,20 @@ def test_many_blobs_with_one_read_back(kernels, monkeypatch):
 
 
 def test_device_path_decodes_format_6(kernels):
-    """A version 6 blob (of a CPU tensor: written by the host encoder) with chunks of coded
-    fields, beside a version 5 one: decode, decode_into and decode_into_many run the kernels with
-    the workspace for its chunks with coded fields (the count the metadata gives), the shape still
-    checked first; the values exact."""
+    """Format version 6 (chunks whose raw fields are coded): encode(version=6) runs the encoder
+    kernels and gives the host encoder's blob; beside a version 5 one, decode, decode_into and
+    decode_into_many run the kernels with the workspace for its chunks with coded fields (the
+    count the metadata gives), the shape still checked first; the values exact."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(16, 7168, generator=g)
     m, e = torch.frexp(x)
     x = torch.ldexp(torch.round(m * 8) / 8, e).to(torch.bfloat16)  # 2 of 6 low mantissa bits used
-    blob = lossless.encode(x, version=6)  # a CPU tensor: on the host
-    assert int(blob[4]) == 6 and kernels.calls == []
+    blob = lossless.encode(x, chunk_values=65536, version=6)
+    assert int(blob[4]) == 6 and kernels.calls == ["encode"]
+    flat = _bits(x).reshape(-1).numpy()
+    assert torch.equal(blob, torch.from_numpy(_host.lossless_encode(flat.ctypes.data, flat.size, list(x.shape), 65536,
+                                                                    1, True, 6)))
+    kernels.calls.clear()
     layout = lossless_device.layouts([blob])[0]
     assert layout.shape == (16, 7168) and layout.field_chunks == 2  # both chunks: mode 4
     assert torch.equal(_bits(lossless.decode(blob, expected_shape=(16, 7168))), _bits(x))
