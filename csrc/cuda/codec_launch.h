@@ -12,7 +12,7 @@ extern "C" {
 // Bytes of device workspace ep_lossless_encode_cuda needs for num_values values in format
 // `version` (version 5 keeps each chunk's symbol counts, about 4 KiB a chunk, when its chunks may
 // take tables of their own; version 6's coding slots take a field area each, 2 bytes a value of a
-// chunk and 29 KiB).
+// chunk and 28 KiB).
 size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint32_t version);
 // Largest blob the encoder can produce in format `version` (size `out` for this; version 5 adds
 // room for the extra tables).
