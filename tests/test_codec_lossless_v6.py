@@ -58,7 +58,10 @@ CASES = [*_inputs_v5(),
          ("gradient_message", gradient_like(), None),
          ("gradient_small_chunks", gradient_like(16, seed=6), 8192),
          ("gradient_no_zeros", gradient_like(8, seed=7, zero_share=0.0, kept_bits=3), None),
-         ("gradient_odd_tail", gradient_like(3, seed=8).reshape(-1)[:3 * H - 5], 16384)]
+         ("gradient_odd_tail", gradient_like(3, seed=8).reshape(-1)[:3 * H - 5], 16384),
+         # every field of a 2^18-value chunk the same: the AVX-512 pair counts' folding and its
+         # 16-bit counters at their fullest
+         ("gradient_one_field_large_chunk", gradient_like(40, seed=9, zero_share=0.0, kept_bits=0), 1 << 18)]
 
 
 @pytest.mark.parametrize("name,x,chunk_values", CASES, ids=[c[0] for c in CASES])

@@ -25,7 +25,7 @@
 #include "codec/lossless_core.h"
 #include "codec/lossless_scalar.h"  // SymbolHistogram
 
-#define EP_COMM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt")))
+#define EP_COMM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt,bmi2")))
 
 // GCC 12's AVX-512 intrinsics start unmasked results from _mm512_undefined_epi32(), which
 // -Wmaybe-uninitialized reports at every use (GCC bug 105593): silenced for this header only.
@@ -35,11 +35,12 @@
 
 namespace ep_comm::lossless {
 
-// The CPU and OS support every AVX-512 subset the decoder uses (libgcc checks the OS's zmm state).
+// The CPU and OS support every AVX-512 subset (and BMI2) the codec uses (libgcc checks the OS's zmm state).
 inline bool have_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
-                         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
+                         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt") &&
+                         __builtin_cpu_supports("bmi2");
   return ok;
 }
 
@@ -374,11 +375,53 @@ inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const
   kDecoders[size_t(4 * k0 + k1)](count, payload, e, n, table, out, status);
 }
 
+// Field counts by pairs (field_values_avx512): the fields of 4 words f << 6 gathered by one pext
+// into two pair indices f0 + 64 f1, each counted in one of two 4096-entry u16 tables (so that a
+// repeated pair does not chain its increments through one counter): half the increments of
+// counting fields one by one, and no shift or mask per field. Folded into counts[64] every
+// kBlockFields fields (a pair's fields f0 and f1 each counted once), so that no u16 sum overflows
+// or reads negative in a multiply-add.
+struct FieldPairCounts {
+  static constexpr uint32_t kBlockFields = 1u << 15;  // at most 2^14 pairs: every sum < 2^15
+  alignas(64) uint16_t t[2][1 << (2 * kRawBits)];
+  EP_COMM_AVX512 FieldPairCounts() { std::memset(t, 0, sizeof(t)); }
+  // The 2 pairs of words w[0, 4).
+  EP_COMM_AVX512 __attribute__((always_inline)) void add(const uint16_t* w) {
+    uint64_t x;
+    std::memcpy(&x, w, 8);
+    const uint64_t f = _pext_u64(x, 0x0FC00FC00FC00FC0ull);  // f0 | f1 << 6 | f2 << 12 | f3 << 18
+    ++t[0][f & 0xFFF];
+    ++t[1][f >> 12];
+  }
+  // Adds the pairs' fields to counts[64] and clears the tables.
+  EP_COMM_AVX512 void fold(uint64_t* counts) {
+    const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1);
+    __m512i col0 = zero, col1 = zero;  // by f0: fields 0-31 and 32-63
+    for (int f1 = 0; f1 < 1 << kRawBits; ++f1) {
+      __m512i* r0 = reinterpret_cast<__m512i*>(t[0] + (f1 << kRawBits));
+      __m512i* r1 = reinterpret_cast<__m512i*>(t[1] + (f1 << kRawBits));
+      const __m512i a = _mm512_add_epi16(_mm512_load_si512(r0), _mm512_load_si512(r1));
+      const __m512i b = _mm512_add_epi16(_mm512_load_si512(r0 + 1), _mm512_load_si512(r1 + 1));
+      col0 = _mm512_add_epi16(col0, a);
+      col1 = _mm512_add_epi16(col1, b);
+      counts[f1] += uint32_t(_mm512_reduce_add_epi32(_mm512_madd_epi16(_mm512_add_epi16(a, b), ones)));
+      _mm512_store_si512(r0, zero);
+      _mm512_store_si512(r0 + 1, zero);
+      _mm512_store_si512(r1, zero);
+      _mm512_store_si512(r1 + 1, zero);
+    }
+    alignas(64) uint16_t col[1 << kRawBits];
+    _mm512_store_si512(col, col0);
+    _mm512_store_si512(col + 32, col1);
+    for (int f0 = 0; f0 < 1 << kRawBits; ++f0) counts[f0] += col[f0];
+  }
+};
+
 // Format version 6's field stream of chunk values v[0, n) (lossless_fields.h): w[k] = (v & 63) << 6
 // for the values other than +0.0, in order (32 values a step: a mask of the non-zero ones, a
 // compress in registers and a full 64-byte store: a compressing store to memory is microcoded and
 // several times slower), their counts by field in counts[64] (added), their checksum (sum of w_k
-// (2k + 1), 16 lanes of 32-bit products); returns their number. w needs room for n + 32 values.
+// (2k + 1), ChecksumSums512); returns their number. w needs room for n + 32 values.
 EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n, uint16_t* w, uint64_t* counts,
                                                   uint32_t& checksum) {
   const __m512i low = _mm512_set1_epi16(int16_t(kRawMask));
@@ -390,35 +433,27 @@ EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n
     _mm512_storeu_si512(w + k, _mm512_maskz_compress_epi16(nonzero, _mm512_slli_epi16(_mm512_and_si512(x, low), kRawBits)));
     k += uint32_t(__builtin_popcount(nonzero));
   }
-  // counts: eight tables, so that a repeated field does not chain its increments; four fields a
-  // load (one u64 of w, each field a shift and a mask)
-  uint32_t c8[8][1 << kRawBits] = {};
-  uint32_t j = 0;
-  for (; j + 8 <= k; j += 8) {
-    uint64_t a, b;
-    std::memcpy(&a, w + j, 8);
-    std::memcpy(&b, w + j + 4, 8);
-    for (int q = 0; q < 4; ++q) {
-      ++c8[q][(a >> (16 * q + kRawBits)) & kRawMask];
-      ++c8[4 + q][(b >> (16 * q + kRawBits)) & kRawMask];
+  // counts and checksum, 32 fields a step; counts by pairs where there are enough fields to pay
+  // for the pair tables' clearing and folding, else one by one (the last step's fields too)
+  ChecksumSums512 sums;
+  uint32_t j = 0, steps = 0;
+  if (k >= 4096) {
+    FieldPairCounts pairs;
+    for (; j + 32 <= k; j += 32, ++steps) {
+      sums.add(_mm512_loadu_si512(w + j));
+      for (uint32_t q = 0; q < 32; q += 4) pairs.add(w + j + q);
+      if ((j + 32) % FieldPairCounts::kBlockFields == 0) pairs.fold(counts);
     }
+    pairs.fold(counts);
   }
-  for (; j < k; ++j) ++c8[0][w[j] >> kRawBits];
-  for (int f = 0; f < 1 << kRawBits; ++f) {
-    uint64_t sum = 0;
-    for (int q = 0; q < 8; ++q) sum += c8[q][f];
-    counts[f] += sum;
+  uint32_t c4[4][1 << kRawBits] = {};
+  for (uint32_t s = j; s < k; ++s) ++c4[s % 4][w[s] >> kRawBits];
+  for (int f = 0; f < 1 << kRawBits; ++f) counts[f] += uint64_t(c4[0][f]) + c4[1][f] + c4[2][f] + c4[3][f];
+  for (; j < k; j += 32, ++steps) {
+    const __mmask32 in = k - j >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - j)) - 1;
+    sums.add(_mm512_maskz_loadu_epi16(in, w + j));
   }
-  __m512i sum = _mm512_setzero_si512();
-  __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1),
-                                 _mm512_set1_epi32(1));  // 2k + 1 for lanes k = 0..15
-  for (j = 0; j < k; j += 16) {
-    const __mmask16 in = k - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - j)) - 1);
-    const __m512i wv = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, w + j));
-    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(wv, odd));
-    odd = _mm512_add_epi32(odd, _mm512_set1_epi32(32));
-  }
-  checksum = uint32_t(_mm512_reduce_add_epi32(sum));
+  checksum = sums.total(steps);
   return k;
 }
 
