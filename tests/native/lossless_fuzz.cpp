@@ -12,7 +12,8 @@
 // portable, AVX2 (also with staged entries, for chunks without +0.0) and AVX-512 rANS passes into
 // exact-size word buffers must give the same words
 // and states; the host's portable first pass (histogram, checksum, +0.0 count) and raw-field
-// split must agree with split_chunk.
+// split must agree with split_chunk; format version 6's AVX-512 field stream (values, counts,
+// checksum) must agree with a plain loop.
 // Usage: lossless_fuzz <dir> <num_blobs> <mutations> <encoder_trials> <seed>; exit code 0 when
 // everything agrees (a sanitizer error aborts with another code).
 #include <algorithm>
@@ -403,6 +404,44 @@ long check_division(bool avx2, bool avx512, std::mt19937_64& rng) {
   return mismatches;
 }
 
+// Mismatches of field_values_avx512 (format version 6's field stream: values, counts, checksum)
+// against a plain loop, on chunks of up to 80,000 values (so that the pair counts fold once or
+// twice and end with a partial step), with random, few or one field value and +0.0 shares, into
+// exact-size buffers (n + 32 values, as documented).
+long check_field_values(int trials, std::mt19937_64& rng) {
+  long mismatches = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    const uint32_t n = 1 + static_cast<uint32_t>(rng() % (trial % 4 == 0 ? 80000 : 9000));
+    const int pattern = static_cast<int>(rng() % 3);  // fields: random, 4 values, one value
+    const uint32_t zero_share = static_cast<uint32_t>(rng() % 4);  // of 8: none to 3/8
+    const uint16_t one = static_cast<uint16_t>(rng() & kRawMask);
+    std::vector<uint16_t> v(n);
+    for (uint16_t& x : v) {
+      const uint16_t field = pattern == 0 ? uint16_t(rng() & kRawMask) : pattern == 1 ? uint16_t(rng() & 3) : one;
+      x = rng() % 8 < zero_share ? uint16_t(0) : static_cast<uint16_t>(((110 + rng() % 20) << 7 | (rng() & 1) << 6) | field);
+    }
+    std::vector<uint16_t> ref;
+    uint64_t ref_counts[1 << kRawBits] = {};
+    uint32_t ref_checksum = 0;
+    for (const uint16_t x : v) {
+      if (x == 0) continue;
+      const uint16_t w = static_cast<uint16_t>((x & kRawMask) << kRawBits);
+      ref_checksum += checksum_term(w, static_cast<uint32_t>(ref.size()));
+      ++ref_counts[x & kRawMask];
+      ref.push_back(w);
+    }
+    std::vector<uint16_t> w(n + 32);
+    uint64_t counts[1 << kRawBits] = {};
+    uint32_t checksum = 0;
+    const uint32_t k = field_values_avx512(v.data(), n, w.data(), counts, checksum);
+    if (k != ref.size() || checksum != ref_checksum || std::memcmp(counts, ref_counts, sizeof(counts)) != 0 ||
+        std::memcmp(w.data(), ref.data(), 2ull * k) != 0)
+      ++mismatches;
+  }
+  std::printf("field values: %d trials, %ld mismatches\n", trials, mismatches);
+  return mismatches;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -418,5 +457,6 @@ int main(int argc, char** argv) {
   long bad = check_decoders(argv[1], std::atoi(argv[2]), std::atoi(argv[3]), paths, rng);
   bad += check_encoders(std::atoi(argv[4]), have_avx2(), have_avx512(), rng);
   bad += check_division(have_avx2(), have_avx512(), rng);
+  if (have_avx512()) bad += check_field_values(std::atoi(argv[4]) / 10, rng);
   return bad == 0 ? 0 : 1;
 }
