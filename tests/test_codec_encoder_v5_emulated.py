@@ -64,6 +64,40 @@ def _wide_windows(chunks: int, chunk_values: int, width: int = 150) -> torch.Ten
     return from_bits(sign | exponent << 7 | torch.randint(0, 128, (n,), generator=g))
 
 
+def _wide_taker(chunks: int = 4, chunk_values: int = 65536) -> torch.Tensor:
+    """``chunks`` chunks of normal values, the last one instead 1.0 and -1.0 (45% each) and 10%
+    random bits (about 1,000 rare symbols): its table of its own takes 12-bit frequencies (with 11
+    bits the rare symbols' least frequencies would take half the probability from the two; with
+    one symbol over half, 12 bits would not fit: at most 2,048)."""
+    g = torch.Generator().manual_seed(47)
+    x = torch.randn(chunks * chunk_values, generator=g).bfloat16()
+    last = torch.where(torch.rand(chunk_values, generator=g) < 0.5, 1.0, -1.0).bfloat16()
+    rare = torch.rand(chunk_values, generator=g) < 0.1
+    last[rare] = from_bits(torch.randint(0, 1 << 16, (chunk_values,), generator=g)[rare])
+    x[-chunk_values:] = last
+    return x
+
+
+def _extra_prob_bits(blob: torch.Tensor) -> list[int]:
+    """The probability bits of each extra table of a version 5 blob (the framing byte before it)."""
+    b, layout = blob.numpy().tobytes(), blob_layout(blob)
+    end = layout["table_at"] + layout["table_bytes"]
+    _, at = read_table_v4(b, layout["table_at"], end, layout["entries"], layout["prob_bits"])
+    at += layout["table_at"]
+    out = []
+    for _ in range(int(blob[17])):
+        out.append(b[at])
+        length, shift, at = 0, 0, at + 1
+        while True:
+            length |= (b[at] & 0x7F) << shift
+            shift, at = shift + 7, at + 1
+            if not b[at - 1] & 0x80:
+                break
+        at += length
+    assert at == end
+    return out
+
+
 def _shared_table(blob: torch.Tensor) -> tuple[int, tuple]:
     """(prob_bits, the (symbol, frequency) pairs) of a version 4 or 5 blob's shared table."""
     b, layout = blob.numpy().tobytes(), blob_layout(blob)
@@ -100,6 +134,7 @@ TAKER_CASES = [
     ("two_outliers", lambda: _outliers(40, (5, 31)), 4096, 2, False),
     ("more_takers_than_255", lambda: many_tables(320, 4096), 4096, 255, True),
     ("extra_table_bytes_limit", lambda: _wide_windows(230, 8192), 8192, None, True),
+    ("taker_with_12_bits", _wide_taker, 65536, None, True),
 ]
 
 
@@ -115,6 +150,7 @@ def test_chunks_with_tables_of_their_own_give_the_host_blob(lib, name, make, chu
     if name == "extra_table_bytes_limit":  # stopped by the bytes, not by the count or the last keeper
         assert extra < 200 and blob_layout(blob)["table_bytes"] > 0xFFFF - 4 * 1025, blob_layout(blob)["table_bytes"]
     assert {t for mode, t in _modes(blob) if t != 0} == set(range(1, extra + 1))
+    assert (12 in _extra_prob_bits(blob)) == (name == "taker_with_12_bits"), _extra_prob_bits(blob)
     assert (_shared_table(blob) != _shared_table(lossless.encode(x, chunk_values=chunk_values, version=4))) == refit
 
 

@@ -18,12 +18,13 @@
 //                  table's orders and size, the cumulative starts (block scan) and the encoder's
 //                  symbol table; version 5: each symbol's cost under it (the surveys' reference);
 //   rans_kernel    version 5 with own tables, phase A: chunks handed out by a ticket, each
-//                  chunk's saving from a table of its own computed by one lane with the host's
-//                  own_table_saving_q10 (csrc/codec/lossless_tables.h, in the warp's scratch
-//                  slot); the block that finishes the last survey picks the takers as the host
-//                  does (largest saving first, ties by lower chunk index, at most 255 and
-//                  kMaxExtraTableSectionBytes, never every coding chunk: one block-wide argmax a
-//                  taker), builds their tables (choose_prob_bits, one warp's lane each) and the
+//                  chunk's saving from a table of its own computed by its warp as the host's
+//                  own_table_saving_q10 does (csrc/codec/lossless_tables.h; own_table_saving_warp,
+//                  the symbols split over the lanes, in the warp's scratch slot); the block that
+//                  finishes the last survey picks the takers as the host does (largest saving
+//                  first, ties by lower chunk index, at most 255 and kMaxExtraTableSectionBytes,
+//                  never every coding chunk: one block-wide argmax a taker), builds their tables
+//                  (choose_prob_bits_warp, a warp each) and the
 //                  shared table refitted to the other chunks where refit_pays, then publishes a
 //                  flag that the other blocks wait for (no deadlock: see rans_kernel). Phase B
 //                  (every version): one warp per chunk, chunks handed out in order by a ticket;
@@ -39,7 +40,7 @@
 //                  before the look-back, a 32-state chunk's raw fields are coded as a field stream
 //                  where the host does so (code_fields_warp: the sample of every 64th value, the
 //                  stream's values compacted into the slot's field area by a ballot prefix, their
-//                  counts by shared atomics, the field table chosen by lane 0, the stream's rANS
+//                  counts by shared atomics, the field table chosen by the warp, the stream's rANS
 //                  pass by the warp, its words in place; mode 4 when smaller); a one-state chunk's
 //                  by lane 0 before its raw-or-coded choice (code_fields_one_state, mode 5).
 //                  Then a coded chunk's payload goes to its place
@@ -256,8 +257,8 @@ constexpr uint64_t kSurveyScratchBytes = 8 * kNumSymbols + 4 * kOwnTableScratchW
 constexpr uint64_t kSlotGuard = 16;  // below the words: rans_encode_one_state's store below its cursor
 constexpr uint64_t kRansMaxBlocks = 2048;  // rans_kernel's grid at most (its warps take chunks by ticket)
 constexpr int kRansMinBlocks = 4;          // rans_kernel's blocks resident per SM (its register bound)
-// rans_fields_kernel (format 6: the field streams' serial table choice by lane 0 inlined): 2 blocks, at
-// most 128 registers (at 3 blocks' 80 it spills)
+// rans_fields_kernel (format 6: the field streams' table choices inlined, a one-state chunk's by lane
+// 0): 2 blocks, at most 128 registers (at 3 blocks' 80 it spills)
 constexpr int kRansFieldsMinBlocks = 2;
 constexpr uint64_t kGridMax = 65535;
 
@@ -274,8 +275,8 @@ __host__ __device__ uint64_t slot_bytes_for(uint64_t values) {
 }
 
 // Version 6: a rans_kernel slot's field area, after its words and raw fields (slot_bytes_for):
-// the field stream's values w (coded in place: its words end where the values end) and lane 0's
-// table work (the stream's symbol counts, the field table, scratch for the table's choice).
+// the field stream's values w (coded in place: its words end where the values end) and the field
+// table's work (the stream's symbol counts, the field table, scratch for the table's choice).
 struct FieldArea {
   uint16_t* w;        // [slot values]
   uint64_t* counts;   // [kNumSymbols]
@@ -349,6 +350,192 @@ __device__ uint32_t chunk_values_of(uint64_t n, uint32_t cv, uint64_t c) {
 __device__ uint32_t warp_sum(uint32_t v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
+}
+
+// ---- warp-wide table choices (one warp, every lane calls; results in every lane) ----
+// The host's per-symbol loops (lossless_core.h, lossless_tables.h) split over the lanes, lane l
+// taking symbols l, l + 32, ...: their sums are of integers (the same in any order) and their
+// argmaxes keep the host's lowest index on ties, so the tables and decisions are the host's.
+// Arrays of kNumSymbols entries in the warp's workspace.
+__device__ uint64_t warp_sum64(uint64_t v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+// (a butterfly: every lane adds the same two partial sums at every step, so all lanes end equal)
+__device__ double warp_sum_double(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ uint32_t warp_max(uint32_t v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint32_t other = __shfl_xor_sync(kFull, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// normalize_counts of counts[1025] (total > 0) with `prob_bits` into freq[1025].
+__device__ void normalize_warp(const uint64_t* counts, uint64_t total, int prob_bits, uint32_t* freq, int lane) {
+  uint32_t mine = 0;
+  for (int s = lane; s < kNumSymbols; s += kLanes) {
+    freq[s] = scaled_frequency(counts[s], total, prob_bits);
+    mine += freq[s];
+  }
+  int64_t diff = (int64_t(1) << prob_bits) - int64_t(warp_sum(mine));
+  while (diff != 0) {  // the corrections: the most frequent symbol (lowest index on ties)
+    __syncwarp();
+    uint32_t key = 0;
+    for (int s = lane; s < kNumSymbols; s += kLanes) {
+      const uint32_t k = (freq[s] << 11) | uint32_t(2047 - s);
+      key = k > key ? k : key;
+    }
+    const int best = 2047 - int(warp_max(key) & 2047u);
+    uint32_t f = freq[best];
+    correct_frequency(f, diff);  // in every lane alike: diff stays the warp's
+    __syncwarp();
+    if (lane == 0) freq[best] = f;
+  }
+  __syncwarp();
+}
+
+// choose_prob_bits (lossless_tables.h): freq[1025] gets the frequencies, freq12[1025] is scratch;
+// returns the probability bits.
+__device__ int choose_prob_bits_warp(const uint64_t* counts, uint64_t total, uint64_t chunks, uint32_t* freq,
+                                     uint32_t* freq12, int lane) {
+  normalize_warp(counts, total, kProbBits, freq, lane);
+  normalize_warp(counts, total, kMaxProbBits, freq12, lane);
+  // prefer_12_bits
+  int too_large = 0;
+  uint64_t cost11 = 0, cost12 = 0;
+  for (int s = lane; s < kNumSymbols; s += kLanes) {
+    too_large |= freq12[s] > kProbScale;
+    if (freq[s] == 0) continue;
+    cost11 += coded_cost_term_q10(counts[s], freq[s], kProbBits);
+    cost12 += coded_cost_term_q10(counts[s], freq12[s], kMaxProbBits);
+  }
+  if (__any_sync(kFull, too_large)) return kProbBits;
+  if (!(warp_sum64(cost12) + wide_table_margin_q10(chunks) < warp_sum64(cost11))) return kProbBits;
+  for (int s = lane; s < kNumSymbols; s += kLanes) freq[s] = freq12[s];
+  __syncwarp();
+  return kMaxProbBits;
+}
+
+constexpr uint32_t kAbsent = ~0u;  // present_gaps_warp's entry of an absent symbol
+
+// gaps[s] = the number of absent symbols between present symbol s (x[s] != 0) and the present one
+// before it (as the version 4 table codes it), kAbsent for an absent s; returns the present count.
+// Per round of 32 symbols a ballot: the previous present symbol below the lane, or the last one of
+// the rounds before.
+template <typename T>
+__device__ uint32_t present_gaps_warp(const T* x, uint32_t* gaps, int lane) {
+  int last = -1;
+  uint32_t present = 0;
+  for (int base = 0; base < kNumSymbols; base += kLanes) {
+    const int s = base + lane;
+    const bool here = s < kNumSymbols && x[s] != 0;
+    const unsigned mask = __ballot_sync(kFull, here);
+    const unsigned below = mask & ((1u << lane) - 1u);
+    const int previous = below != 0 ? base + 31 - __clz(below) : last;
+    if (s < kNumSymbols) gaps[s] = here ? uint32_t(s - previous - 1) : kAbsent;
+    if (mask != 0) last = base + 31 - __clz(mask);
+    present += uint32_t(__popc(mask));
+  }
+  __syncwarp();
+  return present;
+}
+
+// The Exp-Golomb bits of the present symbols' gaps (present_gaps_warp) with order k.
+__device__ uint32_t gap_bits_warp(const uint32_t* gaps, uint32_t k, int lane) {
+  uint32_t bits = 0;
+  for (int s = lane; s < kNumSymbols; s += kLanes)
+    if (gaps[s] != kAbsent) bits += eg_bits(gaps[s], k);
+  return warp_sum(bits);
+}
+
+// The version 4 table of freq[1025] (gaps: present_gaps_warp's of it): its orders (table_orders_v4:
+// the lowest of the cheapest, each on its own) into kg, kf; returns its bytes (table_bytes_v4).
+__device__ uint32_t table_v4_warp(const uint32_t* freq, const uint32_t* gaps, uint32_t present, uint32_t& kg,
+                                  uint32_t& kf, int lane) {
+  uint32_t best_g = ~0u, best_f = ~0u;
+  kg = kf = 0;
+  for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
+    uint32_t cf = 0;
+    for (int s = lane; s < kNumSymbols; s += kLanes)
+      if (gaps[s] != kAbsent) cf += eg_bits(freq[s] - 1, k);
+    cf = warp_sum(cf);
+    if (cf < best_f) best_f = cf, kf = k;
+    if (k <= kMaxGapOrder) {
+      const uint32_t cg = gap_bits_warp(gaps, k, lane);
+      if (cg < best_g) best_g = cg, kg = k;
+    }
+  }
+  return present > 0 ? 1 + (best_g + best_f + 7) / 8 : 0u;
+}
+
+// cumulative: start[s] = the sum of freq below s (32 symbols a round, a shuffle scan each).
+__device__ void cumulative_warp(const uint32_t* freq, uint32_t* start, int lane) {
+  uint32_t before = 0;
+  for (int base = 0; base < kNumSymbols; base += kLanes) {
+    const int s = base + lane;
+    const uint32_t f = s < kNumSymbols ? freq[s] : 0u;
+    uint32_t inclusive = f;
+    for (int o = 1; o < kLanes; o <<= 1) {
+      const uint32_t up = __shfl_up_sync(kFull, inclusive, o);
+      if (lane >= o) inclusive += up;
+    }
+    if (s < kNumSymbols) start[s] = before + inclusive - f;
+    before += __shfl_sync(kFull, inclusive, kLanes - 1);
+  }
+  __syncwarp();
+}
+
+// own_table_saving_q10 (lossless_tables.h) of chunk counts[1025] (n values, `zeros` of them
+// +0.0), by the warp: the same saving and, where it is not 0, the same `section`. scratch: u32
+// [3 * kNumSymbols] (the own table's frequencies, the 12-bit ones, the gaps). Its first bound sums
+// floating-point terms in another order than the host's, which may decide the early exit otherwise
+// only where the exact estimate returns 0 as well (the bound is below every own table's size by
+// its 1e-9 share): the saving is the same either way.
+__device__ uint64_t own_table_saving_warp(const uint64_t* counts, uint32_t n, uint32_t zeros,
+                                          const uint64_t* shared_cost, uint32_t& section, uint32_t* scratch,
+                                          int lane) {
+  constexpr uint64_t kByte = 8 << 10;
+  const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
+  const uint64_t margin = kByte * kOwnTableMarginBytes + n;
+  uint64_t shared_q10 = 0;
+  double sum_c_log_c = 0.0;
+  for (int s = lane; s < kNumSymbols; s += kLanes) {
+    if (counts[s] == 0) continue;
+    shared_q10 += counts[s] * shared_cost[s];
+    sum_c_log_c += double(counts[s]) * log2(double(counts[s]));
+  }
+  shared_q10 = warp_sum64(shared_q10);
+  sum_c_log_c = warp_sum_double(sum_c_log_c);
+  const uint64_t shared_size = shared_q10 + fixed < raw ? shared_q10 + fixed : raw;
+  const double entropy_q10 = 1024.0 * (double(n) * log2(double(n)) - sum_c_log_c);
+  const double floor_q10 = entropy_q10 * (1.0 - 1e-9) - 1024.0;
+  section = 0;
+  if (floor_q10 > 0.0 && double(fixed + margin) + floor_q10 >= double(shared_size)) return 0;
+  uint32_t* f = scratch;
+  uint32_t* gaps = scratch + 2 * kNumSymbols;
+  const uint32_t present = present_gaps_warp(counts, gaps, lane);
+  uint32_t gap_bits = ~0u;
+  for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
+    const uint32_t bits = gap_bits_warp(gaps, k, lane);
+    gap_bits = bits < gap_bits ? bits : gap_bits;
+  }
+  const uint64_t least_section = extra_table_bytes(uint32_t(1 + (uint64_t(gap_bits) + present + 7) / 8));
+  if (floor_q10 > 0.0 && double(fixed + margin + kByte * least_section) + floor_q10 >= double(shared_size)) return 0;
+  const uint32_t pb = uint32_t(choose_prob_bits_warp(counts, n, 1, f, scratch + kNumSymbols, lane));
+  uint64_t own_q10 = 0;
+  for (int s = lane; s < kNumSymbols; s += kLanes)
+    if (counts[s] != 0) own_q10 += counts[s] * symbol_cost_q10(f[s], pb);
+  own_q10 = warp_sum64(own_q10);
+  uint32_t kg = 0, kf = 0;
+  section = extra_table_bytes(table_v4_warp(f, gaps, present, kg, kf, lane));  // (present: every count's f >= 1)
+  const uint64_t own_payload = own_q10 + fixed;
+  if (own_payload + margin >= raw) return 0;  // it would be stored raw
+  const uint64_t own_size = own_payload + kByte * section;
+  return own_size + margin < shared_size ? shared_size - own_size : 0;
 }
 
 // ---- block-wide helpers (blockDim.x == kMetaThreads, every thread calls) ----
@@ -660,11 +847,6 @@ constexpr unsigned long long kAggregate = 1ull << 62, kInclusive = 2ull << 62, k
 // atomic max, a relaxed store to L2 that the other warps' relaxed loads see.
 __device__ void publish_lookback(unsigned long long* word, unsigned long long v) { atomicMax(word, v); }
 
-__device__ uint64_t warp_sum64(uint64_t v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
 // Chunk c's payload offset from the first payload's (the padded payload bytes of chunks [0, c)),
 // chunk c's own being `bytes` (warp-uniform; every lane calls): a decoupled look-back. The chunk
 // publishes its bytes, then reads its predecessors' words 32 at a time (lane l: chunk top - l,
@@ -826,27 +1008,45 @@ __device__ EncSym field_enc_sym(const SharedSym& s, uint32_t prob_bits) {
 
 // The field table of counts fcounts[64] over `total` fields (prepare_field_stream's: the counts as
 // the stream's symbols, choose_prob_bits or, one state, choose_one_state_prob_bits; version 4's
-// orders and bytes), its encoder entries in ftab; lane 0 alone. Returns false when its bytes
-// exceed kMaxFieldTableBytes.
-__device__ bool field_table_lane(const unsigned long long* fcounts, uint32_t total, bool one_state, const FieldArea& a,
-                                 SharedSym* ftab, FieldCode& fc) {
-  for (int s = 0; s < kNumSymbols; ++s) a.counts[s] = 0;
-  for (uint32_t f = 0; f < 1u << kRawBits; ++f) a.counts[field_symbol(f)] = fcounts[f];
-  const int pb = one_state ? choose_one_state_prob_bits_in(a.counts, total, a.freq, a.scratch)
-                           : choose_prob_bits(a.counts, total, 1, a.freq, a.scratch);
-  uint32_t kg = 0, kf = 0;
-  table_orders_v4_in(a.freq, kg, kf, a.scratch, a.scratch + kNumSymbols);
-  fc.prob_bits = uint32_t(pb);
-  fc.gap_order = kg;
-  fc.freq_order = kf;
-  fc.bytes = table_bytes_v4(a.freq, kg, kf);
-  if (fc.bytes > kMaxFieldTableBytes) return false;
-  cumulative(a.freq, a.scratch, pb);
-  for (uint32_t j = 0; j <= 64; ++j) {
+// orders and bytes) into a.freq and fc, its encoder entries in ftab. 32 states: the warp
+// (choose_prob_bits_warp, table_v4_warp), every lane calls; one state: lane 0 alone. Returns false
+// when its bytes exceed kMaxFieldTableBytes.
+__device__ bool field_table(const unsigned long long* fcounts, uint32_t total, bool one_state, const FieldArea& a,
+                            SharedSym* ftab, FieldCode& fc, int lane) {
+  const int step = one_state ? 1 : kLanes;
+  for (int s = lane; s < kNumSymbols; s += step) a.counts[s] = 0;
+  if (!one_state) __syncwarp();
+  for (uint32_t f = lane; f < 1u << kRawBits; f += step) a.counts[field_symbol(f)] = fcounts[f];
+  if (!one_state) __syncwarp();
+  int pb;
+  uint32_t kg = 0, kf = 0, bytes;
+  if (one_state) {
+    pb = choose_one_state_prob_bits_in(a.counts, total, a.freq, a.scratch);
+    table_orders_v4_in(a.freq, kg, kf, a.scratch, a.scratch + kNumSymbols);
+    bytes = table_bytes_v4(a.freq, kg, kf);
+  } else {
+    pb = choose_prob_bits_warp(a.counts, total, 1, a.freq, a.scratch, lane);
+    const uint32_t present = present_gaps_warp(a.freq, a.scratch + kNumSymbols, lane);
+    bytes = table_v4_warp(a.freq, a.scratch + kNumSymbols, present, kg, kf, lane);
+  }
+  if (bytes > kMaxFieldTableBytes) return false;
+  if (lane == 0) {
+    fc.prob_bits = uint32_t(pb);
+    fc.gap_order = kg;
+    fc.freq_order = kf;
+    fc.bytes = bytes;
+  }
+  if (one_state) {
+    cumulative(a.freq, a.scratch, pb);
+  } else {
+    cumulative_warp(a.freq, a.scratch, lane);
+  }
+  for (uint32_t j = lane; j <= 64; j += step) {
     const uint32_t sym = j < 64 ? j : uint32_t(kZeroSymbol);
     const EncSym e = make_enc_sym(a.scratch[sym], a.freq[sym], pb);
     ftab[j] = SharedSym{e.rcp, e.start, e.freq};
   }
+  if (!one_state) __syncwarp();
   return true;
 }
 
@@ -899,14 +1099,10 @@ __device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, ChunkEntry& e, 
   }
   checksum = warp_sum(checksum);
   __syncwarp();  // the counts and the values stored
-  int ok = 0;
-  if (lane == 0) {
-    const uint64_t* counts = reinterpret_cast<const uint64_t*>(fcounts);
-    ok = field_coding_may_pay(field_entropy_q10(counts, nr), nr, nr, false) &&
-         field_table_lane(fcounts, nr, false, a, ftab, fc);
-  }
-  __syncwarp();  // lane 0's field table stored
-  if (__shfl_sync(kFull, ok, 0) == 0) return false;
+  int pays = 0;
+  if (lane == 0)
+    pays = field_coding_may_pay(field_entropy_q10(reinterpret_cast<const uint64_t*>(fcounts), nr), nr, nr, false);
+  if (__shfl_sync(kFull, pays, 0) == 0 || !field_table(fcounts, nr, false, a, ftab, fc, lane)) return false;
   const uint32_t pb = fc.prob_bits;
   uint32_t x = kStateLow, nw = 0;
   uint16_t* words_end = a.w + nr;
@@ -956,7 +1152,7 @@ __device__ bool code_fields_one_state(const uint16_t* v, uint32_t cn, ChunkEntry
     checksum += checksum_term(w, k++);
   }
   if (!field_coding_may_pay(field_entropy_q10(counts, nr), nr, nr, true)) return false;
-  if (!field_table_lane(fcounts, nr, true, a, ftab, fc)) return false;
+  if (!field_table(fcounts, nr, true, a, ftab, fc, 0)) return false;
   uint32_t x = kStateLow;
   uint16_t* const words_end = a.w + nr;
   uint16_t* cursor = words_end;
@@ -1008,8 +1204,8 @@ __device__ uint64_t* survey_counts(uint8_t* slot) { return reinterpret_cast<uint
 __device__ uint32_t* survey_scratch(uint8_t* slot) { return reinterpret_cast<uint32_t*>(slot + 8 * kNumSymbols); }
 
 // Version 5, phase A: chunk c's saving from a table of its own (own_table_saving_q10 of its counts,
-// by lane 0 in the warp's slot; 0 for a chunk under kMinOwnTableValues values or of +0.0 only, as
-// on the host) into ws.saving[c] and ws.section[c]; its table 0 until final_tables. One warp, every lane
+// by the warp in its slot: own_table_saving_warp; 0 for a chunk under kMinOwnTableValues values or
+// of +0.0 only, as on the host) into ws.saving[c] and ws.section[c]; its table 0 until final_tables. One warp, every lane
 // calls.
 __device__ void survey_chunk(uint64_t n, uint32_t cv, uint64_t c, const EncWs& ws, uint8_t* slot, int lane) {
   const uint32_t cn = chunk_values_of(n, cv, c), zeros = cn - ws.entries[c].num_raw;
@@ -1020,7 +1216,7 @@ __device__ void survey_chunk(uint64_t n, uint32_t cv, uint64_t c, const EncWs& w
     const uint32_t* own = ws.chunk_counts + c * kNumSymbols;
     for (int s = lane; s < kNumSymbols; s += kLanes) counts[s] = own[s];
     __syncwarp();
-    if (lane == 0) saving = own_table_saving_q10(counts, cn, zeros, ws.shared_cost, section, survey_scratch(slot));
+    saving = own_table_saving_warp(counts, cn, zeros, ws.shared_cost, section, survey_scratch(slot), lane);
     __syncwarp();  // the slot is read before the warp's next survey writes it
   }
   if (lane == 0) {
@@ -1116,8 +1312,8 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
     ws.extra_chunk[rank] = picked[k];
   }
   __syncthreads();
-  // each extra table (the host's choose_frequencies and finish_table): lane 0 of a warp with a slot
-  // in the slot's scratch, the warp's lanes fill its symbol table
+  // each extra table (the host's choose_frequencies and finish_table): a warp with a slot, in the
+  // slot's scratch (choose_prob_bits_warp, table_v4_warp), the warp's lanes fill its symbol table
   const uint32_t table_warps = ws.slots < uint64_t(kWarpsPerBlock) ? uint32_t(ws.slots) : uint32_t(kWarpsPerBlock);
   if (uint32_t(warp) < table_warps) {
     uint8_t* slot = ws.scratch + uint64_t(warp) * ws.slot_bytes;
@@ -1130,18 +1326,17 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
       __syncwarp();
       uint32_t* freq = ws.extra_freq + uint64_t(k) * kNumSymbols;
       uint32_t* info = ws.extra_info + 4ull * k;
+      const int pb = choose_prob_bits_warp(counts, chunk_values_of(n, cv, c), 1, freq, scratch, lane);
+      const uint32_t present = present_gaps_warp(freq, scratch + kNumSymbols, lane);
+      uint32_t kg = 0, kf = 0;
+      const uint32_t bytes = table_v4_warp(freq, scratch + kNumSymbols, present, kg, kf, lane);
+      cumulative_warp(freq, scratch, lane);
       if (lane == 0) {
-        const int pb = choose_prob_bits(counts, chunk_values_of(n, cv, c), 1, freq, scratch);
-        uint32_t kg = 0, kf = 0;
-        table_orders_v4_in(freq, kg, kf, scratch, scratch + kNumSymbols);
         info[0] = uint32_t(pb);
         info[1] = kg;
         info[2] = kf;
-        info[3] = table_bytes_v4(freq, kg, kf);
-        cumulative(freq, scratch, pb);
+        info[3] = bytes;
       }
-      __syncwarp();
-      const int pb = int(info[0]);
       for (int s = lane; s < kNumSymbols; s += kLanes) {
         const EncSym e = make_enc_sym(scratch[s], freq[s], pb);
         ws.extra_syms[uint64_t(k) * kNumSymbols + s] = SharedSym{e.rcp, e.start, e.freq};
