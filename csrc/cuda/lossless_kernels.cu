@@ -352,6 +352,73 @@ __device__ uint32_t warp_sum(uint32_t v) {
   return v;
 }
 
+// ---- block-wide helpers (blockDim.x == kMetaThreads, every thread calls) ----
+template <typename T>
+__device__ T block_sum(T v, T* scratch32) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  __syncthreads();  // scratch32 may still be read by a previous call
+  if ((threadIdx.x & 31) == 0) scratch32[threadIdx.x / 32] = v;
+  __syncthreads();
+  T total = 0;
+  for (int w = 0; w < kMetaThreads / 32; ++w) total += scratch32[w];
+  return total;
+}
+template <typename T>
+__device__ T block_max(T v, T* scratch32) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const T other = __shfl_xor_sync(kFull, v, o);
+    v = other > v ? other : v;
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch32[threadIdx.x / 32] = v;
+  __syncthreads();
+  T best = scratch32[0];
+  for (int w = 1; w < kMetaThreads / 32; ++w) best = scratch32[w] > best ? scratch32[w] : best;
+  return best;
+}
+// Exclusive prefix sum over the threads in index order; *total gets the sum of all.
+template <typename T>
+__device__ T block_exclusive_scan(T v, T* scratch32, T* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  T inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const T up = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive += up;
+  }
+  __syncthreads();
+  if (lane == 31) scratch32[warp] = inclusive;
+  __syncthreads();
+  T before = 0, all = 0;
+  for (int w = 0; w < kMetaThreads / 32; ++w) {
+    if (w < warp) before += scratch32[w];
+    all += scratch32[w];
+  }
+  *total = all;
+  return before + inclusive - v;
+}
+
+// Exclusive max-scan over the threads in index order (-1 for thread 0); *total gets the max of all.
+__device__ int block_exclusive_max_scan(int v, int* scratch32, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive = up > inclusive ? up : inclusive;
+  }
+  int exclusive = __shfl_up_sync(kFull, inclusive, 1);
+  if (lane == 0) exclusive = -1;
+  __syncthreads();
+  if (lane == 31) scratch32[warp] = inclusive;
+  __syncthreads();
+  int before = -1, all = -1;
+  for (int w = 0; w < kMetaThreads / 32; ++w) {
+    if (w < warp) before = scratch32[w] > before ? scratch32[w] : before;
+    all = scratch32[w] > all ? scratch32[w] : all;
+  }
+  *total = all;
+  return exclusive > before ? exclusive : before;
+}
+
 // ---- warp-wide table choices (one warp, every lane calls; results in every lane) ----
 // The host's per-symbol loops (lossless_core.h, lossless_tables.h) split over the lanes, lane l
 // taking symbols l, l + 32, ...: their sums are of integers (the same in any order) and their
@@ -374,50 +441,81 @@ __device__ uint32_t warp_max(uint32_t v) {
   return v;
 }
 
-// normalize_counts of counts[1025] (total > 0) with `prob_bits` into freq[1025].
-__device__ void normalize_warp(const uint64_t* counts, uint64_t total, int prob_bits, uint32_t* freq, int lane) {
+// The threads that choose a table together, every one calling, each getting the results: a warp
+// (WarpGroup, rank = lane) or a block of kMetaThreads (BlockGroup, rank = thread, the sums through
+// shared scratch). Thread r takes symbols r, r + kSize, ...
+struct WarpGroup {
+  static constexpr int kSize = kLanes;
+  int rank;
+  __device__ void sync() const { __syncwarp(); }
+  __device__ uint32_t sum(uint32_t v) const { return warp_sum(v); }
+  __device__ uint64_t sum(uint64_t v) const { return warp_sum64(v); }
+  __device__ uint32_t max(uint32_t v) const { return warp_max(v); }
+  __device__ bool any(bool p) const { return __any_sync(kFull, p) != 0; }
+};
+struct BlockGroup {
+  static constexpr int kSize = kMetaThreads;
+  int rank;
+  uint32_t* scratch32;  // [kMetaThreads / 32] each
+  uint64_t* scratch64;
+  __device__ void sync() const { __syncthreads(); }
+  __device__ uint32_t sum(uint32_t v) const { return block_sum<uint32_t>(v, scratch32); }
+  __device__ uint64_t sum(uint64_t v) const { return block_sum<uint64_t>(v, scratch64); }
+  __device__ uint32_t max(uint32_t v) const { return block_max<uint32_t>(v, scratch32); }
+  __device__ bool any(bool p) const { return __syncthreads_or(p) != 0; }
+};
+
+// normalize_counts of counts[1025] (total > 0) with `prob_bits` into freq[1025] (shared or the
+// warp's workspace) by group g.
+template <typename Group, typename Count>
+__device__ void normalize_group(const Count* counts, uint64_t total, int prob_bits, uint32_t* freq, const Group& g) {
   uint32_t mine = 0;
-  for (int s = lane; s < kNumSymbols; s += kLanes) {
+  for (int s = g.rank; s < kNumSymbols; s += Group::kSize) {
     freq[s] = scaled_frequency(counts[s], total, prob_bits);
     mine += freq[s];
   }
-  int64_t diff = (int64_t(1) << prob_bits) - int64_t(warp_sum(mine));
+  int64_t diff = (int64_t(1) << prob_bits) - int64_t(g.sum(mine));
   while (diff != 0) {  // the corrections: the most frequent symbol (lowest index on ties)
-    __syncwarp();
+    g.sync();
     uint32_t key = 0;
-    for (int s = lane; s < kNumSymbols; s += kLanes) {
+    for (int s = g.rank; s < kNumSymbols; s += Group::kSize) {
       const uint32_t k = (freq[s] << 11) | uint32_t(2047 - s);
       key = k > key ? k : key;
     }
-    const int best = 2047 - int(warp_max(key) & 2047u);
+    const int best = 2047 - int(g.max(key) & 2047u);
     uint32_t f = freq[best];
-    correct_frequency(f, diff);  // in every lane alike: diff stays the warp's
-    __syncwarp();
-    if (lane == 0) freq[best] = f;
+    correct_frequency(f, diff);  // in every thread alike: diff stays the group's
+    g.sync();
+    if (g.rank == 0) freq[best] = f;
   }
-  __syncwarp();
+  g.sync();
 }
 
-// choose_prob_bits (lossless_tables.h): freq[1025] gets the frequencies, freq12[1025] is scratch;
-// returns the probability bits.
-__device__ int choose_prob_bits_warp(const uint64_t* counts, uint64_t total, uint64_t chunks, uint32_t* freq,
-                                     uint32_t* freq12, int lane) {
-  normalize_warp(counts, total, kProbBits, freq, lane);
-  normalize_warp(counts, total, kMaxProbBits, freq12, lane);
+// choose_prob_bits (lossless_tables.h) by group g: freq[1025] gets the frequencies, freq12[1025]
+// is scratch; returns the probability bits.
+template <typename Group, typename Count>
+__device__ int choose_prob_bits_group(const Count* counts, uint64_t total, uint64_t chunks, uint32_t* freq,
+                                      uint32_t* freq12, const Group& g) {
+  normalize_group(counts, total, kProbBits, freq, g);
+  normalize_group(counts, total, kMaxProbBits, freq12, g);
   // prefer_12_bits
-  int too_large = 0;
+  bool too_large = false;
   uint64_t cost11 = 0, cost12 = 0;
-  for (int s = lane; s < kNumSymbols; s += kLanes) {
+  for (int s = g.rank; s < kNumSymbols; s += Group::kSize) {
     too_large |= freq12[s] > kProbScale;
     if (freq[s] == 0) continue;
     cost11 += coded_cost_term_q10(counts[s], freq[s], kProbBits);
     cost12 += coded_cost_term_q10(counts[s], freq12[s], kMaxProbBits);
   }
-  if (__any_sync(kFull, too_large)) return kProbBits;
-  if (!(warp_sum64(cost12) + wide_table_margin_q10(chunks) < warp_sum64(cost11))) return kProbBits;
-  for (int s = lane; s < kNumSymbols; s += kLanes) freq[s] = freq12[s];
-  __syncwarp();
+  if (g.any(too_large)) return kProbBits;
+  if (!(g.sum(cost12) + wide_table_margin_q10(chunks) < g.sum(cost11))) return kProbBits;
+  for (int s = g.rank; s < kNumSymbols; s += Group::kSize) freq[s] = freq12[s];
+  g.sync();
   return kMaxProbBits;
+}
+__device__ int choose_prob_bits_warp(const uint64_t* counts, uint64_t total, uint64_t chunks, uint32_t* freq,
+                                     uint32_t* freq12, int lane) {
+  return choose_prob_bits_group(counts, total, chunks, freq, freq12, WarpGroup{lane});
 }
 
 constexpr uint32_t kAbsent = ~0u;  // present_gaps_warp's entry of an absent symbol
@@ -538,73 +636,6 @@ __device__ uint64_t own_table_saving_warp(const uint64_t* counts, uint32_t n, ui
   return own_size + margin < shared_size ? shared_size - own_size : 0;
 }
 
-// ---- block-wide helpers (blockDim.x == kMetaThreads, every thread calls) ----
-template <typename T>
-__device__ T block_sum(T v, T* scratch32) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  __syncthreads();  // scratch32 may still be read by a previous call
-  if ((threadIdx.x & 31) == 0) scratch32[threadIdx.x / 32] = v;
-  __syncthreads();
-  T total = 0;
-  for (int w = 0; w < kMetaThreads / 32; ++w) total += scratch32[w];
-  return total;
-}
-template <typename T>
-__device__ T block_max(T v, T* scratch32) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const T other = __shfl_xor_sync(kFull, v, o);
-    v = other > v ? other : v;
-  }
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) scratch32[threadIdx.x / 32] = v;
-  __syncthreads();
-  T best = scratch32[0];
-  for (int w = 1; w < kMetaThreads / 32; ++w) best = scratch32[w] > best ? scratch32[w] : best;
-  return best;
-}
-// Exclusive prefix sum over the threads in index order; *total gets the sum of all.
-template <typename T>
-__device__ T block_exclusive_scan(T v, T* scratch32, T* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  T inclusive = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const T up = __shfl_up_sync(kFull, inclusive, o);
-    if (lane >= o) inclusive += up;
-  }
-  __syncthreads();
-  if (lane == 31) scratch32[warp] = inclusive;
-  __syncthreads();
-  T before = 0, all = 0;
-  for (int w = 0; w < kMetaThreads / 32; ++w) {
-    if (w < warp) before += scratch32[w];
-    all += scratch32[w];
-  }
-  *total = all;
-  return before + inclusive - v;
-}
-
-// Exclusive max-scan over the threads in index order (-1 for thread 0); *total gets the max of all.
-__device__ int block_exclusive_max_scan(int v, int* scratch32, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  int inclusive = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int up = __shfl_up_sync(kFull, inclusive, o);
-    if (lane >= o) inclusive = up > inclusive ? up : inclusive;
-  }
-  int exclusive = __shfl_up_sync(kFull, inclusive, 1);
-  if (lane == 0) exclusive = -1;
-  __syncthreads();
-  if (lane == 31) scratch32[warp] = inclusive;
-  __syncthreads();
-  int before = -1, all = -1;
-  for (int w = 0; w < kMetaThreads / 32; ++w) {
-    if (w < warp) before = scratch32[w] > before ? scratch32[w] : before;
-    all = scratch32[w] > all ? scratch32[w] : all;
-  }
-  *total = all;
-  return exclusive > before ? exclusive : before;
-}
-
 // ---- value tiles: 256 values of a chunk, lane l holding values [8 l, 8 l + 8) of the tile ----
 struct Tile8 {
   uint4 bits;
@@ -632,31 +663,6 @@ __device__ void store_tile(uint16_t* sh, const Tile8& t, int lane) {
 
 // ---- encode ----
 constexpr int kMetaWarps = kMetaThreads / 32;
-
-// normalize_counts of the block's counts (n > 0) with `prob_bits` into freq[1025] (shared; every
-// thread calls).
-__device__ void normalize_block(const unsigned long long* counts, uint64_t n, int prob_bits, uint32_t* freq,
-                                uint32_t* scratch32, int64_t& diff) {
-  const int t = threadIdx.x;
-  uint32_t mine = 0;
-  for (int s = t; s < kNumSymbols; s += kMetaThreads) {
-    freq[s] = scaled_frequency(counts[s], n, prob_bits);
-    mine += freq[s];
-  }
-  const uint32_t sum = block_sum<uint32_t>(mine, scratch32);
-  if (t == 0) diff = (int64_t(1) << prob_bits) - int64_t(sum);
-  __syncthreads();
-  while (diff != 0) {  // the corrections: the most frequent symbol (lowest index on ties)
-    uint32_t key = 0;
-    for (int s = t; s < kNumSymbols; s += kMetaThreads) {
-      const uint32_t k = (freq[s] << 11) | uint32_t(2047 - s);
-      key = k > key ? k : key;
-    }
-    key = block_max<uint32_t>(key, scratch32);
-    if (t == 0) correct_frequency(freq[2047 - int(key & 2047u)], diff);
-    __syncthreads();
-  }
-}
 
 // The version 4 table of the block's freq[1025] (shared): its orders (table_orders_v4: per order,
 // the block's sum of its codes' bits; the lowest of the cheapest) into kg, kf, and its bytes
@@ -693,26 +699,26 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
   __shared__ int scratch_int[kMetaThreads / 32];
-  __shared__ int64_t diff;
   const int t = threadIdx.x;
+  const BlockGroup g{t, scratch32, scratch64};
   int prob_bits = kProbBits;
   if (n > 0 && chunks == 1 && n <= one_state_max) {
     // choose_one_state_prob_bits, each trial normalised into freq12 and its sums in parallel
     uint32_t present_mine = 0;
     for (int s = t; s < kNumSymbols; s += kMetaThreads) present_mine += counts[s] != 0;
-    const uint32_t present = block_sum<uint32_t>(present_mine, scratch32);
+    const uint32_t present = g.sum(present_mine);
     uint64_t best_cost = ~0ull;
     prob_bits = kMaxProbBits;
     for (int pb = one_state_min_prob_bits(present); pb <= kMaxProbBits; ++pb) {
-      normalize_block(counts, n, pb, freq12, scratch32, diff);
-      int too_large = 0;
+      normalize_group(counts, n, pb, freq12, g);
+      bool too_large = false;
       uint64_t cost = 0;
       for (int s = t; s < kNumSymbols; s += kMetaThreads) {
         too_large |= freq12[s] > kProbScale;
-        if (freq12[s] != 0) cost += counts[s] * ((uint64_t(pb) << 10) - log2_q10(freq12[s]));
+        if (freq12[s] != 0) cost += counts[s] * symbol_cost_q10(freq12[s], uint32_t(pb));
       }
-      if (__syncthreads_or(too_large)) continue;
-      cost = block_sum<uint64_t>(cost, scratch64);
+      if (g.any(too_large)) continue;
+      cost = g.sum(cost);
       uint32_t kg = 0, kf = 0;
       cost += uint64_t(8 * table_v4_block(freq12, scratch_int, scratch32, kg, kf)) << 10;
       if (cost < best_cost) {
@@ -723,31 +729,11 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
       __syncthreads();  // freq12 is read above before the next trial writes it
     }
     if (best_cost == ~0ull) {  // no width qualified: 11 bits
-      normalize_block(counts, n, kProbBits, freq, scratch32, diff);
+      normalize_group(counts, n, kProbBits, freq, g);
       prob_bits = kProbBits;
     }
   } else if (n > 0) {
-    normalize_block(counts, n, kProbBits, freq, scratch32, diff);
-    normalize_block(counts, n, kMaxProbBits, freq12, scratch32, diff);
-    // prefer_12_bits, its sums in parallel (integer sums: the same total in any order)
-    int too_large = 0;
-    uint64_t cost11 = 0, cost12 = 0;
-    for (int s = t; s < kNumSymbols; s += kMetaThreads) {
-      too_large |= freq12[s] > kProbScale;
-      const uint64_t c = counts[s];
-      if (freq[s] != 0)
-        cost11 += c * ((uint64_t(kProbBits) << 10) - log2_q10(freq[s])) + (uint64_t(8 * table_freq_bytes(freq[s])) << 10);
-      if (freq12[s] != 0)
-        cost12 += c * ((uint64_t(kMaxProbBits) << 10) - log2_q10(freq12[s])) +
-                  (uint64_t(8 * table_freq_bytes(freq12[s])) << 10);
-    }
-    too_large = __syncthreads_or(too_large);
-    cost11 = block_sum<uint64_t>(cost11, scratch64);
-    cost12 = block_sum<uint64_t>(cost12, scratch64);
-    if (!too_large && cost12 + wide_table_margin_q10(chunks) < cost11) {
-      prob_bits = kMaxProbBits;
-      for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = freq12[s];
-    }
+    prob_bits = choose_prob_bits_group(counts, n, chunks, freq, freq12, g);
   } else {
     for (int s = t; s < kNumSymbols; s += kMetaThreads) freq[s] = 0;
   }
