@@ -542,28 +542,32 @@ __device__ uint32_t present_gaps_warp(const T* x, uint32_t* gaps, int lane) {
   return present;
 }
 
-// The Exp-Golomb bits of the present symbols' gaps (present_gaps_warp) with order k.
-__device__ uint32_t gap_bits_warp(const uint32_t* gaps, uint32_t k, int lane) {
+// The Exp-Golomb bits of the present symbols' gaps (gaps: present_gaps_warp's or
+// present_gaps_block's) with order k, by group g.
+template <typename Group>
+__device__ uint32_t gap_bits_group(const uint32_t* gaps, uint32_t k, const Group& g) {
   uint32_t bits = 0;
-  for (int s = lane; s < kNumSymbols; s += kLanes)
+  for (int s = g.rank; s < kNumSymbols; s += Group::kSize)
     if (gaps[s] != kAbsent) bits += eg_bits(gaps[s], k);
-  return warp_sum(bits);
+  return g.sum(bits);
 }
 
-// The version 4 table of freq[1025] (gaps: present_gaps_warp's of it): its orders (table_orders_v4:
-// the lowest of the cheapest, each on its own) into kg, kf; returns its bytes (table_bytes_v4).
-__device__ uint32_t table_v4_warp(const uint32_t* freq, const uint32_t* gaps, uint32_t present, uint32_t& kg,
-                                  uint32_t& kf, int lane) {
+// The version 4 table of freq[1025] (gaps: its present symbols' gaps, `present` of them) by group
+// g: its orders (table_orders_v4: the lowest of the cheapest, each on its own) into kg, kf;
+// returns its bytes (table_bytes_v4).
+template <typename Group>
+__device__ uint32_t table_v4_group(const uint32_t* freq, const uint32_t* gaps, uint32_t present, uint32_t& kg,
+                                   uint32_t& kf, const Group& g) {
   uint32_t best_g = ~0u, best_f = ~0u;
   kg = kf = 0;
   for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
     uint32_t cf = 0;
-    for (int s = lane; s < kNumSymbols; s += kLanes)
+    for (int s = g.rank; s < kNumSymbols; s += Group::kSize)
       if (gaps[s] != kAbsent) cf += eg_bits(freq[s] - 1, k);
-    cf = warp_sum(cf);
+    cf = g.sum(cf);
     if (cf < best_f) best_f = cf, kf = k;
     if (k <= kMaxGapOrder) {
-      const uint32_t cg = gap_bits_warp(gaps, k, lane);
+      const uint32_t cg = gap_bits_group(gaps, k, g);
       if (cg < best_g) best_g = cg, kg = k;
     }
   }
@@ -618,7 +622,7 @@ __device__ uint64_t own_table_saving_warp(const uint64_t* counts, uint32_t n, ui
   const uint32_t present = present_gaps_warp(counts, gaps, lane);
   uint32_t gap_bits = ~0u;
   for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
-    const uint32_t bits = gap_bits_warp(gaps, k, lane);
+    const uint32_t bits = gap_bits_group(gaps, k, WarpGroup{lane});
     gap_bits = bits < gap_bits ? bits : gap_bits;
   }
   const uint64_t least_section = extra_table_bytes(uint32_t(1 + (uint64_t(gap_bits) + present + 7) / 8));
@@ -629,7 +633,7 @@ __device__ uint64_t own_table_saving_warp(const uint64_t* counts, uint32_t n, ui
     if (counts[s] != 0) own_q10 += counts[s] * symbol_cost_q10(f[s], pb);
   own_q10 = warp_sum64(own_q10);
   uint32_t kg = 0, kf = 0;
-  section = extra_table_bytes(table_v4_warp(f, gaps, present, kg, kf, lane));  // (present: every count's f >= 1)
+  section = extra_table_bytes(table_v4_group(f, gaps, present, kg, kf, WarpGroup{lane}));  // (present: every count's f >= 1)
   const uint64_t own_payload = own_q10 + fixed;
   if (own_payload + margin >= raw) return 0;  // it would be stored raw
   const uint64_t own_size = own_payload + kByte * section;
@@ -664,28 +668,21 @@ __device__ void store_tile(uint16_t* sh, const Tile8& t, int lane) {
 // ---- encode ----
 constexpr int kMetaWarps = kMetaThreads / 32;
 
-// The version 4 table of the block's freq[1025] (shared): its orders (table_orders_v4: per order,
-// the block's sum of its codes' bits; the lowest of the cheapest) into kg, kf, and its bytes
-// (table_bytes_v4), in every thread; thread t owns symbol t, thread 0 also the last one.
-__device__ uint32_t table_v4_block(const uint32_t* freq, int* scratch_int, uint32_t* scratch32, uint32_t& kg,
-                                   uint32_t& kf) {
+// present_gaps_warp's gaps of x[1025] by the block (gaps in shared memory): thread t takes
+// symbol t, thread 0 also the last one (after a max-scan of the present symbols' indices); returns
+// the present count.
+template <typename T>
+__device__ uint32_t present_gaps_block(const T* x, uint32_t* gaps, int* scratch_int, uint32_t* scratch32) {
   const int t = threadIdx.x;
-  const uint32_t f_mine = t < kNumSymbols - 1 ? freq[t] : 0u, f_last = freq[kNumSymbols - 1];
+  const bool here = t < kNumSymbols - 1 && x[t] != 0;
   int last_present = -1;
-  const int previous = block_exclusive_max_scan(f_mine != 0 ? t : -1, scratch_int, &last_present);
-  const uint32_t gap = uint32_t(t - previous - 1), gap_last = uint32_t(kNumSymbols - 1 - last_present - 1);
-  uint32_t best_g = ~0u, best_f = ~0u;
-  kg = kf = 0;
-  for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
-    uint32_t cg = 0, cf = 0;
-    if (f_mine != 0) cg += eg_bits(gap, k), cf += eg_bits(f_mine - 1, k);
-    if (t == 0 && f_last != 0) cg += eg_bits(gap_last, k), cf += eg_bits(f_last - 1, k);
-    cg = block_sum<uint32_t>(cg, scratch32);
-    cf = block_sum<uint32_t>(cf, scratch32);
-    if (k <= kMaxGapOrder && cg < best_g) best_g = cg, kg = k;
-    if (cf < best_f) best_f = cf, kf = k;
-  }
-  return last_present >= 0 ? 1 + (best_g + best_f + 7) / 8 : 0u;
+  const int previous = block_exclusive_max_scan(here ? t : -1, scratch_int, &last_present);
+  if (t < kNumSymbols - 1) gaps[t] = here ? uint32_t(t - previous - 1) : kAbsent;
+  const bool last = x[kNumSymbols - 1] != 0;
+  if (t == 0) gaps[kNumSymbols - 1] = last ? uint32_t(kNumSymbols - 1 - last_present - 1) : kAbsent;
+  const uint32_t present = block_sum<uint32_t>(here ? 1u : 0u, scratch32) + (last ? 1u : 0u);
+  __syncthreads();  // (block_sum's barriers came before thread 0's store)
+  return present;
 }
 
 // One symbol table from the blob's histogram counts[1025] (shared memory), normalised exactly as the
@@ -695,18 +692,17 @@ __device__ uint32_t table_v4_block(const uint32_t* freq, int* scratch_int, uint3
 // (version 5) ws.shared_cost. One block of kMetaThreads threads, every thread calls.
 __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64_t chunks, uint32_t one_state_max,
                             const EncWs& ws) {
-  __shared__ uint32_t freq[kNumSymbols], freq12[kNumSymbols];
+  __shared__ uint32_t freq[kNumSymbols], freq12[kNumSymbols], gaps[kNumSymbols];
   __shared__ uint32_t scratch32[kMetaThreads / 32];
   __shared__ uint64_t scratch64[kMetaThreads / 32];
   __shared__ int scratch_int[kMetaThreads / 32];
   const int t = threadIdx.x;
   const BlockGroup g{t, scratch32, scratch64};
+  // the table's gaps: its present symbols are the counted ones (every count's frequency >= 1)
+  const uint32_t present = present_gaps_block(counts, gaps, scratch_int, scratch32);
   int prob_bits = kProbBits;
   if (n > 0 && chunks == 1 && n <= one_state_max) {
     // choose_one_state_prob_bits, each trial normalised into freq12 and its sums in parallel
-    uint32_t present_mine = 0;
-    for (int s = t; s < kNumSymbols; s += kMetaThreads) present_mine += counts[s] != 0;
-    const uint32_t present = g.sum(present_mine);
     uint64_t best_cost = ~0ull;
     prob_bits = kMaxProbBits;
     for (int pb = one_state_min_prob_bits(present); pb <= kMaxProbBits; ++pb) {
@@ -720,7 +716,7 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
       if (g.any(too_large)) continue;
       cost = g.sum(cost);
       uint32_t kg = 0, kf = 0;
-      cost += uint64_t(8 * table_v4_block(freq12, scratch_int, scratch32, kg, kf)) << 10;
+      cost += uint64_t(8 * table_v4_group(freq12, gaps, present, kg, kf, g)) << 10;
       if (cost < best_cost) {
         best_cost = cost;
         prob_bits = pb;
@@ -739,7 +735,7 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
   }
   __syncthreads();
   uint32_t kg = 0, kf = 0;
-  const uint32_t table_bytes = table_v4_block(freq, scratch_int, scratch32, kg, kf);
+  const uint32_t table_bytes = table_v4_group(freq, gaps, present, kg, kf, g);
   if (t < kInfoWords)
     ws.table_info[t] = t == kInfoGapOrder ? kg : t == kInfoFreqOrder ? kf : t == kInfoSharedBytes ? table_bytes : 0u;
   if (ws.shared_cost != nullptr)
@@ -995,7 +991,7 @@ __device__ EncSym field_enc_sym(const SharedSym& s, uint32_t prob_bits) {
 // The field table of counts fcounts[64] over `total` fields (prepare_field_stream's: the counts as
 // the stream's symbols, choose_prob_bits or, one state, choose_one_state_prob_bits; version 4's
 // orders and bytes) into a.freq and fc, its encoder entries in ftab. 32 states: the warp
-// (choose_prob_bits_warp, table_v4_warp), every lane calls; one state: lane 0 alone. Returns false
+// (choose_prob_bits_warp, table_v4_group), every lane calls; one state: lane 0 alone. Returns false
 // when its bytes exceed kMaxFieldTableBytes.
 __device__ bool field_table(const unsigned long long* fcounts, uint32_t total, bool one_state, const FieldArea& a,
                             SharedSym* ftab, FieldCode& fc, int lane) {
@@ -1013,7 +1009,7 @@ __device__ bool field_table(const unsigned long long* fcounts, uint32_t total, b
   } else {
     pb = choose_prob_bits_warp(a.counts, total, 1, a.freq, a.scratch, lane);
     const uint32_t present = present_gaps_warp(a.freq, a.scratch + kNumSymbols, lane);
-    bytes = table_v4_warp(a.freq, a.scratch + kNumSymbols, present, kg, kf, lane);
+    bytes = table_v4_group(a.freq, a.scratch + kNumSymbols, present, kg, kf, WarpGroup{lane});
   }
   if (bytes > kMaxFieldTableBytes) return false;
   if (lane == 0) {
@@ -1299,7 +1295,7 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
   }
   __syncthreads();
   // each extra table (the host's choose_frequencies and finish_table): a warp with a slot, in the
-  // slot's scratch (choose_prob_bits_warp, table_v4_warp), the warp's lanes fill its symbol table
+  // slot's scratch (choose_prob_bits_warp, table_v4_group), the warp's lanes fill its symbol table
   const uint32_t table_warps = ws.slots < uint64_t(kWarpsPerBlock) ? uint32_t(ws.slots) : uint32_t(kWarpsPerBlock);
   if (uint32_t(warp) < table_warps) {
     uint8_t* slot = ws.scratch + uint64_t(warp) * ws.slot_bytes;
@@ -1315,7 +1311,7 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
       const int pb = choose_prob_bits_warp(counts, chunk_values_of(n, cv, c), 1, freq, scratch, lane);
       const uint32_t present = present_gaps_warp(freq, scratch + kNumSymbols, lane);
       uint32_t kg = 0, kf = 0;
-      const uint32_t bytes = table_v4_warp(freq, scratch + kNumSymbols, present, kg, kf, lane);
+      const uint32_t bytes = table_v4_group(freq, scratch + kNumSymbols, present, kg, kf, WarpGroup{lane});
       cumulative_warp(freq, scratch, lane);
       if (lane == 0) {
         info[0] = uint32_t(pb);
