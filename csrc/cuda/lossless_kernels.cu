@@ -419,11 +419,11 @@ __device__ int block_exclusive_max_scan(int v, int* scratch32, int* total) {
   return exclusive > before ? exclusive : before;
 }
 
-// ---- warp-wide table choices (one warp, every lane calls; results in every lane) ----
-// The host's per-symbol loops (lossless_core.h, lossless_tables.h) split over the lanes, lane l
-// taking symbols l, l + 32, ...: their sums are of integers (the same in any order) and their
-// argmaxes keep the host's lowest index on ties, so the tables and decisions are the host's.
-// Arrays of kNumSymbols entries in the warp's workspace.
+// ---- table choices by a warp or a block (every thread calls; results in every thread) ----
+// The host's per-symbol loops (lossless_core.h, lossless_tables.h) split over the group's threads,
+// thread r taking symbols r, r + size, ...: their sums are of integers (the same in any order) and
+// their argmaxes keep the host's lowest index on ties, so the tables and decisions are the host's.
+// Arrays of kNumSymbols entries in the warp's workspace or the block's shared memory.
 __device__ uint64_t warp_sum64(uint64_t v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
@@ -518,7 +518,7 @@ __device__ int choose_prob_bits_warp(const uint64_t* counts, uint64_t total, uin
   return choose_prob_bits_group(counts, total, chunks, freq, freq12, WarpGroup{lane});
 }
 
-constexpr uint32_t kAbsent = ~0u;  // present_gaps_warp's entry of an absent symbol
+constexpr uint32_t kAbsent = ~0u;  // present_gaps_warp's (present_gaps_block's) entry of an absent symbol
 
 // gaps[s] = the number of absent symbols between present symbol s (x[s] != 0) and the present one
 // before it (as the version 4 table codes it), kAbsent for an absent s; returns the present count.
