@@ -98,6 +98,9 @@ def test_simd_paths_are_memory_safe_and_agree(tmp_path):
     # every random chunk was also coded by the AVX-512 pass beside another in lockstep (where it runs)
     lockstep = int(re.search(r"encoders: 1500 trials \(\d+ without \+0\.0, (\d+) in lockstep", report).group(1))
     assert lockstep == (1500 if "avx512" in report.splitlines()[0] else 0), report
+    # the table choices over the present symbols, with 11- and 12-bit frequencies among them
+    lists = re.search(r"symbol lists: 1500 trials \((\d+) with 12-bit frequencies\), 0 mismatches", report)
+    assert lists and 100 < int(lists.group(1)) < 1400, report
     # about half the random chunks were coded with 12-bit frequencies (format version 3's finer table)
     wide = int(re.search(r"in lockstep pairs, (\d+) with 12-bit", report).group(1))
     assert wide > 300, report

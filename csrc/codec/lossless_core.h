@@ -278,18 +278,48 @@ EP_HD void correct_frequency(uint32_t& f, int64_t& diff) {
   }
 }
 
+// The symbols a table loop visits, in ascending order: every one (AllSymbols), or a list of them
+// (SymbolList: those with a count, present_symbols). The table functions below skip a symbol
+// without a count or frequency, so over either they give the same results; the list makes a
+// host table choice visit a chunk's few dozen present symbols instead of all 1,025.
+struct AllSymbols {
+  EP_HD uint32_t size() const { return kNumSymbols; }
+  EP_HD int operator[](uint32_t i) const { return int(i); }
+};
+struct SymbolList {
+  const uint16_t* sym;  // ascending
+  uint32_t count;
+  EP_HD uint32_t size() const { return count; }
+  EP_HD int operator[](uint32_t i) const { return sym[i]; }
+};
+
+// The symbols s with counts[s] != 0 of counts[1025], ascending, to sym[]; returns their number.
+EP_HD uint32_t present_symbols(const uint64_t* counts, uint16_t* sym) {
+  uint32_t present = 0;
+  for (int s = 0; s < kNumSymbols; ++s) {
+    sym[present] = static_cast<uint16_t>(s);
+    present += counts[s] != 0;
+  }
+  return present;
+}
+
 // Scales `counts[1025]` (total > 0) to `freq[1025]` summing to 2^prob_bits, every seen symbol >= 1.
 // Deterministic, so host and device builds produce the same table.
 // Each frequency is scaled_frequency's, its quotient taken from a multiply by 1 / total (an
 // estimate within 1 of it: the relative error of the doubles is under 2^-51 and the quotient under
 // 2^13) and one integer correction each way, not from a division per symbol; the most frequent
 // symbol is found in the same pass for the first correction.
-EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* freq, int prob_bits = kProbBits) {
+// Over a SymbolList `syms` (every symbol with a count), only the listed symbols' frequencies are
+// written: the others stay as they are (0 for a table: the caller zeroes them).
+template <class Symbols>
+EP_HD void normalize_counts_over(const Symbols& syms, const uint64_t* counts, uint64_t total, uint32_t* freq,
+                                 int prob_bits) {
   const double inverse = 1.0 / double(total);
   const uint64_t half = total / 2;
   int64_t sum = 0;
-  int best = 0;
-  for (int s = 0; s < kNumSymbols; ++s) {
+  int best = syms[0];
+  for (uint32_t i = 0; i < syms.size(); ++i) {
+    const int s = syms[i];
     const uint64_t num = (counts[s] << prob_bits) + half;
     uint64_t q = static_cast<uint64_t>(double(num) * inverse);
     q -= uint64_t(q * total > num);
@@ -303,12 +333,15 @@ EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* fr
   diff -= sum;
   for (bool first = true; diff != 0; first = false) {  // the most frequent symbol, the lowest index on ties
     if (!first) {
-      best = 0;
-      for (int s = 1; s < kNumSymbols; ++s)
-        if (freq[s] > freq[best]) best = s;
+      best = syms[0];
+      for (uint32_t i = 1; i < syms.size(); ++i)
+        if (freq[syms[i]] > freq[best]) best = syms[i];
     }
     correct_frequency(freq[best], diff);
   }
+}
+EP_HD void normalize_counts(const uint64_t* counts, uint64_t total, uint32_t* freq, int prob_bits = kProbBits) {
+  normalize_counts_over(AllSymbols{}, counts, total, freq, prob_bits);
 }
 
 // Cumulative starts from freq[1025]; returns false when the freqs do not sum to 2^prob_bits.
@@ -381,15 +414,21 @@ EP_HD uint64_t wide_table_margin_q10(uint64_t chunks) { return chunks * (uint64_
 // most 2048: the decoder's entries hold freq - 1 in 11 bits) and are estimated to code `chunks`
 // chunks smaller than `freq11` by more than the margin (see the format notes above).
 // (coded_cost_q10 of both, in one pass: a symbol has a frequency in both or in neither.)
-EP_HD bool prefer_12_bits(const uint64_t* counts, const uint32_t* freq11, const uint32_t* freq12, uint64_t chunks) {
+template <class Symbols>
+EP_HD bool prefer_12_bits_over(const Symbols& syms, const uint64_t* counts, const uint32_t* freq11,
+                               const uint32_t* freq12, uint64_t chunks) {
   uint64_t cost11 = 0, cost12 = 0;
-  for (int s = 0; s < kNumSymbols; ++s) {
+  for (uint32_t i = 0; i < syms.size(); ++i) {
+    const int s = syms[i];
     if (freq12[s] > kProbScale) return false;
     if (freq11[s] == 0) continue;
     cost11 += coded_cost_term_q10(counts[s], freq11[s], kProbBits);
     cost12 += coded_cost_term_q10(counts[s], freq12[s], kMaxProbBits);
   }
   return cost12 + wide_table_margin_q10(chunks) < cost11;
+}
+EP_HD bool prefer_12_bits(const uint64_t* counts, const uint32_t* freq11, const uint32_t* freq12, uint64_t chunks) {
+  return prefer_12_bits_over(AllSymbols{}, counts, freq11, freq12, chunks);
 }
 
 // Bytes of the version 3 table of freq[1025].
@@ -468,10 +507,13 @@ EP_HD uint64_t table_entry_code_v4(uint32_t gap, uint32_t freq, uint32_t kg, uin
 // The orders of freq[1025]'s version 4 table: the lowest of the cheapest, each on its own. The
 // present entries are gathered first (into the caller's gaps[1025] and f1[1025]: device callers
 // pass workspace, not local arrays), so a table of few symbols costs few steps.
-EP_HD void table_orders_v4_in(const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps, uint32_t* f1) {
+template <class Symbols>
+EP_HD void table_orders_v4_over(const Symbols& syms, const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps,
+                                uint32_t* f1) {
   uint32_t present = 0;
   int previous = -1;
-  for (int s = 0; s < kNumSymbols; ++s) {
+  for (uint32_t i = 0; i < syms.size(); ++i) {
+    const int s = syms[i];
     if (freq[s] == 0) continue;
     gaps[present] = uint32_t(s - previous - 1);
     f1[present++] = freq[s] - 1;
@@ -489,16 +531,21 @@ EP_HD void table_orders_v4_in(const uint32_t* freq, uint32_t& kg, uint32_t& kf, 
     if (cf < best_f) best_f = cf, kf = k;
   }
 }
+EP_HD void table_orders_v4_in(const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps, uint32_t* f1) {
+  table_orders_v4_over(AllSymbols{}, freq, kg, kf, gaps, f1);
+}
 EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
   uint32_t gaps[kNumSymbols], f1[kNumSymbols];
   table_orders_v4_in(freq, kg, kf, gaps, f1);
 }
 
 // Bytes of freq[1025]'s version 4 table with orders kg, kf (0 when no symbol is present).
-EP_HD uint32_t table_bytes_v4(const uint32_t* freq, uint32_t kg, uint32_t kf) {
+template <class Symbols>
+EP_HD uint32_t table_bytes_v4_over(const Symbols& syms, const uint32_t* freq, uint32_t kg, uint32_t kf) {
   uint64_t bits = 0;
   int previous = -1;
-  for (int s = 0; s < kNumSymbols; ++s) {
+  for (uint32_t i = 0; i < syms.size(); ++i) {
+    const int s = syms[i];
     if (freq[s] == 0) continue;
     uint32_t b = 0;
     table_entry_code_v4(uint32_t(s - previous - 1), freq[s], kg, kf, b);
@@ -506,6 +553,9 @@ EP_HD uint32_t table_bytes_v4(const uint32_t* freq, uint32_t kg, uint32_t kf) {
     previous = s;
   }
   return previous < 0 ? 0u : uint32_t(1 + (bits + 7) / 8);
+}
+EP_HD uint32_t table_bytes_v4(const uint32_t* freq, uint32_t kg, uint32_t kf) {
+  return table_bytes_v4_over(AllSymbols{}, freq, kg, kf);
 }
 
 // Writes freq[1025]'s version 4 table with orders kg, kf at p (table_bytes_v4 bytes).

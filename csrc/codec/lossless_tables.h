@@ -54,13 +54,20 @@ EP_HD uint64_t symbol_cost_q10(uint32_t freq, uint32_t prob_bits) {
 
 // The frequencies of a table for `chunks` 32-state chunks with symbol counts[1025] (total > 0
 // values), version 3's to 5's: normalize_counts with 11 bits, or with 12 where prefer_12_bits says
-// so. freq[1025] gets them, freq12[1025] is scratch; returns the probability bits.
-EP_HD int choose_prob_bits(const uint64_t* counts, uint64_t total, uint64_t chunks, uint32_t* freq, uint32_t* freq12) {
-  normalize_counts(counts, total, freq, kProbBits);
-  normalize_counts(counts, total, freq12, kMaxProbBits);
-  if (!prefer_12_bits(counts, freq, freq12, chunks)) return kProbBits;
-  for (int s = 0; s < kNumSymbols; ++s) freq[s] = freq12[s];
+// so. freq[1025] gets them, freq12[1025] is scratch; returns the probability bits. Over a
+// SymbolList (every symbol with a count), only the listed symbols' frequencies are written (the
+// caller zeroes freq's others).
+template <class Symbols>
+EP_HD int choose_prob_bits_over(const Symbols& syms, const uint64_t* counts, uint64_t total, uint64_t chunks,
+                                uint32_t* freq, uint32_t* freq12) {
+  normalize_counts_over(syms, counts, total, freq, kProbBits);
+  normalize_counts_over(syms, counts, total, freq12, kMaxProbBits);
+  if (!prefer_12_bits_over(syms, counts, freq, freq12, chunks)) return kProbBits;
+  for (uint32_t i = 0; i < syms.size(); ++i) freq[syms[i]] = freq12[syms[i]];
   return kMaxProbBits;
+}
+EP_HD int choose_prob_bits(const uint64_t* counts, uint64_t total, uint64_t chunks, uint32_t* freq, uint32_t* freq12) {
+  return choose_prob_bits_over(AllSymbols{}, counts, total, chunks, freq, freq12);
 }
 
 // The own table own_table_saving_q10 priced: its probability bits, its version 4 encoding's
@@ -88,12 +95,14 @@ EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t
   constexpr uint64_t kByte = 8 << 10;
   const uint64_t fixed = kByte * (kStateBytes + raw_bytes(n - zeros)), raw = kByte * 2ull * n;
   const uint64_t margin = kByte * kOwnTableMarginBytes + n;
+  uint16_t sym[kNumSymbols];  // the symbols with a count: every loop below visits only these
+  const SymbolList present{sym, present_symbols(counts, sym)};
   uint64_t shared_q10 = 0;
   double sum_c_log_c = 0.0;
-  for (int s = 0; s < kNumSymbols; ++s) {
-    if (counts[s] == 0) continue;
-    shared_q10 += counts[s] * shared_cost[s];
-    sum_c_log_c += double(counts[s]) * log2(double(counts[s]));
+  for (uint32_t i = 0; i < present.size(); ++i) {
+    const uint64_t c = counts[present[i]];
+    shared_q10 += c * shared_cost[present[i]];
+    sum_c_log_c += double(c) * log2(double(c));
   }
   const uint64_t shared_size = shared_q10 + fixed < raw ? shared_q10 + fixed : raw;
   const double entropy_q10 = 1024.0 * (double(n) * log2(double(n)) - sum_c_log_c);
@@ -102,30 +111,28 @@ EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t
   if (floor_q10 > 0.0 && double(fixed + margin) + floor_q10 >= double(shared_size)) return 0;
   // the same bound with the own table's least bytes: its gaps' (the symbols present fix them) at
   // their cheapest order, one bit a frequency at least, its framing
-  uint32_t present = 0;
-  int previous = -1;
-  for (int s = 0; s < kNumSymbols; ++s) {
-    if (counts[s] == 0) continue;
-    scratch[present++] = uint32_t(s - previous - 1);
-    previous = s;
+  for (uint32_t i = 0, previous = ~0u; i < present.size(); ++i) {
+    scratch[i] = uint32_t(present[i]) - previous - 1;
+    previous = uint32_t(present[i]);
   }
   uint64_t gap_bits = ~0ull;
   for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
     uint64_t bits = 0;
-    for (uint32_t i = 0; i < present; ++i) bits += eg_bits(scratch[i], k);
+    for (uint32_t i = 0; i < present.size(); ++i) bits += eg_bits(scratch[i], k);
     gap_bits = bits < gap_bits ? bits : gap_bits;
   }
-  const uint32_t least_table = uint32_t(1 + (gap_bits + present + 7) / 8);
+  const uint32_t least_table = uint32_t(1 + (gap_bits + present.size() + 7) / 8);
   const uint64_t least_section = extra_table_bytes(least_table);
   if (floor_q10 > 0.0 && double(fixed + margin + kByte * least_section) + floor_q10 >= double(shared_size)) return 0;
   uint32_t* f = scratch;
-  const uint64_t pb = uint64_t(choose_prob_bits(counts, n, 1, f, scratch + kNumSymbols));
+  for (int s = 0; s < kNumSymbols; ++s) f[s] = 0;
+  const uint64_t pb = uint64_t(choose_prob_bits_over(present, counts, n, 1, f, scratch + kNumSymbols));
   uint64_t own_q10 = 0;
-  for (int s = 0; s < kNumSymbols; ++s)
-    if (counts[s] != 0) own_q10 += counts[s] * symbol_cost_q10(f[s], uint32_t(pb));
+  for (uint32_t i = 0; i < present.size(); ++i)
+    own_q10 += counts[present[i]] * symbol_cost_q10(f[present[i]], uint32_t(pb));
   uint32_t kg = 0, kf = 0;
-  table_orders_v4_in(f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
-  const uint32_t bytes = table_bytes_v4(f, kg, kf);
+  table_orders_v4_over(present, f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
+  const uint32_t bytes = table_bytes_v4_over(present, f, kg, kf);
   section = extra_table_bytes(bytes);
   if (shape != nullptr) *shape = OwnTableShape{uint32_t(pb), kg, kf, bytes};
   const uint64_t own_payload = own_q10 + fixed;
@@ -146,18 +153,24 @@ EP_HD bool own_table_fits(uint64_t used, uint32_t section) { return used + secti
 // `fitted_bytes` bytes) code the symbols counts[1025] (total > 0) of the `keepers` chunks that keep
 // the shared table smaller than the blob's first table (shared_cost[s]: its symbols' costs, its
 // table `first_bytes` bytes) by more than kOwnTableMarginBytes a chunk and a 1/1024 bit a value.
+// refit_pays_sums decides from the two sums over the symbols with a count (first_q10: counts[s]
+// shared_cost[s]; fitted_q10: counts[s] symbol_cost_q10(fitted[s], fitted_bits)), which a GPU warp
+// adds up over its lanes.
+EP_HD bool refit_pays_sums(uint64_t first_q10, uint64_t fitted_q10, uint64_t total, uint64_t keepers,
+                           uint32_t first_bytes, uint32_t fitted_bytes) {
+  constexpr uint64_t kByte = 8 << 10;
+  return fitted_q10 + kByte * fitted_bytes + kByte * kOwnTableMarginBytes * keepers + total <
+         first_q10 + kByte * first_bytes;
+}
 EP_HD bool refit_pays(const uint64_t* counts, uint64_t total, uint64_t keepers, const uint64_t* shared_cost,
                       uint32_t first_bytes, const uint32_t* fitted, uint32_t fitted_bits, uint32_t fitted_bytes) {
-  constexpr uint64_t kByte = 8 << 10;
   uint64_t first_q10 = 0, fitted_q10 = 0;
   for (int s = 0; s < kNumSymbols; ++s) {
     if (counts[s] == 0) continue;
     first_q10 += counts[s] * shared_cost[s];
     fitted_q10 += counts[s] * symbol_cost_q10(fitted[s], fitted_bits);
   }
-  first_q10 += kByte * first_bytes;
-  fitted_q10 += kByte * fitted_bytes;
-  return fitted_q10 + kByte * kOwnTableMarginBytes * keepers + total < first_q10;
+  return refit_pays_sums(first_q10, fitted_q10, total, keepers, first_bytes, fitted_bytes);
 }
 
 }  // namespace ep_comm::lossless

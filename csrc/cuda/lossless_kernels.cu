@@ -24,9 +24,10 @@
 //                  finishes the last survey picks the takers as the host does (largest saving
 //                  first, ties by lower chunk index, at most 255 and kMaxExtraTableSectionBytes,
 //                  never every coding chunk: one block-wide argmax a taker), builds their tables
-//                  (choose_prob_bits_warp, a warp each) and the
-//                  shared table refitted to the other chunks where refit_pays, then publishes a
-//                  flag that the other blocks wait for (no deadlock: see rans_kernel). Phase B
+//                  and the shared table refitted to the other chunks where refit_pays (a warp a
+//                  table: choose_prob_bits_warp, table_v4_group, the refit's sums over the lanes),
+//                  then publishes a flag that the other blocks wait for (no deadlock: see
+//                  rans_kernel). Phase B
 //                  (every version): one warp per chunk, chunks handed out in order by a ticket;
 //                  lanes = the core's 32 interleaved states, the shared table in shared memory (a
 //                  chunk's own table read from the workspace), values read in 512-byte tiles one
@@ -1294,25 +1295,69 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
     ws.extra_chunk[rank] = picked[k];
   }
   __syncthreads();
-  // each extra table (the host's choose_frequencies and finish_table): a warp with a slot, in the
-  // slot's scratch (choose_prob_bits_warp, table_v4_group), the warp's lanes fill its symbol table
+  // the keepers' symbols (the blob's less the takers' and the +0.0 of chunks of +0.0 only), which
+  // the shared table is refitted to where refit_pays; as on the host, no refit when no chunk left
+  // the shared table (total == n: the first table again)
+  uint64_t* counts = reinterpret_cast<uint64_t*>(pool);
+  uint32_t* fitted = reinterpret_cast<uint32_t*>(pool + 8 * kNumSymbols);
+  uint32_t* fitted_start = fitted + kNumSymbols;
+  unsigned long long my_total = 0;
+  for (int s = t; s < kNumSymbols; s += kBlockThreads) {
+    uint64_t v = ws.counts[s];
+    for (uint32_t k = 0; k < np; ++k) v -= ws.chunk_counts[uint64_t(ws.extra_chunk[k]) * kNumSymbols + s];
+    if (s == kZeroSymbol) v -= zero_values;
+    counts[s] = v;
+    my_total += v;
+  }
+  atomicAdd(&total, my_total);
+  __syncthreads();
+  // tables 0 to np - 1: the extra ones (the host's choose_frequencies and finish_table); table np:
+  // the refit (choose_frequencies, the table's orders and refit_pays). A warp with a slot each, in
+  // the slot's scratch (choose_prob_bits_warp, table_v4_group); the warp's lanes fill an extra
+  // table's symbol table, the block the refitted one's.
+  const uint32_t tables = np + (total > 0 && total < n ? 1u : 0u);
   const uint32_t table_warps = ws.slots < uint64_t(kWarpsPerBlock) ? uint32_t(ws.slots) : uint32_t(kWarpsPerBlock);
   if (uint32_t(warp) < table_warps) {
     uint8_t* slot = ws.scratch + uint64_t(warp) * ws.slot_bytes;
-    uint64_t* counts = survey_counts(slot);
     uint32_t* scratch = survey_scratch(slot);
-    for (uint32_t k = warp; k < np; k += table_warps) {
-      const uint64_t c = ws.extra_chunk[k];
-      const uint32_t* own = ws.chunk_counts + c * kNumSymbols;
-      for (int s = lane; s < kNumSymbols; s += kLanes) counts[s] = own[s];
-      __syncwarp();
-      uint32_t* freq = ws.extra_freq + uint64_t(k) * kNumSymbols;
-      uint32_t* info = ws.extra_info + 4ull * k;
-      const int pb = choose_prob_bits_warp(counts, chunk_values_of(n, cv, c), 1, freq, scratch, lane);
+    for (uint32_t k = warp; k < tables; k += table_warps) {
+      const bool refit = k == np;
+      const uint64_t c = refit ? 0 : ws.extra_chunk[k];
+      const uint64_t* table_counts = counts;
+      if (!refit) {
+        uint64_t* own_counts = survey_counts(slot);
+        const uint32_t* own = ws.chunk_counts + c * kNumSymbols;
+        for (int s = lane; s < kNumSymbols; s += kLanes) own_counts[s] = own[s];
+        __syncwarp();
+        table_counts = own_counts;
+      }
+      uint32_t* freq = refit ? fitted : ws.extra_freq + uint64_t(k) * kNumSymbols;
+      const int pb = choose_prob_bits_warp(table_counts, refit ? uint64_t(total) : chunk_values_of(n, cv, c),
+                                           refit ? kp : 1ull, freq, scratch, lane);
       const uint32_t present = present_gaps_warp(freq, scratch + kNumSymbols, lane);
       uint32_t kg = 0, kf = 0;
       const uint32_t bytes = table_v4_group(freq, scratch + kNumSymbols, present, kg, kf, WarpGroup{lane});
+      if (refit) {
+        uint64_t first_q10 = 0, fitted_q10 = 0;
+        for (int s = lane; s < kNumSymbols; s += kLanes) {
+          if (counts[s] == 0) continue;
+          first_q10 += counts[s] * ws.shared_cost[s];
+          fitted_q10 += counts[s] * symbol_cost_q10(freq[s], uint32_t(pb));
+        }
+        const uint32_t first_bytes = ws.table_info[kInfoSharedBytes];
+        if (refit_pays_sums(warp_sum64(first_q10), warp_sum64(fitted_q10), total, kp, first_bytes, bytes)) {
+          cumulative_warp(freq, fitted_start, lane);
+          if (lane == 0) {
+            ws.table_info[kInfoGapOrder] = kg;
+            ws.table_info[kInfoFreqOrder] = kf;
+            ws.table_info[kInfoSharedBytes] = bytes;
+            fitted_bits = uint32_t(pb);
+          }
+        }
+        continue;
+      }
       cumulative_warp(freq, scratch, lane);
+      uint32_t* info = ws.extra_info + 4ull * k;
       if (lane == 0) {
         info[0] = uint32_t(pb);
         info[1] = kg;
@@ -1327,46 +1372,15 @@ __device__ void final_tables(uint64_t n, uint32_t cv, uint64_t chunks, const Enc
     }
   }
   __syncthreads();
-  // the shared table: refitted to the keepers' symbols (the blob's less the takers' and the +0.0
-  // of chunks of +0.0 only) where refit_pays, else the first one (already in ws.syms)
-  uint64_t* counts = reinterpret_cast<uint64_t*>(pool);
-  uint32_t* fitted = reinterpret_cast<uint32_t*>(pool + 8 * kNumSymbols);
-  uint32_t* freq12 = fitted + kNumSymbols;
-  unsigned long long my_total = 0;
-  for (int s = t; s < kNumSymbols; s += kBlockThreads) {
-    uint64_t v = ws.counts[s];
-    for (uint32_t k = 0; k < np; ++k) v -= ws.chunk_counts[uint64_t(ws.extra_chunk[k]) * kNumSymbols + s];
-    if (s == kZeroSymbol) v -= zero_values;
-    counts[s] = v;
-    my_total += v;
-  }
-  atomicAdd(&total, my_total);
-  __syncthreads();
   if (t == 0) {
     uint32_t extra_bytes = 0;
     for (uint32_t k = 0; k < np; ++k) extra_bytes += extra_table_bytes(ws.extra_info[4 * k + 3]);
     ws.table_info[kInfoExtraTables] = np;
     ws.table_info[kInfoExtraBytes] = extra_bytes;
-    if (total > 0) {
-      uint32_t* scratch = survey_scratch(ws.scratch);  // slot 0's: its warp's tables are done
-      const int fb = choose_prob_bits(counts, total, kp, fitted, freq12);
-      uint32_t kg = 0, kf = 0;
-      table_orders_v4_in(fitted, kg, kf, scratch, scratch + kNumSymbols);
-      const uint32_t fitted_bytes = table_bytes_v4(fitted, kg, kf);
-      if (refit_pays(counts, total, kp, ws.shared_cost, ws.table_info[kInfoSharedBytes], fitted, uint32_t(fb),
-                     fitted_bytes)) {
-        ws.table_info[kInfoGapOrder] = kg;
-        ws.table_info[kInfoFreqOrder] = kf;
-        ws.table_info[kInfoSharedBytes] = fitted_bytes;
-        cumulative(fitted, freq12, fb);
-        fitted_bits = uint32_t(fb);
-      }
-    }
   }
-  __syncthreads();
   if (fitted_bits != 0)
     for (int s = t; s < kNumSymbols; s += kBlockThreads)
-      ws.syms[s] = make_enc_sym(freq12[s], fitted[s], int(fitted_bits));
+      ws.syms[s] = make_enc_sym(fitted_start[s], fitted[s], int(fitted_bits));
 }
 
 // Kernel 2: one warp per chunk, 8 per block.
