@@ -497,6 +497,19 @@ EP_HD uint64_t eg_code(uint32_t v, uint32_t k) {
   return (uint64_t(1) << m) | (r << (m + 1)) | (low << (2 * m + 1));
 }
 
+// The cheapest order of the code for values v[0, count) among 0 to max_order (the lowest on ties);
+// `bits` gets the values' bits in it.
+EP_HD uint32_t eg_cheapest_order(const uint32_t* v, uint32_t count, uint32_t max_order, uint64_t& bits) {
+  uint32_t order = 0;
+  bits = ~0ull;
+  for (uint32_t k = 0; k <= max_order; ++k) {
+    uint64_t b = 0;
+    for (uint32_t i = 0; i < count; ++i) b += eg_bits(v[i], k);
+    if (b < bits) bits = b, order = k;
+  }
+  return order;
+}
+
 // One table entry's code (gap, then freq - 1) and its length in bits (at most 44).
 EP_HD uint64_t table_entry_code_v4(uint32_t gap, uint32_t freq, uint32_t kg, uint32_t kf, uint32_t& bits) {
   const uint32_t gbits = eg_bits(gap, kg);
@@ -507,32 +520,18 @@ EP_HD uint64_t table_entry_code_v4(uint32_t gap, uint32_t freq, uint32_t kg, uin
 // The orders of freq[1025]'s version 4 table: the lowest of the cheapest, each on its own. The
 // present entries are gathered first (into the caller's gaps[1025] and f1[1025]: device callers
 // pass workspace, not local arrays), so a table of few symbols costs few steps.
-template <class Symbols>
-EP_HD void table_orders_v4_over(const Symbols& syms, const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps,
-                                uint32_t* f1) {
+EP_HD void table_orders_v4_in(const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps, uint32_t* f1) {
   uint32_t present = 0;
   int previous = -1;
-  for (uint32_t i = 0; i < syms.size(); ++i) {
-    const int s = syms[i];
+  for (int s = 0; s < kNumSymbols; ++s) {
     if (freq[s] == 0) continue;
     gaps[present] = uint32_t(s - previous - 1);
     f1[present++] = freq[s] - 1;
     previous = s;
   }
-  uint64_t best_g = ~0ull, best_f = ~0ull;
-  kg = kf = 0;
-  for (uint32_t k = 0; k <= kMaxFreqOrder; ++k) {
-    uint64_t cg = 0, cf = 0;
-    for (uint32_t i = 0; i < present; ++i) {
-      cg += eg_bits(gaps[i], k);
-      cf += eg_bits(f1[i], k);
-    }
-    if (k <= kMaxGapOrder && cg < best_g) best_g = cg, kg = k;
-    if (cf < best_f) best_f = cf, kf = k;
-  }
-}
-EP_HD void table_orders_v4_in(const uint32_t* freq, uint32_t& kg, uint32_t& kf, uint32_t* gaps, uint32_t* f1) {
-  table_orders_v4_over(AllSymbols{}, freq, kg, kf, gaps, f1);
+  uint64_t gap_bits = 0, freq_bits = 0;
+  kg = eg_cheapest_order(gaps, present, kMaxGapOrder, gap_bits);
+  kf = eg_cheapest_order(f1, present, kMaxFreqOrder, freq_bits);
 }
 EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
   uint32_t gaps[kNumSymbols], f1[kNumSymbols];
@@ -540,12 +539,10 @@ EP_HD void table_orders_v4(const uint32_t* freq, uint32_t& kg, uint32_t& kf) {
 }
 
 // Bytes of freq[1025]'s version 4 table with orders kg, kf (0 when no symbol is present).
-template <class Symbols>
-EP_HD uint32_t table_bytes_v4_over(const Symbols& syms, const uint32_t* freq, uint32_t kg, uint32_t kf) {
+EP_HD uint32_t table_bytes_v4(const uint32_t* freq, uint32_t kg, uint32_t kf) {
   uint64_t bits = 0;
   int previous = -1;
-  for (uint32_t i = 0; i < syms.size(); ++i) {
-    const int s = syms[i];
+  for (int s = 0; s < kNumSymbols; ++s) {
     if (freq[s] == 0) continue;
     uint32_t b = 0;
     table_entry_code_v4(uint32_t(s - previous - 1), freq[s], kg, kf, b);
@@ -553,9 +550,6 @@ EP_HD uint32_t table_bytes_v4_over(const Symbols& syms, const uint32_t* freq, ui
     previous = s;
   }
   return previous < 0 ? 0u : uint32_t(1 + (bits + 7) / 8);
-}
-EP_HD uint32_t table_bytes_v4(const uint32_t* freq, uint32_t kg, uint32_t kf) {
-  return table_bytes_v4_over(AllSymbols{}, freq, kg, kf);
 }
 
 // Writes freq[1025]'s version 4 table with orders kg, kf at p (table_bytes_v4 bytes).
@@ -633,12 +627,8 @@ EP_HD int choose_one_state_prob_bits_in(const uint64_t* counts, uint64_t total, 
     gap[present++] = uint32_t(s - previous - 1);
     previous = s;
   }
-  uint64_t gap_bits = ~0ull;  // the gaps' cheapest order: the same for every prob_bits
-  for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
-    uint64_t bits = 0;
-    for (uint32_t i = 0; i < present; ++i) bits += eg_bits(gap[i], k);
-    gap_bits = bits < gap_bits ? bits : gap_bits;
-  }
+  uint64_t gap_bits = 0;  // the gaps' cheapest order: the same for every prob_bits
+  eg_cheapest_order(gap, present, kMaxGapOrder, gap_bits);
   uint64_t best_cost = ~0ull;
   int best = kMaxProbBits;
   for (int pb = one_state_min_prob_bits(present); pb <= kMaxProbBits; ++pb) {

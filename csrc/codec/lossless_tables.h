@@ -115,12 +115,8 @@ EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t
     scratch[i] = uint32_t(present[i]) - previous - 1;
     previous = uint32_t(present[i]);
   }
-  uint64_t gap_bits = ~0ull;
-  for (uint32_t k = 0; k <= kMaxGapOrder; ++k) {
-    uint64_t bits = 0;
-    for (uint32_t i = 0; i < present.size(); ++i) bits += eg_bits(scratch[i], k);
-    gap_bits = bits < gap_bits ? bits : gap_bits;
-  }
+  uint64_t gap_bits = 0;
+  const uint32_t kg = eg_cheapest_order(scratch, present.size(), kMaxGapOrder, gap_bits);
   const uint32_t least_table = uint32_t(1 + (gap_bits + present.size() + 7) / 8);
   const uint64_t least_section = extra_table_bytes(least_table);
   if (floor_q10 > 0.0 && double(fixed + margin + kByte * least_section) + floor_q10 >= double(shared_size)) return 0;
@@ -130,9 +126,12 @@ EP_HD uint64_t own_table_saving_q10(const uint64_t* counts, uint32_t n, uint32_t
   uint64_t own_q10 = 0;
   for (uint32_t i = 0; i < present.size(); ++i)
     own_q10 += counts[present[i]] * symbol_cost_q10(f[present[i]], uint32_t(pb));
-  uint32_t kg = 0, kf = 0;
-  table_orders_v4_over(present, f, kg, kf, scratch + 2 * kNumSymbols, scratch + 3 * kNumSymbols);
-  const uint32_t bytes = table_bytes_v4_over(present, f, kg, kf);
+  // the table's orders (table_orders_v4): the gaps' is the bound's; its bytes (table_bytes_v4)
+  uint32_t* f1 = scratch + 2 * kNumSymbols;
+  for (uint32_t i = 0; i < present.size(); ++i) f1[i] = f[present[i]] - 1;
+  uint64_t freq_bits = 0;
+  const uint32_t kf = eg_cheapest_order(f1, present.size(), kMaxFreqOrder, freq_bits);
+  const uint32_t bytes = uint32_t(1 + (gap_bits + freq_bits + 7) / 8);
   section = extra_table_bytes(bytes);
   if (shape != nullptr) *shape = OwnTableShape{uint32_t(pb), kg, kf, bytes};
   const uint64_t own_payload = own_q10 + fixed;

@@ -13,7 +13,7 @@
 // exact-size word buffers must give the same words
 // and states; the host's portable first pass (histogram, checksum, +0.0 count) and raw-field
 // split must agree with split_chunk; format version 6's AVX-512 field stream (values, counts,
-// checksum) must agree with a plain loop. The table choices over a list of the present symbols
+// checksum) must agree with a plain loop. choose_prob_bits over a list of the present symbols
 // must agree with the same over every symbol.
 // Usage: lossless_fuzz <dir> <num_blobs> <mutations> <encoder_trials> <seed>; exit code 0 when
 // everything agrees (a sanitizer error aborts with another code).
@@ -446,10 +446,10 @@ long check_field_values(int trials, std::mt19937_64& rng) {
 
 }  // namespace
 
-// Mismatches of the table choices over the present symbols (SymbolList, as own_table_saving_q10
-// makes them) against the same over every symbol: choose_prob_bits' frequencies and bits,
-// table_orders_v4's orders and table_bytes_v4's bytes, on random counts (one symbol, a few, a
-// window of exponents, every symbol; counts up to 2^30 each; a symbol over half the values).
+// Mismatches of choose_prob_bits over the present symbols (a SymbolList, as own_table_saving_q10
+// takes it) against the same over every symbol: the frequencies and bits, on random counts (one
+// symbol, a few, a window of exponents, every symbol; counts up to 2^30 each; a symbol over half
+// the values).
 long check_symbol_lists(int trials, std::mt19937_64& rng) {
   long mismatches = 0, wide = 0;
   for (int trial = 0; trial < trials; ++trial) {
@@ -467,19 +467,13 @@ long check_symbol_lists(int trials, std::mt19937_64& rng) {
     for (const uint64_t c : counts) total += c;
     const uint64_t chunks = 1 + rng() % 8;
     uint32_t dense[kNumSymbols], dense12[kNumSymbols], listed[kNumSymbols], listed12[kNumSymbols];
-    uint32_t gaps[kNumSymbols], f1[kNumSymbols];
     uint16_t sym[kNumSymbols];
     const SymbolList list{sym, present_symbols(counts, sym)};
     std::fill(listed, listed + kNumSymbols, 0u);
     const int bits = choose_prob_bits(counts, total, chunks, dense, dense12);
     const int listed_bits = choose_prob_bits_over(list, counts, total, chunks, listed, listed12);
-    uint32_t kg = 0, kf = 0, lkg = 0, lkf = 0;
-    table_orders_v4_in(dense, kg, kf, gaps, f1);
-    table_orders_v4_over(list, listed, lkg, lkf, gaps, f1);
     wide += bits == kMaxProbBits;
-    if (bits != listed_bits || std::memcmp(dense, listed, sizeof(dense)) != 0 || kg != lkg || kf != lkf ||
-        table_bytes_v4(dense, kg, kf) != table_bytes_v4_over(list, listed, kg, kf))
-      ++mismatches;
+    if (bits != listed_bits || std::memcmp(dense, listed, sizeof(dense)) != 0) ++mismatches;
   }
   std::printf("symbol lists: %d trials (%ld with 12-bit frequencies), %ld mismatches\n", trials, wide, mismatches);
   return mismatches;
