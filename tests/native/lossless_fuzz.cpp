@@ -444,8 +444,6 @@ long check_field_values(int trials, std::mt19937_64& rng) {
   return mismatches;
 }
 
-}  // namespace
-
 // Mismatches of choose_prob_bits over the present symbols (a SymbolList, as own_table_saving_q10
 // takes it) against the same over every symbol: the frequencies and bits, on random counts (one
 // symbol, a few, a window of exponents, every symbol; counts up to 2^30 each; a symbol over half
@@ -478,6 +476,8 @@ long check_symbol_lists(int trials, std::mt19937_64& rng) {
   std::printf("symbol lists: %d trials (%ld with 12-bit frequencies), %ld mismatches\n", trials, wide, mismatches);
   return mismatches;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 6) {
