@@ -142,7 +142,7 @@ def speech(seconds: float) -> torch.Tensor:
     """English speech at 16 kHz: the standard library's docstrings (``real_text``) read by the
     espeak-ng synthesiser (22,050 Hz, resampled by ``scipy.signal.resample_poly``), plus white noise
     of standard deviation 0.003 (seeded; a microphone's floor, so that pauses are not exact zeros).
-    Returns: [seconds * 16000] float32 in [-1, 1]. Needs the ``espeak-ng`` program (Debian/Ubuntu:
+    Returns: [seconds * 16000] float32, about [-1, 1]. Needs the ``espeak-ng`` program (Debian/Ubuntu:
     ``apt install espeak-ng``) and SciPy."""
     import shutil
     import subprocess
@@ -189,6 +189,9 @@ def silero_tensors(seconds: float = 120.0, streams: int = 16) -> dict[str, list[
     weights = [p.detach().clone() for p in module.parameters()]
     net = module._model  # the 16 kHz network; the 8 kHz one (module._model_8k) only contributes weights
     context, window = int(net.context_size_samples), 512
+    if streams < 1 or seconds * 16000 < streams * window:
+        raise ValueError(f"silero_tensors: seconds={seconds} and streams={streams} leave no {window}-sample "
+                         "window per stream")
     audio = speech(seconds)
     steps = audio.numel() // (streams * window)
     audio = audio[: streams * steps * window].reshape(streams, steps * window)
