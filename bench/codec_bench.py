@@ -36,6 +36,7 @@ import argparse
 import gc
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -54,6 +55,8 @@ from ep_comm.codecs import lossless  # noqa: E402
 HIDDEN = 7168
 CHUNK_TOKENS = 64
 KINDS = ("activations", "weights", "gradients")
+# a timed run's least length, in seconds (see measure)
+MIN_RUN_S = 0.05
 
 
 # ---------------------------------------------------------------- real tensors
@@ -379,64 +382,93 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(t.detach().view(torch.int16).numpy().copy()).view(torch.bfloat16)
 
 
-def _time_once(codec, tensors: list[torch.Tensor], threads: int) -> tuple[float, float, int]:
-    """One timed encode of every tensor, then one decode of every blob (all outputs alive until
-    the end, so no output reuses another's memory; memory freed at the end of one repetition may
-    serve the next, through glibc's heap or ours' mapping cache); checks the round trip. Returns (encode s, decode s,
-    compressed bytes)."""
-    inputs = [_copy(t) for t in tensors] if getattr(codec, "copies_input", False) else tensors
+def _time_once(codec, tensors: list[torch.Tensor], threads: int, rounds: int = 1) -> tuple[float, float, int]:
+    """``rounds`` encodes of every tensor, timed together, then one decode of every blob, timed
+    together (all outputs alive until the end, so no output reuses another's memory; memory freed
+    at the end of one run may serve the next, through glibc's heap or ours' mapping cache); checks
+    every round trip. Returns (encode s, decode s) per round and one round's compressed bytes."""
+    copies = getattr(codec, "copies_input", False)
+    inputs = [[_copy(t) for t in tensors] if copies else tensors for _ in range(rounds)]
     t0 = time.perf_counter()
-    blobs = [codec.encode(t, threads) for t in inputs]
+    blobs = [[codec.encode(t, threads) for t in round_inputs] for round_inputs in inputs]
     t1 = time.perf_counter()
-    outs = [codec.decode(b, threads) for b in blobs]
+    outs = [[codec.decode(b, threads) for b in round_blobs] for round_blobs in blobs]
     t2 = time.perf_counter()
-    for t, o in zip(tensors, outs):
-        _check(codec, t, o)
-    return t1 - t0, t2 - t1, sum(codec.size(b) for b in blobs)
+    for round_outs in outs:
+        for t, o in zip(tensors, round_outs):
+            _check(codec, t, o)
+    return (t1 - t0) / rounds, (t2 - t1) / rounds, sum(codec.size(b) for b in blobs[0])
 
 
-def _time_steady(codec, tensors: list[torch.Tensor], threads: int) -> tuple[float, float, int]:
-    """Each tensor encoded, decoded, checked and both outputs freed before the next (a stream of
-    messages, as an EP receiver sees them: the allocator hands back memory it already has).
-    Returns (encode s, decode s, compressed bytes), the times summed over the tensors."""
-    inputs = [_copy(t) for t in tensors] if getattr(codec, "copies_input", False) else tensors
+def _time_steady(codec, tensors: list[torch.Tensor], threads: int, rounds: int = 1) -> tuple[float, float, int]:
+    """``rounds`` times: each tensor encoded, decoded, checked and both outputs freed before the
+    next (a stream of messages, as an EP receiver sees them: the allocator hands back memory it
+    already has). Returns (encode s, decode s) per round, summed over the tensors, and one round's
+    compressed bytes."""
+    copies = getattr(codec, "copies_input", False)
     enc = dec = 0.0
     size = 0
-    for t, x in zip(tensors, inputs):
-        t0 = time.perf_counter()
-        blob = codec.encode(x, threads)
-        t1 = time.perf_counter()
-        out = codec.decode(blob, threads)
-        t2 = time.perf_counter()
-        _check(codec, t, out)
-        enc, dec, size = enc + (t1 - t0), dec + (t2 - t1), size + codec.size(blob)
-        del blob, out
-    return enc, dec, size
+    for _ in range(rounds):
+        inputs = [_copy(t) for t in tensors] if copies else tensors
+        size = 0
+        for t, x in zip(tensors, inputs):
+            t0 = time.perf_counter()
+            blob = codec.encode(x, threads)
+            t1 = time.perf_counter()
+            out = codec.decode(blob, threads)
+            t2 = time.perf_counter()
+            _check(codec, t, out)
+            enc, dec, size = enc + (t1 - t0), dec + (t2 - t1), size + codec.size(blob)
+            del blob, out
+    return enc / rounds, dec / rounds, size
+
+
+def _run_without_gc(timer, codec, tensors: list[torch.Tensor], threads: int, rounds: int) -> tuple[float, float, int]:
+    """``timer``'s run with Python's garbage collection held off inside it, as timeit does (2-thread
+    steady encode of whole activations right after zipnn's turn: 14% slower than alone with
+    collections allowed, 8% without; two pairs of runs). Collections are made before, outside."""
+    gc.collect()
+    gc.disable()
+    try:
+        return timer(codec, tensors, threads, rounds)
+    finally:
+        gc.enable()
+
+
+def rounds_for(seconds_per_round: float, min_run_s: float, max_rounds: int = 1000) -> int:
+    """Rounds of a timed run that make it last about ``min_run_s`` (at least 1, at most
+    ``max_rounds``), given one round's encode + decode time."""
+    if min_run_s <= 0 or seconds_per_round >= min_run_s:
+        return 1
+    return max(1, min(max_rounds, math.ceil(min_run_s / max(seconds_per_round, 1e-9))))
 
 
 def measure(codecs: list, tensors: list[torch.Tensor], threads: dict[str, int], reps: int,
-            steady: bool = False) -> dict[str, dict]:
-    """Codes each tensor alone with every codec; the codecs take turns within each repetition (so
-    that a slow spell of this shared machine hits both), best-of-reps time per codec.
+            steady: bool = False, min_run_s: float = MIN_RUN_S) -> dict[str, dict]:
+    """Codes each tensor alone with every codec, as timed runs of whole rounds (a round: every
+    tensor encoded, every blob decoded), each run at least ``min_run_s`` long (timeit's autorange:
+    one call of under a millisecond is dominated by the state the machine's caches and TLBs are
+    left in by whatever ran before it; on this guest a 917 KB copy takes 21 us in a loop and
+    127-286 us after a 100 ms pause, and both codecs' calls slow down alike); the rounds per run
+    set per codec by an untimed warm-up round. The codecs take turns within each repetition, in
+    an order rotated every repetition (so that a slow spell of this shared machine hits both, and
+    neither always runs right after the other); best-of-reps time per round per codec.
     ``threads``: codec name -> thread count; ``steady``: time as :func:`_time_steady` (else
-    :func:`_time_once`). Returns codec name -> ratio and GB/s (raw bytes)."""
+    :func:`_time_once`). Returns codec name -> ratio, GB/s (raw bytes) and rounds per run."""
     raw = sum(t.numel() * 2 for t in tensors)
     best = {c.name: [float("inf"), float("inf"), 0] for c in codecs}
     timer = _time_steady if steady else _time_once
-    for _ in range(reps):
-        for codec in codecs:
-            # as timeit does: no garbage collection inside a timed run (2-thread steady encode of
-            # whole activations right after zipnn's turn: 14% slower than alone with collections
-            # allowed, 8% without; two pairs of runs)
-            gc.collect()
-            gc.disable()
-            try:
-                enc, dec, size = timer(codec, tensors, threads[codec.name])
-            finally:
-                gc.enable()
+    rounds = {}
+    for codec in codecs:
+        enc, dec, _ = _run_without_gc(timer, codec, tensors, threads[codec.name], 1)
+        rounds[codec.name] = rounds_for(enc + dec, min_run_s)
+    for rep in range(reps):
+        for codec in codecs[rep % len(codecs):] + codecs[:rep % len(codecs)]:
+            enc, dec, size = _run_without_gc(timer, codec, tensors, threads[codec.name], rounds[codec.name])
             b = best[codec.name]
             b[0], b[1], b[2] = min(b[0], enc), min(b[1], dec), size
-    return {name: {"ratio": size / raw, "enc_gbs": raw / enc / 1e9, "dec_gbs": raw / dec / 1e9}
+    return {name: {"ratio": size / raw, "enc_gbs": raw / enc / 1e9, "dec_gbs": raw / dec / 1e9,
+                   "rounds": rounds[name]}
             for name, (enc, dec, size) in best.items()}
 
 
@@ -621,7 +653,7 @@ def cpu_model() -> str:
 
 
 def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best", model: str = "minilm",
-        time_version: int | None = None) -> dict:
+        time_version: int | None = None, min_run_s: float = MIN_RUN_S) -> dict:
     if simd != "best" and simd not in lossless.simd_paths():
         raise ValueError(f"--simd {simd}: this CPU runs only {lossless.simd_paths()}")
     data = real_tensors(model, batch, seq)
@@ -632,8 +664,9 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
                     "tokens": batch * seq if model == "minilm" else None, "threads_all": all_threads,
                     "hidden_ep": HIDDEN,
                     "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1] if simd == "best" else simd,
-                    "timing": "steady (each tensor's outputs freed before the next)" if steady
-                    else "kept outputs (every output kept until the repetition ends)",
+                    "timing": ("steady (each tensor's outputs freed before the next)" if steady
+                               else "kept outputs (every output kept until the run ends)")
+                              + f", runs of at least {min_run_s * 1e3:g} ms",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
                             f"{CHUNK_TOKENS} rows per blob", "results": []}
     for kind in (k for k in KINDS if k in data):
@@ -641,13 +674,14 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
         for layout, tensors in layouts.items():
             row = {"kind": kind, "layout": layout, "raw_mb": sum(t.numel() * 2 for t in tensors) / 1e6,
                    "tensors": len(tensors)}
-            one = measure(codecs, tensors, {c.name: 1 for c in codecs}, reps, steady)
+            one = measure(codecs, tensors, {c.name: 1 for c in codecs}, reps, steady, min_run_s)
             many = measure(codecs, tensors, {c.name: 0 if isinstance(c, Ours) else all_threads for c in codecs},
-                           reps, steady)
+                           reps, steady, min_run_s)
             for codec in codecs:
                 o, m = one[codec.name], many[codec.name]
                 row[codec.name] = {"ratio": o["ratio"], "enc_1t": o["enc_gbs"], "dec_1t": o["dec_gbs"],
-                                   "enc_all": m["enc_gbs"], "dec_all": m["dec_gbs"]}
+                                   "enc_all": m["enc_gbs"], "dec_all": m["dec_gbs"],
+                                   "rounds_1t": o["rounds"], "rounds_all": m["rounds"]}
             row["bound"] = order0_bound(tensors)
             row["format"] = format_sizes(tensors)
             row["per_tensor"] = per_tensor_sizes(tensors)
@@ -768,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (best is kept)")
+    parser.add_argument("--min-run-ms", type=float, default=MIN_RUN_S * 1e3,
+                        help="a timed run repeats its round (every tensor encoded, every blob decoded) until it "
+                             "lasts about this long (0: one round)")
     parser.add_argument("--batch", type=int, default=16, help="sequences in the forward/backward pass")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steady", action="store_true",
@@ -793,7 +830,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_tensors:
         save_tensors(args.save_tensors, real_tensors(args.model, args.batch, args.seq), args.max_mb)
         return 0
-    report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model, args.time_version)
+    if args.min_run_ms < 0:
+        parser.error(f"--min-run-ms must be >= 0, got {args.min_run_ms}")
+    report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model, args.time_version,
+                 args.min_run_ms / 1e3)
     report["per_tensor_rows"] = args.per_tensor
     print_report(report)
     if args.json:
