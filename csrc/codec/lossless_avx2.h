@@ -453,14 +453,10 @@ __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(cons
   return survey;
 }
 
-// 32 values' raw fields (their low 6 bits) packed to the 6-bit stream: 24 bytes at `out`, which
-// needs 28 writable bytes. Bytes (f0, f1) -> f0 + 64 f1 (vpmaddubsw), word pairs -> 24-bit lanes
-// (vpmaddwd), then 3 bytes of each 32-bit lane kept.
-__attribute__((target("avx2"))) inline void pack_fields32(const uint16_t* v, uint8_t* out) {
-  const __m256i m3f = _mm256_set1_epi16(0x3F);
-  const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)), m3f);
-  const __m256i b = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16)), m3f);
-  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);  // field k at byte k
+// 32 raw fields held one per byte (each below 64) packed to the 6-bit stream: 24 bytes at `out`,
+// which needs 28 writable bytes. Bytes (f0, f1) -> f0 + 64 f1 (vpmaddubsw), word pairs -> 24-bit
+// lanes (vpmaddwd), then 3 bytes of each 32-bit lane kept.
+__attribute__((target("avx2"))) inline void pack_field_bytes32(__m256i bytes, uint8_t* out) {
   const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x4001));  // f0 + 64 f1
   const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x10000001));  // p0 + 4096 p1
   const __m256i packed = _mm256_shuffle_epi8(quads, _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,  //
@@ -469,11 +465,36 @@ __attribute__((target("avx2"))) inline void pack_fields32(const uint16_t* v, uin
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 12), _mm256_extracti128_si256(packed, 1));
 }
 
+// 32 values' raw fields (their low 6 bits) packed to the 6-bit stream: 24 bytes at `out`, which
+// needs 28 writable bytes.
+__attribute__((target("avx2"))) inline void pack_fields32(const uint16_t* v, uint8_t* out) {
+  const __m256i m3f = _mm256_set1_epi16(0x3F);
+  const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)), m3f);
+  const __m256i b = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16)), m3f);
+  pack_field_bytes32(_mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8), out);  // field k at byte k
+}
+
+// pack_fields_in_place with 32 fields a step: group k's 32 bytes are read before its 28-byte store
+// at 24k, which ends at or below group k + 1's first byte (24k + 28 <= 32k + 32); the last
+// partial group as pack_fields_in_place packs it (its bytes from `count` up to the next multiple of
+// 8 must be zero, with 8 bytes of room past them).
+__attribute__((target("avx2"))) inline void pack_fields_in_place_avx2(uint8_t* bytes, uint32_t count) {
+  const uint32_t full = count / 32;
+  for (uint32_t k = 0; k < full; ++k)
+    pack_field_bytes32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32ull * k)), bytes + 24ull * k);
+  // the rest from byte 32 full to 24 full: each 8 bytes read before 6 are written below them (the
+  // last vector store ended at 24 full + 4 <= 32 full)
+  const uint32_t groups = (count - 32 * full + 7) / 8;
+  uint8_t* rest = bytes + 32ull * full;
+  uint8_t* to = bytes + 24ull * full;
+  for (uint32_t g = 0; g < groups; ++g) store_le<uint64_t>(to + 6 * g, pack6x8(load_le<uint64_t>(rest + 8 * g)));
+}
+
 // The raw fields of chunk v[0, n), which holds `zeros` values +0.0 (from its survey), written to
 // `raw` (n + 16 bytes) as split_chunk does; returns their count. A chunk without +0.0 packs 32
 // fields per step straight from the values; otherwise raw fields are first compacted one per
 // byte (8-byte stores, the cursor advancing by the count of non-zero values), then packed to 6
-// bits in a second, dependency-free loop.
+// bits in a second, dependency-free loop (pack_fields_in_place_avx2).
 __attribute__((target("avx2,popcnt"))) inline uint32_t split_fields_avx2(const uint16_t* v, uint32_t n, uint32_t zeros,
                                                                         uint8_t* raw) {
   uint32_t i = 0;
@@ -499,7 +520,7 @@ __attribute__((target("avx2,popcnt"))) inline uint32_t split_fields_avx2(const u
   for (; i < n; ++i)
     if (v[i] != 0) raw[nr++] = static_cast<uint8_t>(raw_of(v[i]));
   store_le<uint64_t>(raw + nr, 0);
-  pack_fields_in_place(raw, nr);
+  pack_fields_in_place_avx2(raw, nr);
   return nr;
 }
 

@@ -664,6 +664,29 @@ EP_COMM_AVX512 inline uint32_t rans_encode_chunk_avx512(const uint16_t* v, uint3
   return num_words;
 }
 
+// split_fields_avx2's bytes with 32 values a step where the chunk holds +0.0: the fields of the
+// step's non-zero values compacted by one vpcompressb and stored as 32 bytes at raw + nr (nr <= i,
+// so the store ends inside `raw`'s n bytes while i + 32 <= n), against four 8-value steps with a
+// table's shuffle each; then packed as split_fields_avx2 packs them. A chunk without +0.0: as
+// split_fields_avx2 (packed straight from the values).
+EP_COMM_AVX512 inline uint32_t split_fields_avx512(const uint16_t* v, uint32_t n, uint32_t zeros, uint8_t* raw) {
+  if (zeros == 0) return split_fields_avx2(v, n, zeros, raw);
+  const __m512i m3f = _mm512_set1_epi16(0x3F);
+  uint32_t nr = 0, i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i x = _mm512_loadu_si512(v + i);
+    const __mmask32 nonzero = _mm512_test_epi16_mask(x, x);
+    const __m256i fields = _mm512_cvtepi16_epi8(_mm512_and_si512(x, m3f));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw + nr), _mm256_maskz_compress_epi8(nonzero, fields));
+    nr += uint32_t(_mm_popcnt_u32(nonzero));
+  }
+  for (; i < n; ++i)
+    if (v[i] != 0) raw[nr++] = static_cast<uint8_t>(raw_of(v[i]));
+  store_le<uint64_t>(raw + nr, 0);
+  pack_fields_in_place_avx2(raw, nr);
+  return nr;
+}
+
 }  // namespace ep_comm::lossless
 #pragma GCC diagnostic pop
 #endif

@@ -315,6 +315,7 @@ bool finish_field_stream(uint32_t n, FieldScratch& fs, ChunkEntry& e, const uint
 // (the same bytes at every level); returns their count.
 uint32_t pack_raw_fields(int level, const uint16_t* v, uint32_t n, uint32_t zeros, uint8_t* raw) {
 #if defined(__x86_64__)
+  if (level == kSimdAvx512) return split_fields_avx512(v, n, zeros, raw);
   if (level >= kSimdAvx2) return split_fields_avx2(v, n, zeros, raw);
 #endif
   (void)level;
