@@ -447,9 +447,9 @@ def measure(codecs: list, tensors: list[torch.Tensor], threads: dict[str, int], 
             steady: bool = False, min_run_s: float = MIN_RUN_S) -> dict[str, dict]:
     """Codes each tensor alone with every codec, as timed runs of whole rounds (a round: every
     tensor encoded, every blob decoded), each run at least ``min_run_s`` long (timeit's autorange:
-    one call of under a millisecond is dominated by the state the machine's caches and TLBs are
-    left in by whatever ran before it; on this guest a 917 KB copy takes 21 us in a loop and
-    127-286 us after a 100 ms pause, and both codecs' calls slow down alike); the rounds per run
+    the time of one call of under a millisecond depends on the state whatever ran before it left
+    the machine in; on this guest a 917 KB copy takes 21 us in a loop and 127-286 us after a 100 ms
+    pause, and both codecs' calls slow down alike); the rounds per run
     set per codec by an untimed warm-up round. The codecs take turns within each repetition, in
     an order rotated every repetition (so that a slow spell of this shared machine hits both, and
     neither always runs right after the other); best-of-reps time per round per codec.
