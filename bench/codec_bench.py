@@ -55,8 +55,10 @@ from ep_comm.codecs import lossless  # noqa: E402
 HIDDEN = 7168
 CHUNK_TOKENS = 64
 KINDS = ("activations", "weights", "gradients")
-# a timed run's least length, in seconds (see measure)
+# a timed run's encodes and its decodes each last about this long, in seconds (see measure), with
+# at most this many raw bytes of input in a run (see calibrate)
 MIN_RUN_S = 0.05
+MAX_RUN_BYTES = 256e6
 
 
 # ---------------------------------------------------------------- real tensors
@@ -338,10 +340,10 @@ class Ours:
 
 class Zipnn:
     """zipnn's bf16 configuration (Huffman on the exponent byte). zipnn compresses in place (it
-    reorders the input's bytes), so it is handed a copy made outside the timed region."""
+    reorders the input's bytes): every codec is handed copies made outside the timed region
+    (_round_inputs)."""
 
     name = "zipnn"
-    copies_input = True
 
     def __init__(self):
         from zipnn import ZipNN
@@ -382,13 +384,20 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(t.detach().view(torch.int16).numpy().copy()).view(torch.bfloat16)
 
 
+def _round_inputs(tensors: list[torch.Tensor], rounds: int) -> list[list[torch.Tensor]]:
+    """Each round's own copies of the tensors, made outside the timed region: every codec reads
+    inputs that no earlier round of its run has read (and zipnn, which reorders its input's bytes
+    in place, gets a fresh one)."""
+    return [[_copy(t) for t in tensors] for _ in range(rounds)]
+
+
 def _time_once(codec, tensors: list[torch.Tensor], threads: int, rounds: int = 1) -> tuple[float, float, int]:
-    """``rounds`` encodes of every tensor, timed together, then one decode of every blob, timed
-    together (all outputs alive until the end, so no output reuses another's memory; memory freed
-    at the end of one run may serve the next, through glibc's heap or ours' mapping cache); checks
-    every round trip. Returns (encode s, decode s) per round and one round's compressed bytes."""
-    copies = getattr(codec, "copies_input", False)
-    inputs = [[_copy(t) for t in tensors] if copies else tensors for _ in range(rounds)]
+    """``rounds`` encodes of every tensor (each round its own copies), timed together, then one
+    decode of every blob, timed together (all outputs alive until the end, so no output reuses
+    another's memory; memory freed at the end of one run may serve the next, through glibc's heap
+    or ours' mapping cache); checks every round trip. Returns (encode s, decode s) per round and
+    one round's compressed bytes."""
+    inputs = _round_inputs(tensors, rounds)
     t0 = time.perf_counter()
     blobs = [[codec.encode(t, threads) for t in round_inputs] for round_inputs in inputs]
     t1 = time.perf_counter()
@@ -401,17 +410,16 @@ def _time_once(codec, tensors: list[torch.Tensor], threads: int, rounds: int = 1
 
 
 def _time_steady(codec, tensors: list[torch.Tensor], threads: int, rounds: int = 1) -> tuple[float, float, int]:
-    """``rounds`` times: each tensor encoded, decoded, checked and both outputs freed before the
-    next (a stream of messages, as an EP receiver sees them: the allocator hands back memory it
-    already has). Returns (encode s, decode s) per round, summed over the tensors, and one round's
-    compressed bytes."""
-    copies = getattr(codec, "copies_input", False)
+    """``rounds`` times: each tensor (each round its own copy) encoded, decoded, checked and both
+    outputs freed before the next (a stream of messages, as an EP receiver sees them: the
+    allocator hands back memory it already has). Each call is timed alone, the check between two
+    calls left out; the rounds make the stream longer. Returns (encode s, decode s) per round,
+    summed over the tensors, and one round's compressed bytes."""
     enc = dec = 0.0
     size = 0
-    for _ in range(rounds):
-        inputs = [_copy(t) for t in tensors] if copies else tensors
+    for round_inputs in _round_inputs(tensors, rounds):
         size = 0
-        for t, x in zip(tensors, inputs):
+        for t, x in zip(tensors, round_inputs):
             t0 = time.perf_counter()
             blob = codec.encode(x, threads)
             t1 = time.perf_counter()
@@ -435,33 +443,47 @@ def _run_without_gc(timer, codec, tensors: list[torch.Tensor], threads: int, rou
         gc.enable()
 
 
-def rounds_for(seconds_per_round: float, min_run_s: float, max_rounds: int = 1000) -> int:
-    """Rounds of a timed run that make it last about ``min_run_s`` (at least 1, at most
-    ``max_rounds``), given one round's encode + decode time."""
-    if min_run_s <= 0 or seconds_per_round >= min_run_s:
+def rounds_for(seconds: float, min_run_s: float, max_rounds: int = 1000) -> int:
+    """Rounds that make a timed part of a run (its encodes, or its decodes) last about
+    ``min_run_s`` (at least 1, at most ``max_rounds``), given that part's time for one round."""
+    if min_run_s <= 0 or seconds >= min_run_s:
         return 1
-    return max(1, min(max_rounds, math.ceil(min_run_s / max(seconds_per_round, 1e-9))))
+    return max(1, min(max_rounds, math.ceil(min_run_s / max(seconds, 1e-9))))
+
+
+def calibrate(timer, codec, tensors: list[torch.Tensor], threads: int, min_run_s: float,
+              max_bytes: float = MAX_RUN_BYTES) -> int:
+    """Rounds per timed run for ``codec``: as many as make its encodes and its decodes each last
+    about ``min_run_s``, from an untimed round and then an untimed run of the rounds that round
+    suggests (the first round is the coldest, so it alone would give too few); at most as many as
+    keep a run's raw input at ``max_bytes`` (every round's inputs and outputs stay alive in a
+    kept-outputs run)."""
+    raw = sum(t.numel() * 2 for t in tensors)
+    most = max(1, min(1000, int(max_bytes // max(raw, 1))))
+    enc, dec, _ = _run_without_gc(timer, codec, tensors, threads, 1)
+    rounds = rounds_for(min(enc, dec), min_run_s, most)
+    if rounds > 1:
+        enc, dec, _ = _run_without_gc(timer, codec, tensors, threads, rounds)
+        rounds = rounds_for(min(enc, dec), min_run_s, most)
+    return rounds
 
 
 def measure(codecs: list, tensors: list[torch.Tensor], threads: dict[str, int], reps: int,
             steady: bool = False, min_run_s: float = MIN_RUN_S) -> dict[str, dict]:
     """Codes each tensor alone with every codec, as timed runs of whole rounds (a round: every
-    tensor encoded, every blob decoded), each run at least ``min_run_s`` long (timeit's autorange:
-    the time of one call of under a millisecond depends on the state whatever ran before it left
-    the machine in; on this guest a 917 KB copy takes 21 us in a loop and 127-286 us after a 100 ms
-    pause, and both codecs' calls slow down alike); the rounds per run
-    set per codec by an untimed warm-up round. The codecs take turns within each repetition, in
-    an order rotated every repetition (so that a slow spell of this shared machine hits both, and
-    neither always runs right after the other); best-of-reps time per round per codec.
+    tensor encoded, every blob decoded), with as many rounds as make a run's encodes and its
+    decodes each last about ``min_run_s`` (see :func:`calibrate`; as timeit's autorange: the time of
+    one call of under a millisecond depends on the state whatever ran before it left the machine
+    in; on this guest a 917 KB copy takes 21 us in a loop and 127-286 us after a 100 ms pause, and
+    both codecs' calls slow down). The codecs take turns within each repetition, in an order
+    rotated every repetition (so that a slow spell of this shared machine hits every codec, and
+    none always runs right after another); best-of-reps time per round per codec.
     ``threads``: codec name -> thread count; ``steady``: time as :func:`_time_steady` (else
     :func:`_time_once`). Returns codec name -> ratio, GB/s (raw bytes) and rounds per run."""
     raw = sum(t.numel() * 2 for t in tensors)
     best = {c.name: [float("inf"), float("inf"), 0] for c in codecs}
     timer = _time_steady if steady else _time_once
-    rounds = {}
-    for codec in codecs:
-        enc, dec, _ = _run_without_gc(timer, codec, tensors, threads[codec.name], 1)
-        rounds[codec.name] = rounds_for(enc + dec, min_run_s)
+    rounds = {c.name: calibrate(timer, c, tensors, threads[c.name], min_run_s) for c in codecs}
     for rep in range(reps):
         for codec in codecs[rep % len(codecs):] + codecs[:rep % len(codecs)]:
             enc, dec, size = _run_without_gc(timer, codec, tensors, threads[codec.name], rounds[codec.name])
@@ -666,7 +688,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
                     "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1] if simd == "best" else simd,
                     "timing": ("steady (each tensor's outputs freed before the next)" if steady
                                else "kept outputs (every output kept until the run ends)")
-                              + f", runs of at least {min_run_s * 1e3:g} ms",
+                              + f", each run's encodes and decodes about {min_run_s * 1e3:g} ms each",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
                             f"{CHUNK_TOKENS} rows per blob", "results": []}
     for kind in (k for k in KINDS if k in data):
@@ -803,8 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (best is kept)")
     parser.add_argument("--min-run-ms", type=float, default=MIN_RUN_S * 1e3,
-                        help="a timed run repeats its round (every tensor encoded, every blob decoded) until it "
-                             "lasts about this long (0: one round)")
+                        help="a timed run repeats its round (every tensor encoded, then every blob decoded) so "
+                             "that its encodes and its decodes each last about this long (0: one round)")
     parser.add_argument("--batch", type=int, default=16, help="sequences in the forward/backward pass")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steady", action="store_true",
@@ -830,8 +852,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_tensors:
         save_tensors(args.save_tensors, real_tensors(args.model, args.batch, args.seq), args.max_mb)
         return 0
-    if args.min_run_ms < 0:
-        parser.error(f"--min-run-ms must be >= 0, got {args.min_run_ms}")
+    if not 0 <= args.min_run_ms <= 60e3:
+        parser.error(f"--min-run-ms must be in [0, 60000], got {args.min_run_ms}")
     report = run(args.reps, args.batch, args.seq, args.steady, args.simd, args.model, args.time_version,
                  args.min_run_ms / 1e3)
     report["per_tensor_rows"] = args.per_tensor

@@ -1,6 +1,7 @@
-"""bench/codec_bench.py's timing: runs of whole rounds lasting at least the least run length, per-round
-times, the codecs' turns rotated, every round trip checked (a fake codec with a known cost per
-call, so nothing here depends on this machine's speed)."""
+"""bench/codec_bench.py's timing: runs of whole rounds whose encodes and decodes each last about the
+least run length, calibrated by untimed runs, per-round times, the codecs' turns rotated, every
+round trip checked (fake codecs with a known cost per call, so nothing here depends on this
+machine's speed; a sleep may overshoot, never undershoot)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,25 +23,37 @@ def bench():
 
 
 class SleepyCodec:
-    """Encode and decode each sleep `cost` seconds; the blob is the tensor itself (size: 1 byte a
-    value); `log` records (name, call) in order."""
+    """Encode sleeps `enc` seconds, decode `dec`; the blob is a copy of the tensor (size: 1 byte a
+    value)."""
 
-    def __init__(self, name: str, cost: float, log: list, corrupt: bool = False):
-        self.name, self.cost, self.log, self.corrupt = name, cost, log, corrupt
+    def __init__(self, name: str, enc: float, dec: float, corrupt: bool = False):
+        self.name, self.enc, self.dec, self.corrupt = name, enc, dec, corrupt
 
     def encode(self, x, threads):
-        self.log.append((self.name, "encode"))
-        time.sleep(self.cost)
+        time.sleep(self.enc)
         return x.clone()
 
     def decode(self, blob, threads):
-        self.log.append((self.name, "decode"))
-        time.sleep(self.cost)
+        time.sleep(self.dec)
         return blob.view(torch.int16).bitwise_xor(1).view(torch.bfloat16) if self.corrupt else blob
 
     @staticmethod
     def size(blob):
         return blob.numel()
+
+
+@pytest.fixture
+def runs(bench, monkeypatch):
+    """Every run measure() makes, as (codec name, rounds), in order."""
+    made: list = []
+    original = bench._run_without_gc
+
+    def recording(timer, codec, tensors, threads, rounds):
+        made.append((codec.name, rounds))
+        return original(timer, codec, tensors, threads, rounds)
+
+    monkeypatch.setattr(bench, "_run_without_gc", recording)
+    return made
 
 
 def test_rounds_for_fills_the_least_run_length(bench):
@@ -52,35 +65,37 @@ def test_rounds_for_fills_the_least_run_length(bench):
 
 
 @pytest.mark.parametrize("steady", [False, True])
-def test_measure_times_whole_rounds_and_rotates_the_turns(bench, steady):
-    log: list = []
-    fast, slow = SleepyCodec("fast", 0.001, log), SleepyCodec("slow", 0.004, log)
+def test_runs_are_calibrated_timed_per_round_and_rotated(bench, runs, steady):
+    # a and b decode 4x faster than they encode: their decodes set the rounds
+    codecs = [SleepyCodec("a", 0.016, 0.004), SleepyCodec("b", 0.024, 0.006), SleepyCodec("c", 0.008, 0.008)]
     tensors = [torch.zeros(1000, dtype=torch.bfloat16), torch.ones(500, dtype=torch.bfloat16)]
-    out = bench.measure([fast, slow], tensors, {"fast": 1, "slow": 1}, reps=3, steady=steady, min_run_s=0.04)
-    # an untimed round each (2 tensors, encode + decode: at least 4 ms and 16 ms; a sleep may
-    # overshoot), then runs of >= 40 ms: at most 10 and 3 rounds
-    fast_rounds, slow_rounds = out["fast"]["rounds"], out["slow"]["rounds"]
-    assert 5 <= fast_rounds <= 10 and 2 <= slow_rounds <= 3
-    calls = {name: sum(1 for n, _ in log if n == name) for name in ("fast", "slow")}
-    assert calls == {"fast": 2 * 2 * (1 + 3 * fast_rounds), "slow": 2 * 2 * (1 + 3 * slow_rounds)}
-    # GB/s of raw bytes per round: 3,000 bytes in at least 2 sleeps of `cost` per direction
-    for name, cost in (("fast", 0.001), ("slow", 0.004)):
-        assert 3000 / (2 * cost) / 1e9 / 2 < out[name]["enc_gbs"] <= 3000 / (2 * cost) / 1e9
-        assert 3000 / (2 * cost) / 1e9 / 2 < out[name]["dec_gbs"] <= 3000 / (2 * cost) / 1e9
-        assert out[name]["ratio"] == 0.5
-    # the runs in order (a warm-up run: 4 calls; a timed one: 4 calls a round): after the warm-ups
-    # (fast, then slow) the repetitions alternate who goes first
-    runs, i = [], 0
-    for warm_up in (True, True, False, False, False, False, False, False):
-        name = log[i][0]
-        runs.append(name)
-        i += 4 * (1 if warm_up else out[name]["rounds"])
-    assert i == len(log)
-    assert runs == ["fast", "slow", "fast", "slow", "slow", "fast", "fast", "slow"]
+    min_run = 0.08
+    out = bench.measure(codecs, tensors, {c.name: 1 for c in codecs}, reps=3, steady=steady, min_run_s=min_run)
+    rounds = {c.name: out[c.name]["rounds"] for c in codecs}
+    # each codec's calibration (one round, then the rounds it suggests), then the repetitions in
+    # rotated order, each codec with its calibrated rounds
+    assert runs[:-9] == [("a", 1), ("a", runs[1][1]), ("b", 1), ("b", runs[3][1]), ("c", 1), ("c", runs[5][1])]
+    assert runs[-9:] == [(n, rounds[n]) for n in ("a", "b", "c", "b", "c", "a", "c", "a", "b")]
+    for c in codecs:
+        # a round's decodes take 2 dec (a sleep may overshoot: fewer rounds, never a shorter run):
+        # the rounds make them last about min_run (encodes alone would give a and b a quarter)
+        assert rounds[c.name] <= -(-min_run // (2 * c.dec))
+        assert rounds[c.name] * 2 * c.dec * 1.5 >= min_run
+        # per round: 3,000 raw bytes in 2 sleeps of enc (dec) at least
+        for part, cost in (("enc_gbs", c.enc), ("dec_gbs", c.dec)):
+            assert 3000 / (2 * cost) / 1e9 / 4 < out[c.name][part] <= 3000 / (2 * cost) / 1e9
+        assert out[c.name]["ratio"] == 0.5
+
+
+def test_rounds_keep_a_runs_input_under_the_byte_budget(bench, runs):
+    fast = SleepyCodec("fast", 0.0, 0.0)
+    tensors = [torch.zeros(5000, dtype=torch.bfloat16)]  # 10,000 raw bytes a round
+    out = bench.measure([fast], tensors, {"fast": 1}, reps=1, min_run_s=10.0)
+    assert out["fast"]["rounds"] == 1000  # the cap without a budget
+    assert bench.calibrate(bench._time_once, fast, tensors, 1, 10.0, max_bytes=50_000) == 5
 
 
 def test_measure_rejects_a_codec_whose_round_trip_is_not_exact(bench):
-    log: list = []
-    bad = SleepyCodec("bad", 0.0, log, corrupt=True)
+    bad = SleepyCodec("bad", 0.0, 0.0, corrupt=True)
     with pytest.raises(RuntimeError, match="bad: round trip is not bit-exact"):
         bench.measure([bad], [torch.zeros(64, dtype=torch.bfloat16)], {"bad": 1}, reps=1, min_run_s=0.0)
