@@ -55,10 +55,14 @@ from ep_comm.codecs import lossless  # noqa: E402
 HIDDEN = 7168
 CHUNK_TOKENS = 64
 KINDS = ("activations", "weights", "gradients")
-# a timed run's encodes and its decodes each last about this long, in seconds (see measure), with
-# at most this many raw bytes of input in a run (see calibrate)
+# the faster part of a timed run (its encodes or its decodes) lasts about this long, in seconds
+# (see measure), within the caps of calibrate: in a kept-outputs run at most KEPT_RUN_BYTES of raw
+# input and KEPT_RUN_TENSORS tensors (ours' blobs and outputs then stay within the 256 MiB and 256
+# mappings its host coder keeps for reuse), in a steady run STEADY_RUN_BYTES of input copies
 MIN_RUN_S = 0.05
-MAX_RUN_BYTES = 64e6
+KEPT_RUN_BYTES = 100e6
+KEPT_RUN_TENSORS = 100
+STEADY_RUN_BYTES = 256e6
 
 
 # ---------------------------------------------------------------- real tensors
@@ -455,33 +459,42 @@ def rounds_for(seconds: float, min_run_s: float, max_rounds: int = 1000) -> int:
     return max(1, min(max_rounds, math.ceil(min_run_s / max(seconds, 1e-9))))
 
 
-def calibrate(timer, codec, tensors: list[torch.Tensor], threads: int, min_run_s: float,
-              max_bytes: float = MAX_RUN_BYTES) -> int:
-    """Rounds per timed run for ``codec``: as many as make its encodes and its decodes each last
-    about ``min_run_s``, from an untimed round and then an untimed run of the rounds that round
-    suggests (the first round is the coldest, so it alone would give too few); at most as many as
-    keep a run's raw input at ``max_bytes`` (every round's inputs and outputs stay alive in a
-    kept-outputs run: 64 MB keeps ours' blobs and outputs within the 256 MB of freed mappings its
-    host coder keeps for reuse, past which fresh mappings would be faulted in inside the timed
-    region)."""
-    raw = sum(t.numel() * 2 for t in tensors)
-    most = max(1, min(1000, int(max_bytes // max(raw, 1))))
+def most_rounds(tensors: list[torch.Tensor], steady: bool) -> int:
+    """The most rounds a run of ``tensors`` may take (at least 1, at most 1000): a kept-outputs run
+    keeps every round's inputs, blobs and outputs alive, so its rounds hold at most KEPT_RUN_BYTES
+    of raw input and KEPT_RUN_TENSORS tensors (past the host coder's cache of freed mappings,
+    fresh ones would be faulted in inside the timed region); a steady run's, STEADY_RUN_BYTES of
+    input copies."""
+    raw = max(1, sum(t.numel() * 2 for t in tensors))
+    if steady:
+        most = STEADY_RUN_BYTES // raw
+    else:
+        most = min(KEPT_RUN_BYTES // raw, KEPT_RUN_TENSORS // max(1, len(tensors)))
+    return int(max(1, min(1000, most)))
+
+
+def calibrate(timer, codec, tensors: list[torch.Tensor], threads: int, min_run_s: float, most: int) -> int:
+    """Rounds per timed run for ``codec``: as many as make the faster part of a run (its encodes or
+    its decodes) last about ``min_run_s``, at most ``most``. From an untimed round, then two
+    untimed runs of the rounds that round suggests, the faster of them (the first round, and the
+    first run of many rounds, are the coldest: alone they would give too few)."""
     enc, dec, _ = _run_without_gc(timer, codec, tensors, threads, 1)
     rounds = rounds_for(min(enc, dec), min_run_s, most)
     if rounds > 1:
-        enc, dec, _ = _run_without_gc(timer, codec, tensors, threads, rounds)
-        rounds = rounds_for(min(enc, dec), min_run_s, most)
+        part = min(min(enc, dec) for enc, dec, _ in
+                   (_run_without_gc(timer, codec, tensors, threads, rounds) for _ in range(2)))
+        rounds = rounds_for(part, min_run_s, most)
     return rounds
 
 
 def measure(codecs: list, tensors: list[torch.Tensor], threads: dict[str, int], reps: int,
             steady: bool = False, min_run_s: float = MIN_RUN_S) -> dict[str, dict]:
     """Codes each tensor alone with every codec, as timed runs of whole rounds (a round: every
-    tensor encoded, every blob decoded), with as many rounds as make a run's encodes and its
-    decodes each last about ``min_run_s`` (see :func:`calibrate`; as timeit's autorange: the time of
-    one call of under a millisecond depends on the state whatever ran before it left the machine
-    in; on this guest a 917 KB copy takes 21 us in a loop and 127-286 us after a 100 ms pause, and
-    both codecs' calls slow down). The codecs take turns within each repetition, in an order
+    tensor encoded, every blob decoded), with as many rounds as make the faster part of a run last
+    about ``min_run_s`` within :func:`most_rounds` (see :func:`calibrate`; as timeit's autorange:
+    the time of one call of under a millisecond depends on the state whatever ran before it left
+    the machine in; on this guest a 917 KB copy takes 21 us in a loop and 127-286 us after a 100 ms
+    pause, and both codecs' calls slow down). The codecs take turns within each repetition, in an order
     rotated every repetition (so that a slow spell of this shared machine hits every codec, and
     none always runs right after another); best-of-reps time per round per codec.
     ``threads``: codec name -> thread count; ``steady``: time as :func:`_time_steady` (else
@@ -489,7 +502,8 @@ def measure(codecs: list, tensors: list[torch.Tensor], threads: dict[str, int], 
     raw = sum(t.numel() * 2 for t in tensors)
     best = {c.name: [float("inf"), float("inf"), 0] for c in codecs}
     timer = _time_steady if steady else _time_once
-    rounds = {c.name: calibrate(timer, c, tensors, threads[c.name], min_run_s) for c in codecs}
+    most = most_rounds(tensors, steady)
+    rounds = {c.name: calibrate(timer, c, tensors, threads[c.name], min_run_s, most) for c in codecs}
     for rep in range(reps):
         for codec in codecs[rep % len(codecs):] + codecs[:rep % len(codecs)]:
             enc, dec, size = _run_without_gc(timer, codec, tensors, threads[codec.name], rounds[codec.name])
@@ -694,7 +708,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
                     "cpu": cpu_model(), "ours_path": lossless.simd_paths()[-1] if simd == "best" else simd,
                     "timing": ("steady (each tensor's outputs freed before the next)" if steady
                                else "kept outputs (every output kept until the run ends)")
-                              + f", each run's encodes and decodes about {min_run_s * 1e3:g} ms each",
+                              + f", runs of rounds whose encodes or decodes last about {min_run_s * 1e3:g} ms",
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
                             f"{CHUNK_TOKENS} rows per blob", "results": []}
     for kind in (k for k in KINDS if k in data):
@@ -832,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (best is kept)")
     parser.add_argument("--min-run-ms", type=float, default=MIN_RUN_S * 1e3,
                         help="a timed run repeats its round (every tensor encoded, then every blob decoded) so "
-                             "that its encodes and its decodes each last about this long (0: one round)")
+                             "that the faster of its encodes and its decodes lasts about this long, within "
+                             "memory caps (0: one round)")
     parser.add_argument("--batch", type=int, default=16, help="sequences in the forward/backward pass")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steady", action="store_true",

@@ -1,7 +1,8 @@
-"""bench/codec_bench.py's timing: runs of whole rounds whose encodes and decodes each last about the
-least run length, calibrated by untimed runs, per-round times, the codecs' turns rotated, every
-round trip checked (fake codecs with a known cost per call, so nothing here depends on this
-machine's speed; a sleep may overshoot, never undershoot)."""
+"""bench/codec_bench.py's timing: runs of whole rounds whose faster part lasts about the least run
+length within the memory caps, calibrated by untimed runs, each round on its own input copies,
+per-round times, the codecs' turns rotated, every round trip checked (fake codecs with a known
+cost per call, so nothing here depends on this machine's speed; a sleep may overshoot, never
+undershoot)."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,18 +24,21 @@ def bench():
 
 
 class SleepyCodec:
-    """Encode sleeps `enc` seconds, decode `dec`; the blob is a copy of the tensor (size: 1 byte a
-    value)."""
+    """Encode sleeps `enc` seconds, decode `dec` (its first decode `first_dec` more); the blob is a
+    copy of the tensor (size: 1 byte a value); `inputs` records every encoded tensor."""
 
-    def __init__(self, name: str, enc: float, dec: float, corrupt: bool = False):
-        self.name, self.enc, self.dec, self.corrupt = name, enc, dec, corrupt
+    def __init__(self, name: str, enc: float, dec: float, corrupt: bool = False, first_dec: float = 0.0):
+        self.name, self.enc, self.dec, self.corrupt, self.first_dec = name, enc, dec, corrupt, first_dec
+        self.inputs: list = []
 
     def encode(self, x, threads):
+        self.inputs.append(x)
         time.sleep(self.enc)
         return x.clone()
 
     def decode(self, blob, threads):
-        time.sleep(self.dec)
+        time.sleep(self.dec + self.first_dec)
+        self.first_dec = 0.0
         return blob.view(torch.int16).bitwise_xor(1).view(torch.bfloat16) if self.corrupt else blob
 
     @staticmethod
@@ -72,9 +76,11 @@ def test_runs_are_calibrated_timed_per_round_and_rotated(bench, runs, steady):
     min_run = 0.08
     out = bench.measure(codecs, tensors, {c.name: 1 for c in codecs}, reps=3, steady=steady, min_run_s=min_run)
     rounds = {c.name: out[c.name]["rounds"] for c in codecs}
-    # each codec's calibration (one round, then the rounds it suggests), then the repetitions in
-    # rotated order, each codec with its calibrated rounds
-    assert runs[:-9] == [("a", 1), ("a", runs[1][1]), ("b", 1), ("b", runs[3][1]), ("c", 1), ("c", runs[5][1])]
+    # each codec's calibration (one round, then twice the rounds it suggests), then the repetitions
+    # in rotated order, each codec with its calibrated rounds
+    assert [name for name, _ in runs[:-9]] == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    assert [r for _, r in runs[:-9:3]] == [1, 1, 1]
+    assert all(runs[k][1] == runs[k + 1][1] > 1 for k in (1, 4, 7))
     assert runs[-9:] == [(n, rounds[n]) for n in ("a", "b", "c", "b", "c", "a", "c", "a", "b")]
     for c in codecs:
         # a round's decodes take 2 dec (a sleep may overshoot: fewer rounds, never a shorter run):
@@ -87,12 +93,41 @@ def test_runs_are_calibrated_timed_per_round_and_rotated(bench, runs, steady):
         assert out[c.name]["ratio"] == 0.5
 
 
-def test_rounds_keep_a_runs_input_under_the_byte_budget(bench, runs):
+def test_calibration_does_not_stop_at_the_cold_first_round(bench):
+    """A first decode 20 ms slow makes the first round's encodes its faster part (16 ms: 5 rounds);
+    the runs of 5 rounds then give 10 (the decodes, 8 ms a round)."""
+    cold = SleepyCodec("cold", 0.008, 0.004, first_dec=0.02)
+    tensors = [torch.zeros(100, dtype=torch.bfloat16), torch.zeros(100, dtype=torch.bfloat16)]
+    assert 8 <= bench.calibrate(bench._time_once, cold, tensors, 1, 0.08, most=1000) <= 10
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_every_round_codes_its_own_copies(bench, steady):
+    codec = SleepyCodec("c", 0.0, 0.0)
+    tensors = [torch.randn(64, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for k in range(3)]
+    bench.measure([codec], tensors, {"c": 1}, reps=2, steady=steady, min_run_s=0.0)
+    # one untimed round and two timed runs of one round: 9 inputs, all distinct, equal to the tensors
+    assert len(codec.inputs) == 9
+    assert len({x.data_ptr() for x in codec.inputs}) == 9
+    assert not {x.data_ptr() for x in codec.inputs} & {t.data_ptr() for t in tensors}
+    for k, x in enumerate(codec.inputs):
+        assert torch.equal(x.view(torch.int16), tensors[k % 3].view(torch.int16))
+
+
+def test_rounds_stay_within_the_memory_caps(bench, monkeypatch):
+    tensors = [torch.zeros(5000, dtype=torch.bfloat16)] * 4  # 40,000 raw bytes a round
+    assert bench.most_rounds(tensors, steady=False) == min(1000, int(bench.KEPT_RUN_BYTES // 40_000),
+                                                          bench.KEPT_RUN_TENSORS // 4)
+    monkeypatch.setattr(bench, "KEPT_RUN_BYTES", 200_000)
+    monkeypatch.setattr(bench, "STEADY_RUN_BYTES", 400_000)
+    assert bench.most_rounds(tensors, steady=False) == 5 and bench.most_rounds(tensors, steady=True) == 10
+    monkeypatch.setattr(bench, "KEPT_RUN_TENSORS", 8)
+    assert bench.most_rounds(tensors, steady=False) == 2
+    assert bench.most_rounds([torch.zeros(10**6, dtype=torch.bfloat16)], steady=False) == 1  # one round at least
     fast = SleepyCodec("fast", 0.0, 0.0)
-    tensors = [torch.zeros(5000, dtype=torch.bfloat16)]  # 10,000 raw bytes a round
-    out = bench.measure([fast], tensors, {"fast": 1}, reps=1, min_run_s=10.0)
-    assert out["fast"]["rounds"] == 1000  # the cap without a budget
-    assert bench.calibrate(bench._time_once, fast, tensors, 1, 10.0, max_bytes=50_000) == 5
+    for steady, most in ((False, 2), (True, 10)):
+        out = bench.measure([fast], tensors, {"fast": 1}, reps=1, steady=steady, min_run_s=10.0)
+        assert out["fast"]["rounds"] == most
 
 
 def test_measure_rejects_a_codec_whose_round_trip_is_not_exact(bench):
