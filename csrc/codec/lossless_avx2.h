@@ -363,10 +363,16 @@ inline const ReciprocalTable& reciprocal_table() {
   return table;
 }
 
+// A symbol's SimdEncTables entry: cumulative start `start`, frequency `freq`.
+inline uint64_t simd_enc_entry(uint32_t start, uint32_t freq, const ReciprocalTable& rcp) {
+  return uint64_t((start << 12) | freq) | (uint64_t(rcp.bits[freq]) << 32);
+}
+
+// The SimdEncTables of EncSym syms[1025] (every entry; the host encoder fills only its tables'
+// present symbols, in finish_coders).
 inline void make_simd_enc_tables(const EncSym* syms, SimdEncTables& t) {
   const ReciprocalTable& rcp = reciprocal_table();
-  for (int s = 0; s < kNumSymbols; ++s)
-    t.entry[s] = uint64_t((syms[s].start << 12) | syms[s].freq) | (uint64_t(rcp.bits[syms[s].freq]) << 32);
+  for (int s = 0; s < kNumSymbols; ++s) t.entry[s] = simd_enc_entry(syms[s].start, syms[s].freq, rcp);
   t.prob_bits = syms[0].prob_bits;
 }
 

@@ -498,9 +498,11 @@ class RansEncoder512 {
   // Codes the partial top step of v[0, n) (coding runs backwards) with the portable core. With
   // `raw` (a chunk without +0.0: every value has a raw field), the steps also write their values'
   // raw fields there, packed as split_chunk does, and the partial top step's go there now.
-  EP_COMM_AVX512 RansEncoder512(const uint16_t* v, uint32_t n, const EncSym* syms, uint16_t* words_end, uint8_t* raw)
-      : v_(v), words_end_(words_end), raw_(raw), prob_bits_(_mm512_set1_epi32(int(syms[0].prob_bits))),
-        renorm_shift_(_mm512_set1_epi32(32 - int(syms[0].prob_bits))) {
+  // `tab`: the SIMD form of `syms` (its entries are read by step, its prob_bits here).
+  EP_COMM_AVX512 RansEncoder512(const uint16_t* v, uint32_t n, const EncSym* syms, const SimdEncTables& tab,
+                                uint16_t* words_end, uint8_t* raw)
+      : v_(v), words_end_(words_end), raw_(raw), prob_bits_(_mm512_set1_epi32(int(tab.prob_bits))),
+        renorm_shift_(_mm512_set1_epi32(32 - int(tab.prob_bits))) {
     alignas(64) uint32_t st[kLanes];
     s.cursor = words_end;
     s.steps_left = rans_encode_partial_step(v, n, syms, st, s.cursor);
@@ -621,7 +623,7 @@ EP_COMM_AVX512 inline void rans_encode_chunks_avx512(int count, const uint16_t* 
   for (int k = 0; k < count; ++k) {
     entries[k] = reinterpret_cast<const long long*>(tabs[k]->entry);
     zero_entry[k] = _mm512_set1_epi64(int64_t(tabs[k]->entry[kZeroSymbol]));
-    c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms[k], words_end[k], raw != nullptr ? raw[k] : nullptr);
+    c[k] = new (storage[k]) RansEncoder512(v[k], n[k], syms[k], *tabs[k], words_end[k], raw != nullptr ? raw[k] : nullptr);
   }
   if (count == 2) {
     RansEncoder512::State s0 = c[0]->s, s1 = c[1]->s;  // in registers while coding (see State)

@@ -112,18 +112,28 @@ void choose_frequencies(const uint64_t* counts, uint64_t total, uint64_t chunks,
 }
 
 // The coders' symbol tables of `t` from its frequencies (summing to 2^prob_bits, or all zero),
-// and its entry count.
+// and its entry count. Only the symbols with a frequency get entries, and +0.0's always (the SIMD
+// passes load it once a chunk): the coders look up no other (a chunk's symbols are its table's),
+// and a chunk's own table has a few dozen of the 1,025.
 void finish_coders(CodingTable& t) {
-  uint32_t start[kNumSymbols];
-  cumulative(t.freq, start, t.prob_bits);
+  t.syms[kZeroSymbol] = make_enc_sym(0, 0, t.prob_bits);
+#if defined(__x86_64__)
+  const ReciprocalTable& rcp = reciprocal_table();
+  t.simd.prob_bits = uint32_t(t.prob_bits);
+  t.simd.entry[kZeroSymbol] = 0;
+#endif
+  uint32_t start = 0;
   t.entries = 0;
   for (int s = 0; s < kNumSymbols; ++s) {
-    t.entries += t.freq[s] != 0;
-    t.syms[s] = make_enc_sym(start[s], t.freq[s], t.prob_bits);
-  }
+    const uint32_t f = t.freq[s];
+    if (f == 0) continue;
+    t.syms[s] = make_enc_sym(start, f, t.prob_bits);
 #if defined(__x86_64__)
-  make_simd_enc_tables(t.syms, t.simd);
+    t.simd.entry[s] = simd_enc_entry(start, f, rcp);
 #endif
+    start += f;
+    ++t.entries;
+  }
 }
 
 // The rest of `t` from its frequencies (summing to 2^prob_bits, or all zero: no table): entries,
