@@ -800,7 +800,16 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         chunk_table[c] = 0;
         continue;
       }
-      if (kept_extra + 1 != t) extra[kept_extra] = extra[t - 1];
+      if (kept_extra + 1 != t) {  // what the table section is written from (its coders are done)
+        CodingTable& to = extra[kept_extra];
+        const CodingTable& from = extra[t - 1];
+        std::memcpy(to.freq, from.freq, sizeof(to.freq));
+        to.prob_bits = from.prob_bits;
+        to.entries = from.entries;
+        to.gap_order = from.gap_order;
+        to.freq_order = from.freq_order;
+        to.bytes = from.bytes;
+      }
       chunk_table[c] = static_cast<uint8_t>(++kept_extra);
     }
     num_extra = kept_extra;
