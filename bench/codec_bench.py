@@ -29,6 +29,7 @@ one thread and with all threads; with a GPU, device encode/decode GB/s as a frac
 device's copy bandwidth measured in the same run.
 
     python bench/codec_bench.py [--json PATH] [--reps 3]
+    python bench/codec_bench.py --model silero-vad --chunk-sweep default,65536,131072   # sizes only
 """
 from __future__ import annotations
 
@@ -298,6 +299,11 @@ MODELS = {
     "silero-vad": "Silero VAD v6 TorchScript model (silero-vad) on 120 s of espeak-ng speech, bf16",
     "mtcnn": "facenet-pytorch MTCNN P/R/O-Net (facenet-pytorch) on scikit-learn's two sample photos, bf16",
 }
+
+
+def layouts(tensors: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """A kind's two layouts: its whole tensors, and its values as 64x7168 messages (ep_chunks)."""
+    return {"whole tensors": tensors, f"{CHUNK_TOKENS}x{HIDDEN} chunks": ep_chunks(tensors)}
 
 
 def ep_chunks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -667,6 +673,41 @@ def per_tensor_sizes(tensors: list[torch.Tensor]) -> list[dict]:
     return rows
 
 
+def chunk_sweep(data: dict[str, list[torch.Tensor]], chunk_values: list[int | None]) -> list[dict]:
+    """Ours' size at each chunk size of ``chunk_values`` (None: encode's default chunking, each
+    tensor's :func:`lossless.default_chunk_values`), per kind of ``data`` and layout (whole
+    tensors, 64x7168 messages), each tensor or message coded alone on one thread in the default
+    format: rows of kind, layout, chunk_values, ratio (compressed/raw) and ratio over the layout's
+    order-0 bound. What the per-chunk bytes (rANS states, directory entry) cost against what
+    smaller chunks gain (a frequency table of their own where their statistics differ)."""
+    rows = []
+    for kind in (k for k in KINDS if k in data):
+        for layout, tensors in layouts(data[kind]).items():
+            raw = sum(t.numel() * 2 for t in tensors)
+            bound = order0_bound(tensors)
+            for cv in chunk_values:
+                size = sum(int(lossless.encode(t, chunk_values=cv, threads=1).numel()) for t in tensors)
+                rows.append({"kind": kind, "layout": layout, "chunk_values": cv, "ratio": size / raw,
+                             "over_bound": size / raw / bound})
+    return rows
+
+
+def print_chunk_sweep(model: str, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    sizes = list(dict.fromkeys(r["chunk_values"] for r in rows))
+    table = Table(title=f"lossless bf16, ours / order-0 bound per chunk size ({MODELS[model]})")
+    for col in ("kind", "layout", *("default" if cv is None else str(cv) for cv in sizes)):
+        table.add_column(col, justify="left" if col in ("kind", "layout") else "right")
+    cells: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        cells.setdefault((r["kind"], r["layout"]), {})[r["chunk_values"]] = r["over_bound"]
+    for (kind, layout), by_size in cells.items():
+        table.add_row(kind, layout, *(f"{by_size[cv]:.4f}" for cv in sizes))
+    Console().print(table)
+
+
 def fp8_accuracy(activations: list[torch.Tensor]) -> dict[str, float]:
     """DeepEP's calc_diff of fp8-quantized real activations (those with 512 | H, the FFN outputs)
     against bf16, per scale mode; empty when no activation has such an H."""
@@ -713,8 +754,7 @@ def run(reps: int, batch: int, seq: int, steady: bool = False, simd: str = "best
                     "note": f"EP chunks: each kind's values reshaped to rows of {HIDDEN} (model hidden 384), "
                             f"{CHUNK_TOKENS} rows per blob", "results": []}
     for kind in (k for k in KINDS if k in data):
-        layouts = {"whole tensors": data[kind], f"{CHUNK_TOKENS}x{HIDDEN} chunks": ep_chunks(data[kind])}
-        for layout, tensors in layouts.items():
+        for layout, tensors in layouts(data[kind]).items():
             row = {"kind": kind, "layout": layout, "raw_mb": sum(t.numel() * 2 for t in tensors) / 1e6,
                    "tensors": len(tensors)}
             one = measure(codecs, tensors, {c.name: 1 for c in codecs}, reps, steady, min_run_s)
@@ -870,7 +910,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time ours writing this format version (row \"ours vN\"), in the same run")
     parser.add_argument("--per-tensor", action="store_true",
                         help="also print every tensor's and message's sizes (ours, zipnn, bound)")
+    parser.add_argument("--chunk-sweep", metavar="SIZES",
+                        help="only ours' sizes over the order-0 bound at these chunk sizes (comma-separated, "
+                             "\"default\" for encode's default chunking), per kind and layout; no timing")
     args = parser.parse_args(argv)
+    if args.chunk_sweep:
+        try:
+            sizes = [None if s == "default" else int(s) for s in args.chunk_sweep.split(",")]
+        except ValueError:
+            parser.error(f"--chunk-sweep takes comma-separated ints or \"default\", got {args.chunk_sweep!r}")
+        rows = chunk_sweep(real_tensors(args.model, args.batch, args.seq), sizes)
+        print_chunk_sweep(args.model, rows)
+        if args.json:
+            args.json.write_text(json.dumps({"model": MODELS[args.model], "cpu": cpu_model(), "chunk_sweep": rows},
+                                            indent=2))
+        return 0
     if args.save_tensors:
         save_tensors(args.save_tensors, real_tensors(args.model, args.batch, args.seq), args.max_mb)
         return 0

@@ -1,8 +1,8 @@
-"""bench/codec_bench.py's timing: runs of whole rounds whose faster part lasts about the least run
-length within the memory caps, calibrated by untimed runs, each round on its own input copies,
+"""bench/codec_bench.py. Its timing: runs of whole rounds whose faster part lasts about the least
+run length within the memory caps, calibrated by untimed runs, each round on its own input copies,
 per-round times, the codecs' turns rotated, every round trip checked (fake codecs with a known
 cost per call, so nothing here depends on this machine's speed; a sleep may overshoot, never
-undershoot)."""
+undershoot). Its chunk-size sweep: the blobs' real sizes."""
 from __future__ import annotations
 
 import importlib.util
@@ -134,3 +134,24 @@ def test_measure_rejects_a_codec_whose_round_trip_is_not_exact(bench):
     bad = SleepyCodec("bad", 0.0, 0.0, corrupt=True)
     with pytest.raises(RuntimeError, match="bad: round trip is not bit-exact"):
         bench.measure([bad], [torch.zeros(64, dtype=torch.bfloat16)], {"bad": 1}, reps=1, min_run_s=0.0)
+
+
+def test_chunk_sweep_sizes_are_the_blobs_sizes(bench):
+    """--chunk-sweep's rows: per kind, layout and chunk size, the blobs' bytes over the raw bytes
+    (None: encode's default chunking) and that over the layout's order-0 bound."""
+    from ep_comm.codecs import lossless
+
+    g = torch.Generator().manual_seed(3)
+    data = {"activations": [(torch.randn(3, 40000, generator=g) * 0.1).bfloat16(),
+                            torch.relu(torch.randn(7168 * 70, generator=g)).bfloat16()]}
+    rows = bench.chunk_sweep(data, [None, 4096, 131072])
+    assert [(r["layout"], r["chunk_values"]) for r in rows] == [
+        (layout, cv) for layout in ("whole tensors", "64x7168 chunks") for cv in (None, 4096, 131072)]
+    for r in rows:
+        tensors = bench.layouts(data["activations"])[r["layout"]]
+        size = sum(lossless.encode(t, chunk_values=r["chunk_values"]).numel() for t in tensors)
+        raw = sum(2 * t.numel() for t in tensors)
+        assert r["ratio"] == size / raw
+        assert r["over_bound"] == pytest.approx(size / raw / bench.order0_bound(tensors), rel=1e-12)
+    whole = {r["chunk_values"]: r["ratio"] for r in rows if r["layout"] == "whole tensors"}
+    assert whole[4096] > whole[None]  # 32 states and a directory entry per 4,096 values
