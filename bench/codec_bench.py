@@ -919,6 +919,10 @@ def main(argv: list[str] | None = None) -> int:
             sizes = [None if s == "default" else int(s) for s in args.chunk_sweep.split(",")]
         except ValueError:
             parser.error(f"--chunk-sweep takes comma-separated ints or \"default\", got {args.chunk_sweep!r}")
+        low, high = lossless.MIN_CHUNK_VALUES, lossless.MAX_CHUNK_VALUES
+        bad = [cv for cv in sizes if cv is not None and not (low <= cv <= high and cv % 32 == 0)]
+        if bad:
+            parser.error(f"--chunk-sweep: chunk sizes are multiples of 32 in [32, 2^24], got {bad}")
         rows = chunk_sweep(real_tensors(args.model, args.batch, args.seq), sizes)
         print_chunk_sweep(args.model, rows)
         if args.json:
