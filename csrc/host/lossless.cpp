@@ -551,17 +551,19 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     std::vector<ChunkSurvey> piece_surveys(num_chunks * parts), surveys(num_chunks);
     // version 6: each piece's field sample (then each chunk's, in its first piece's place)
     std::vector<FieldSample> field_samples(version >= int(kVersion6) ? num_chunks * parts : 0);
-    // version 5: each piece's symbol counts (then each chunk's, in its first piece's place), the
-    // global counts, each symbol's cost under the first table, each chunk's saving and own table's bytes
-    std::vector<uint32_t> piece_counts(own_tables ? num_chunks * parts * kNumSymbols : 0);
+    // version 5: each piece's symbol counts (then each chunk's, in its first piece's place; not
+    // zeroed: pass 1 writes all 1,025 of every piece's), the global counts, each symbol's cost under
+    // the first table, each chunk's saving and own table's bytes
+    std::unique_ptr<uint32_t[]> piece_counts(new uint32_t[own_tables ? num_chunks * parts * kNumSymbols : 0]);
     std::vector<uint64_t> global_counts(kNumSymbols, 0), shared_cost(kNumSymbols, 0);
     std::vector<uint64_t> saving(own_tables ? num_chunks : 0);
     // version 5: each priced own table (own_table_saving_q10's), kept for the chunk that takes it
-    std::vector<uint32_t> own_freq(own_tables ? num_chunks * kNumSymbols : 0);
+    // (not zeroed: written for every chunk with a saving, the only ones that take a table)
+    std::unique_ptr<uint32_t[]> own_freq(new uint32_t[own_tables ? num_chunks * kNumSymbols : 0]);
     std::vector<OwnTableShape> own_shape(own_tables ? num_chunks : 0);
     std::vector<uint32_t> section_bytes(own_tables ? num_chunks : 0), by_saving(own_tables ? num_chunks : 0);
     std::unique_ptr<CodingTable> refitted(own_tables ? new CodingTable() : nullptr);
-    const auto chunk_counts = [&](uint64_t c) { return piece_counts.data() + c * parts * kNumSymbols; };
+    const auto chunk_counts = [&](uint64_t c) { return piece_counts.get() + c * parts * kNumSymbols; };
     const auto build_first_table = [&] {
       for (uint64_t c = 0; c < surveys.size(); ++c)
         for (uint64_t p = 0; p < parts; ++p) {
@@ -593,15 +595,18 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
     const auto survey_own_table = [&](uint64_t c) {
       const uint32_t n = chunk_n(int64_t(c));
       if (n < kMinOwnTableValues || surveys[c].zeros == n) return;  // too small, or mode 3
-      uint64_t counts[kNumSymbols] = {};
+      uint64_t counts[kNumSymbols];
       uint32_t* kept = chunk_counts(c);
-      for (uint64_t p = 0; p < parts; ++p)
-        for (int s = 0; s < kNumSymbols; ++s) counts[s] += kept[p * kNumSymbols + s];
-      for (int s = 0; s < kNumSymbols; ++s) kept[s] = static_cast<uint32_t>(counts[s]);  // n <= 2^24
+      for (int s = 0; s < kNumSymbols; ++s) counts[s] = kept[s];
+      if (parts > 1) {  // the other pieces' counts added, and the chunk's kept in its first piece's place
+        for (uint64_t p = 1; p < parts; ++p)
+          for (int s = 0; s < kNumSymbols; ++s) counts[s] += kept[p * kNumSymbols + s];
+        for (int s = 0; s < kNumSymbols; ++s) kept[s] = static_cast<uint32_t>(counts[s]);  // n <= 2^24
+      }
       uint32_t scratch[kOwnTableScratchWords];
       saving[c] = own_table_saving_q10(counts, n, surveys[c].zeros, shared_cost.data(), section_bytes[c], scratch,
                                        &own_shape[c]);
-      if (saving[c] > 0) std::memcpy(own_freq.data() + c * kNumSymbols, scratch, kNumSymbols * sizeof(uint32_t));
+      if (saving[c] > 0) std::memcpy(own_freq.get() + c * kNumSymbols, scratch, kNumSymbols * sizeof(uint32_t));
     };
     // version 5: picks the chunks that take a table of their own (the largest savings first, as
     // many as kMaxExtraTables and kMaxExtraTableSectionBytes allow, and never every chunk that
@@ -652,7 +657,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         // gives them); its coders are made by the worker that codes the chunk (pass 2)
         CodingTable& t = extra[num_extra];
         chunk_table[c] = static_cast<uint8_t>(++num_extra);
-        std::memcpy(t.freq, own_freq.data() + c * kNumSymbols, sizeof(t.freq));
+        std::memcpy(t.freq, own_freq.get() + c * kNumSymbols, sizeof(t.freq));
         const OwnTableShape& shape = own_shape[c];
         t.prob_bits = int(shape.prob_bits);
         t.gap_order = shape.gap_order;
@@ -719,7 +724,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
         }
         if (!field_samples.empty()) sample_fields(values, last - first, first, field_samples[uint64_t(piece)]);
         if (own_tables) {  // the piece's counts kept, and added to the thread's
-          uint32_t* kept = piece_counts.data() + uint64_t(piece) * kNumSymbols;
+          uint32_t* kept = piece_counts.get() + uint64_t(piece) * kNumSymbols;
 #if defined(__x86_64__)
           if (level == kSimdAvx512) {
             fold_piece_avx512(local_hist, kept, h);
