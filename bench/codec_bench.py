@@ -677,9 +677,10 @@ def chunk_sweep(data: dict[str, list[torch.Tensor]], chunk_values: list[int | No
     """Ours' size at each chunk size of ``chunk_values`` (None: encode's default chunking, each
     tensor's :func:`lossless.default_chunk_values`), per kind of ``data`` and layout (whole
     tensors, 64x7168 messages), each tensor or message coded alone on one thread in the default
-    format: rows of kind, layout, chunk_values, ratio (compressed/raw) and ratio over the layout's
-    order-0 bound. What the per-chunk bytes (rANS states, directory entry) cost against what
-    smaller chunks gain (a frequency table of their own where their statistics differ)."""
+    format: rows of kind, layout, chunk_values, ratio (compressed/raw) and over_bound (ratio over
+    the layout's order-0 bound). The net of what each chunk's own bytes (rANS states, directory
+    entry) cost and what smaller chunks gain (a frequency table of their own where their
+    statistics differ)."""
     rows = []
     for kind in (k for k in KINDS if k in data):
         for layout, tensors in layouts(data[kind]).items():
@@ -693,6 +694,7 @@ def chunk_sweep(data: dict[str, list[torch.Tensor]], chunk_values: list[int | No
 
 
 def print_chunk_sweep(model: str, rows: list[dict]) -> None:
+    """chunk_sweep's rows as a table: a row per kind and layout, over_bound per chunk size."""
     from rich.console import Console
     from rich.table import Table
 
