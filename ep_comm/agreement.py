@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -86,27 +87,43 @@ def _shown(column: str, value: int) -> str:
     return str(value)
 
 
-def agree(transport: Transport, header: CallHeader, live: list[int]) -> None:
+def agree(transport: Transport, header: CallHeader, live: list[int],
+          global_ranks: Callable[[], Sequence[int]] | None = None) -> None:
     """Exchanges ``header`` with every rank (one small collective) and checks the live ranks'
     headers are equal.
+
+    Args:
+        global_ranks: gives the global rank of each rank of the Buffer's group (called only to
+            word an error), named in the messages beside a rank where they differ (a Buffer over
+            a subgroup).
 
     Raises:
         ValueError: a rank rejected its arguments, or the ranks disagree; the message names the
             field and each rank's value (ranks of the Buffer's group).
     """
+    def to_global(ranks: list[int]) -> list[int]:
+        table = global_ranks() if global_ranks is not None else ()
+        return [int(table[r]) if r < len(table) else r for r in ranks]
+
+    def named(r: int, g: int) -> str:
+        return f"rank {r}" if g == r else f"rank {r} (global rank {g})"
+
     row = header.row()
     table = torch.tensor([row] * transport.num_ranks, dtype=torch.int64)
     got = transport.exchange_counts(table, f"{header.mode}/header")
     rejected = [r for r in live if int(got[r, _COLUMNS.index("ok")]) == 0 and int(got[r, 0]) != 0]
     if rejected and header.ok:
-        raise ValueError(f"ep_comm {header.mode}: rank(s) {rejected} rejected their arguments to this call "
+        gone = to_global(rejected)
+        who = f"rank(s) {rejected}" + (f" (global rank(s) {gone})" if gone != rejected else "")
+        raise ValueError(f"ep_comm {header.mode}: {who} rejected their arguments to this call "
                          f"(the error on those ranks says why); no rank sent any payload")
     if not header.ok:
         return  # this rank raises its own argument error
     for i, column in enumerate(_COLUMNS):
         values = {r: int(got[r, i]) for r in live}
         if len(set(values.values())) > 1:
-            shown = ", ".join(f"rank {r}: {_shown(column, v)}" for r, v in values.items())
+            shown = ", ".join(f"{named(r, g)}: {_shown(column, v)}" for (r, v), g in zip(values.items(),
+                                                                                         to_global(list(values))))
             hint = " (a rank is in another call)" if column in ("mode", "seq") else ""
             raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
                              f"no rank sent any payload")
@@ -135,6 +152,8 @@ def collective(mode: str):
                     self._broken = f"a failed {self._call_mode}"
                 raise
             except Exception as error:
+                if isinstance(error, CommTimeoutError):
+                    error.name_global_ranks(self._global_ranks())
                 if self._opened:
                     self._broken = f"a failed {self._call_mode} ({type(error).__name__})"
                 if isinstance(error, CommTimeoutError) and self.enable_shrink and mode.startswith("low_latency"):

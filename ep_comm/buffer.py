@@ -314,7 +314,8 @@ class Buffer(RankMasking):
             live = [r for r in range(self.group_size) if r not in self.masked_ranks]
             self._header_collectives = 1
             try:
-                agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement)), live)
+                agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement)), live,
+                      self._global_ranks)
             except ValueError:
                 self._disagreed = True
                 raise
@@ -705,7 +706,7 @@ class Buffer(RankMasking):
             recv_x, unpack = nvfp4.receive_tensors(out.recv_x, hidden)
 
         def receive() -> None:
-            with self._waited(dispatch_wait_recv_cost_stats):
+            with self._global_rank_names(), self._waited(dispatch_wait_recv_cost_stats):
                 out.receive()
             if unpack is not None:
                 unpack()
@@ -751,10 +752,21 @@ class Buffer(RankMasking):
         if isinstance(fused, FusedKernelPath):
             try:
                 fused.low_latency_status(wait=False)
-            except CommTimeoutError:
+            except CommTimeoutError as error:
+                error.name_global_ranks(self._global_ranks())
                 self._broken = "a low-latency call whose kernels timed out"
                 raise
         self._device_status.report()
+
+    @contextlib.contextmanager
+    def _global_rank_names(self):
+        """A CommTimeoutError leaving the block (a receive hook's) names its peers' global ranks
+        too, as the collective calls' do (``CommTimeoutError.name_global_ranks``)."""
+        try:
+            yield
+        except CommTimeoutError as error:
+            error.name_global_ranks(self._global_ranks())
+            raise
 
     def _check_wait_stats(self, name: str, stats: torch.Tensor | None) -> None:
         if stats is not None:
@@ -883,7 +895,7 @@ class Buffer(RankMasking):
 
         def receive() -> None:
             if not done[0]:
-                with self._waited(combine_wait_recv_cost_stats):
+                with self._global_rank_names(), self._waited(combine_wait_recv_cost_stats):
                     received = finish()
                 if received is not result:
                     result.copy_(received)

@@ -1,6 +1,8 @@
 """Exceptions raised by ep_comm."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class CommTimeoutError(RuntimeError):
     """A peer stopped answering: raised on the surviving ranks within ``Buffer.timeout_s``.
@@ -8,13 +10,26 @@ class CommTimeoutError(RuntimeError):
     Attributes:
         peers: ranks (within the Buffer's group) that did not take part in the collective.
             Empty when the library could not tell which peer was missing.
+        global_peers: the same peers as global ranks (of torch.distributed's default group), in
+            the same order; the message names them too where they differ from ``peers`` (a
+            Buffer over a subgroup). Filled in by the Buffer the error leaves; empty before.
         phase: the step that was waiting (for example ``"dispatch/counts"``).
     """
 
     def __init__(self, message: str, peers: list[int] | None = None, phase: str = "") -> None:
         super().__init__(message)
         self.peers = list(peers or [])
+        self.global_peers: list[int] = []
         self.phase = phase
+
+    def name_global_ranks(self, global_ranks: Sequence[int]) -> None:
+        """Sets ``global_peers`` from ``global_ranks`` (the global rank of each rank of the
+        Buffer's group) and, where they differ from ``peers``, adds them to the message. Once."""
+        if self.global_peers or not self.peers or any(not 0 <= p < len(global_ranks) for p in self.peers):
+            return
+        self.global_peers = [int(global_ranks[p]) for p in self.peers]
+        if self.global_peers != self.peers and self.args:
+            self.args = (f"{self.args[0]} [global rank(s) {self.global_peers}]", *self.args[1:])
 
 
 class BufferStateError(RuntimeError):

@@ -159,3 +159,57 @@ def test_a_second_failure_names_the_buffer_rank_and_the_job_recovers():
     for rank in (0, 1):
         assert results[rank]["seen"] == [[2], [3]], results[rank]
         assert results[rank]["masked"] == [2, 3] and results[rank]["combined_rows"] == 7
+
+
+def _subgroup_faults(rank, world, group):
+    """A Buffer over global ranks [1, 2, 3] (Buffer ranks 0-2): global rank 2 passes another hidden
+    size, then global rank 3 misses a call."""
+    import torch.distributed as dist
+
+    sub = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return {}
+    buf = ep_comm.Buffer(sub, timeout_s=TIMEOUT_S)
+    me, experts = rank - 1, 6
+    idx, _ = make_routing(me, 5, 6, experts, 2)
+    counts = torch.zeros(experts, dtype=torch.int32)
+    out = {}
+    try:
+        buf.dispatch(make_x(me, 5, 6, 256 if rank == 2 else 128, torch.bfloat16), topk_idx=idx,
+                     num_tokens_per_expert=counts)
+    except ValueError as error:
+        out["disagree"] = str(error)
+    if rank == 3:
+        time.sleep(TIMEOUT_S + 4)  # misses the others' call
+    else:
+        try:
+            buf.dispatch(make_x(me, 5, 6, 128, torch.bfloat16), topk_idx=idx, num_tokens_per_expert=counts)
+        except ep_comm.CommTimeoutError as error:
+            out["timeout"] = (str(error), error.peers, error.global_peers)
+    return out
+
+
+def test_a_subgroup_buffer_names_global_ranks_too():
+    """Buffer ranks are named with their global ranks where those differ: in a disagreement (the
+    field's value per rank) and in a timeout (the message and ``global_peers``)."""
+    results = spawn_once(4, _subgroup_faults, timeout=90)
+    for rank in (1, 2, 3):
+        assert "rank 1 (global rank 2): 256" in results[rank]["disagree"], results[rank]["disagree"]
+        assert "rank 0 (global rank 1): 128" in results[rank]["disagree"]
+    for rank in (1, 2):
+        text, peers, global_peers = results[rank]["timeout"]
+        assert peers == [2] and global_peers == [3], (peers, global_peers)
+        assert "rank(s) [2] did not take part" in text and "global rank(s) [3]" in text, text
+
+
+def test_global_peers_are_named_once_and_only_where_they_differ():
+    error = ep_comm.CommTimeoutError("ep_comm x: rank(s) [1] did not take part", peers=[1], phase="x")
+    error.name_global_ranks((0, 1, 2))
+    assert error.global_peers == [1] and str(error) == "ep_comm x: rank(s) [1] did not take part"
+    error = ep_comm.CommTimeoutError("late", peers=[0, 2], phase="x")
+    error.name_global_ranks((4, 5, 6))
+    error.name_global_ranks((7, 8, 9))
+    assert error.global_peers == [4, 6] and str(error) == "late [global rank(s) [4, 6]]"
+    unknown = ep_comm.CommTimeoutError("late", peers=[], phase="x")
+    unknown.name_global_ranks((4, 5))
+    assert unknown.global_peers == [] and str(unknown) == "late"
