@@ -933,6 +933,46 @@ def test_chunk_values_is_checked_by_name():
     assert torch.equal(lossless.encode(x, chunk_values=None), lossless.encode(x, chunk_values=65536))  # the default
 
 
+def test_threads_version_and_tensors_without_data_are_checked_by_name():
+    import numpy as np
+
+    x = torch.randn(100).to(torch.bfloat16)
+    blob = lossless.encode(x)
+    for bad in (-1, 2.0, None, "2", 1 << 31, True):
+        with pytest.raises(ValueError, match="threads must be an int"):
+            lossless.encode(x, threads=bad)
+        with pytest.raises(ValueError, match="threads must be an int"):
+            lossless.decode(blob, threads=bad)
+        with pytest.raises(ValueError, match="threads must be an int"):
+            lossless.decode_into(blob, torch.empty(100, dtype=torch.bfloat16), threads=bad)
+    assert torch.equal(lossless.encode(x, threads=np.int64(1)), blob)
+    for bad in (5.0, "5", True, 7):
+        with pytest.raises(ValueError, match="version must be one of"):
+            lossless.encode(x, version=bad)
+    assert torch.equal(lossless.encode(x, version=np.int64(5)), blob)
+    with pytest.raises(ValueError, match="x must be a dense tensor with data"):
+        lossless.encode(torch.empty(10, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match="x must be a dense tensor with data"):
+        lossless.encode(torch.eye(3).bfloat16().to_sparse())
+    with pytest.raises(ValueError, match="out must be a dense tensor with data"):
+        lossless.decode_into(blob, torch.empty(100, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match="blob must be a dense tensor with data"):
+        lossless.decode(torch.empty(10, dtype=torch.uint8, device="meta"))
+
+
+def test_decode_into_refuses_an_out_that_overlaps_the_blob():
+    x = torch.randn(100).to(torch.bfloat16)
+    blob = lossless.encode(x)
+    memory = torch.zeros(4096, dtype=torch.uint8)
+    memory[:blob.numel()] = blob
+    held = memory[:blob.numel()]
+    with pytest.raises(ValueError, match="out overlaps blob"):
+        lossless.decode_into(held, memory[blob.numel() - 2:blob.numel() + 198].view(torch.bfloat16))
+    assert torch.equal(held, blob)  # nothing written
+    out = memory[2048:2248].view(torch.bfloat16)
+    assert torch.equal(bits(lossless.decode_into(held, out)), bits(x))  # the same storage, apart
+
+
 # ---- several blobs per call (one per message)
 
 def test_encode_many_and_decode_into_many_match_single_calls():
@@ -968,6 +1008,8 @@ def test_many_calls_name_the_bad_argument():
 def test_message_chunk_values_by_device():
     assert lossless.message_chunk_values("cpu") is None  # each message's default_chunk_values
     assert lossless.message_chunk_values(torch.device("cpu")) is None
+    if not torch.cuda.is_available():  # no driver: the CPU codes CUDA tensors' messages
+        assert lossless.message_chunk_values("cuda") is None
     with pytest.raises(ValueError, match="device must be a torch.device"):
         lossless.message_chunk_values(3.5)
 

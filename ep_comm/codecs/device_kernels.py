@@ -9,7 +9,7 @@ def codec_kernels(device: torch.device):
     """``ep_comm._cuda`` when ``device`` is a GPU that module has code for (its compute
     capability among the built ``archs``) and the module holds the codec kernels; else None (the
     codecs then run on the CPU, or as torch operations)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     from .._build import load_cuda
 

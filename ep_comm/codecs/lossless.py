@@ -90,6 +90,29 @@ def _check_simd(simd: object) -> None:
         raise ValueError(f"simd must be True, False or one of {SIMD_PATHS}, got {simd!r}")
 
 
+def _check_threads(threads: object) -> None:
+    """ValueError naming ``threads`` unless it is an int in [0, 2**31) (0 = every hardware
+    thread); checked on every device (the GPU path ignores it)."""
+    try:
+        value = operator.index(threads)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(threads, bool) or not 0 <= value < 1 << 31:
+        raise ValueError(f"threads must be an int in [0, 2**31) (0 = every hardware thread), got {threads!r}")
+
+
+def _check_version(version: object) -> int:
+    """``version`` as an int, or ValueError naming it unless it is one of FORMAT_VERSIONS (an int:
+    5.0 is refused)."""
+    try:
+        value = operator.index(version)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(version, bool) or value not in FORMAT_VERSIONS:
+        raise ValueError(f"version must be one of {FORMAT_VERSIONS}, got {version!r}")
+    return value
+
+
 def _simd_level(simd: bool | str) -> int:
     """``simd`` argument -> the host coder's C++ level: true = the best the CPU has, false = the
     portable core, a name from ``SIMD_PATHS`` = that path (ValueError if this CPU lacks it)."""
@@ -127,8 +150,8 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
     _check_input(x, "x")
     chunk_values = _chunk_values(chunk_values, x.numel())
     _check_simd(simd)
-    if version not in FORMAT_VERSIONS:
-        raise ValueError(f"version must be one of {FORMAT_VERSIONS}, got {version!r}")
+    _check_threads(threads)
+    version = _check_version(version)
     if version in lossless_device.ENCODE_VERSIONS and lossless_device.available(x.device):
         return lossless_device.encode(x, chunk_values, version)
     blob = _encode_host(x, chunk_values, threads, _simd_level(simd), version)
@@ -155,6 +178,7 @@ def encode_many(xs: list[torch.Tensor], *, chunk_values: int | None = None, thre
         _check_input(x, f"xs[{i}]")
     sizes = [_chunk_values(chunk_values, x.numel()) for x in xs]
     _check_simd(simd)
+    _check_threads(threads)
     if xs and len({x.device for x in xs}) == 1 and lossless_device.available(xs[0].device):
         blobs: list[torch.Tensor | None] = [None] * len(xs)
         for size in dict.fromkeys(sizes):  # one device call per distinct chunk size
@@ -170,10 +194,18 @@ def _check_input(x: object, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} must be a bfloat16 tensor, got {got}")
+    _check_has_data(x, name)
     if x.dim() > MAX_DIMS:
         raise ValueError(f"{name} has {x.dim()} dimensions; blobs hold at most {MAX_DIMS}")
     if any(d > MAX_DIMENSION for d in x.shape):
         raise ValueError(f"{name} has a dimension above 2**48 (shape {tuple(x.shape)}), which blobs cannot describe")
+
+
+def _check_has_data(x: torch.Tensor, name: str) -> None:
+    """ValueError naming ``name`` unless ``x`` is a dense (strided) tensor with memory (not on the
+    meta device)."""
+    if x.layout != torch.strided or x.device.type == "meta":
+        raise ValueError(f"{name} must be a dense tensor with data, got layout {x.layout} on {x.device}")
 
 
 def _host_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -275,6 +307,7 @@ def encode_rows(x: torch.Tensor, **kwargs: int) -> torch.Tensor:
 def _check_blob(blob: torch.Tensor) -> None:
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
         raise ValueError("blob must be a 1-D uint8 tensor")
+    _check_has_data(blob, "blob")
 
 
 def _host_blob(blob: torch.Tensor) -> torch.Tensor:
@@ -290,6 +323,7 @@ def _check_out(out: object, name: str) -> None:
         got = (f"{out.dtype} on {out.device}, contiguous={out.is_contiguous()}, requires_grad={out.requires_grad}"
                if isinstance(out, torch.Tensor) else type(out).__name__)
         raise ValueError(f"{name} must be a contiguous bfloat16 tensor that does not require grad, got {got}")
+    _check_has_data(out, name)
 
 
 def _check_shape(shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -326,6 +360,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool | str = True,
     """
     _check_blob(blob)
     _check_simd(simd)
+    _check_threads(threads)
     if expected_shape is not None:
         if not _is_shape(expected_shape):
             raise ValueError(f"expected_shape must be a tuple of ints in [0, 2**48], got {expected_shape!r}")
@@ -381,6 +416,10 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
     _check_out(out, "out")
     _check_blob(blob)
     _check_simd(simd)
+    _check_threads(threads)
+    if blob.device == out.device and blob.numel() > 0 and out.numel() > 0 and \
+            blob.data_ptr() < out.data_ptr() + 2 * out.numel() and out.data_ptr() < blob.data_ptr() + blob.numel():
+        raise ValueError("out overlaps blob in memory: decode into a tensor that shares no memory with the blob")
     if lossless_device.available(out.device):
         blob = blob.detach().to(out.device).contiguous()
         layout = lossless_device.layouts([blob])[0]
@@ -415,6 +454,7 @@ def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, thr
         _check_out(out, f"outs[{i}]")
         _check_blob(blob)
     _check_simd(simd)
+    _check_threads(threads)
     if outs and len({out.device for out in outs}) == 1 and lossless_device.available(outs[0].device):
         device = outs[0].device
         blobs = [blob.detach().to(device).contiguous() for blob in blobs]
