@@ -452,9 +452,7 @@ class Buffer(RankMasking):
         state = replace(out.handle, mask_epoch=self.mask_epoch, group_key=self._group_key())
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
         if num_worst_tokens > 0:
-            if state.num_recv_tokens > num_worst_tokens:
-                raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the "
-                                 f"{state.num_recv_tokens} tokens this rank received")
+            self._check_num_worst_tokens(state.num_recv_tokens, num_worst_tokens, out.stats)
             state = replace(state, num_worst_tokens=num_worst_tokens)
             recv_x = normal.pad_rows(recv_x, num_worst_tokens)
             recv_topk = normal.pad_rows(recv_topk, num_worst_tokens, -1)
@@ -465,6 +463,22 @@ class Buffer(RankMasking):
         handle_out = self._deep_ep_handle(state, (config.num_sms if config is not None else self.num_sms) // 2)
         event = finish_event(async_finish, self.device)
         return recv_x, recv_topk, recv_w, counts_list, handle_out, event
+
+    def _check_num_worst_tokens(self, received: int, num_worst_tokens: int, stats: CommStats | None) -> None:
+        """Every rank learns whether any rank received more rows than its ``num_worst_tokens`` (one
+        small exchange), and then all raise the same ValueError naming those ranks: the payload
+        has moved, the group stays in step, and the next call works."""
+        row = torch.tensor([int(received > num_worst_tokens), received, num_worst_tokens], dtype=torch.int64)
+        table = self.transport.exchange_counts(row.expand(self.group_size, -1).contiguous(),
+                                               "dispatch/num_worst_tokens")
+        if stats is not None:
+            stats.num_collectives += 1
+        over = {r: (int(table[r, 1]), int(table[r, 2])) for r in range(self.group_size) if int(table[r, 0])}
+        if over:
+            self._disagreed = True  # every rank raises this, in step: the Buffer stays usable
+            named = ", ".join(f"rank {r}: {got} rows, num_worst_tokens {limit}" for r, (got, limit) in over.items())
+            raise ValueError(f"num_worst_tokens is smaller than the rows received on {named}; "
+                             f"pass at least that many (every rank's dispatch failed alike)")
 
     def _deep_ep_handle(self, state: DispatchState, num_channels: int) -> DispatchHandle:
         """DeepEP's handle tuple of a dispatch (its entries on the Buffer's device). The per-rank

@@ -213,3 +213,54 @@ def test_global_peers_are_named_once_and_only_where_they_differ():
     unknown = ep_comm.CommTimeoutError("late", peers=[], phase="x")
     unknown.name_global_ranks((4, 5))
     assert unknown.global_peers == [] and str(unknown) == "late"
+
+
+def _late_constructor(rank, world, group):
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 4)  # never constructs its Buffer
+        return None
+    started = time.monotonic()
+    try:
+        ep_comm.Buffer(group, timeout_s=TIMEOUT_S)
+    except ep_comm.CommTimeoutError as error:
+        return dict(waited=time.monotonic() - started, phase=error.phase, text=str(error))
+    return None
+
+
+def test_a_rank_that_never_constructs_its_buffer_times_the_others_out():
+    """Construction is collective: the other ranks get CommTimeoutError within timeout_s (not the
+    process group's own 30-minute timeout)."""
+    results = spawn_once(2, _late_constructor, timeout=60)
+    got = results[0]
+    assert got is not None and got["phase"] == "construct", got
+    assert got["waited"] < TIMEOUT_S + 2, got
+    assert "not every rank of the group constructed its Buffer" in got["text"]
+
+
+def _too_few_worst_tokens(rank, world, group):
+    """Every token to expert 0 (Buffer rank 0), dispatched with num_worst_tokens below what rank 0
+    receives; then a valid round."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    x = make_x(rank, 7, 5, 64, torch.bfloat16)
+    idx = torch.zeros(5, 1, dtype=torch.int64)
+    counts = torch.zeros(EXPERTS, dtype=torch.int32)
+    try:
+        buf.dispatch(x, topk_idx=idx, topk_weights=torch.ones(5, 1), num_tokens_per_expert=counts,
+                     num_worst_tokens=5 * world - 1)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return dict(error=error, after=_valid_round(buf, rank))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_num_worst_tokens_too_small_fails_on_every_rank_and_the_group_stays_in_step(ranks, world):
+    results = ranks(world, _too_few_worst_tokens)
+    for rank, got in enumerate(results):
+        assert got["error"] is not None, f"rank {rank} raised nothing"
+        assert f"rank 0: {5 * world} rows, num_worst_tokens {5 * world - 1}" in got["error"], got["error"]
+    placement = ExpertPlacement.contiguous(EXPERTS, world)
+    after = [r["after"] for r in results]
+    ref = reference.dispatch([a["x"] for a in after], [a["idx"] for a in after], [a["w"] for a in after], placement)
+    for rank, got in enumerate(after):
+        assert torch.equal(got["recv_x"], ref[rank].x)
