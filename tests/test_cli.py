@@ -55,6 +55,15 @@ def test_repeated_list_values_count_once():
     (["--simulate", "--codec-gbps", "400,inf"], "two positive finite GB/s"),
     (["--simulate", "--codec-gbps", "400"], "expected two figures ENC,DEC"),
     (["--simulate", "--codec-gbps", "fast,slow"], "expected ENC,DEC in GB/s"),
+    (["--codec", ""], "--codec needs at least one value"),
+    (["--codec", ","], "--codec needs at least one value"),
+    (["--nvl-gbps", "5"], "--nvl-gbps is used only with --simulate"),
+    (["--sim-experts", "1"], "--sim-experts is used only with --simulate"),
+    (["--sim-ep", "8"], "--sim-ep is used only with --simulate"),
+    (["--zipf-s", "-3"], "--zipf-s is used only with --routing zipf"),
+    (["--routing", "zipf", "--num-groups", "3"], "--num-groups is used only with --routing group-limited"),
+    (["--json", "/nonexistent-folder/report.json"], "is not a folder this process can write to"),
+    (["--plot", "/tmp"], "is not a file name"),
 ])
 def test_invalid_options_exit_2_with_reason(argv, message, capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

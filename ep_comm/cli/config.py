@@ -157,6 +157,7 @@ class BenchConfig:
         if not self.sim_ep or any(e <= 0 for e in self.sim_ep):
             raise ConfigError(f"--sim-ep must list positive EP sizes, got {list(self.sim_ep)}")
         self._validate_codec_gbps()
+        self._validate_output_paths()
         if self.simulate:
             if self.sim_experts < self.topk:
                 raise ConfigError(f"--sim-experts ({self.sim_experts}) cannot be below --topk ({self.topk})")
@@ -181,6 +182,28 @@ class BenchConfig:
                 raise ConfigError(f"--topk ({self.topk}) exceeds the experts reachable through "
                                   f"{self.topk_groups} groups of {self.experts // self.num_groups} "
                                   f"({reachable})")
+
+    def _validate_output_paths(self) -> None:
+        """--json and --plot must name files that can be written, checked before any rank runs."""
+        for name, path in (("--json", self.json_path), ("--plot", self.plot_path)):
+            if path is None:
+                continue
+            folder = os.path.dirname(os.path.abspath(path))
+            if not path or os.path.isdir(path):
+                raise ConfigError(f"{name} {path!r} is not a file name")
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise ConfigError(f"{name} {path!r}: {folder} is not a folder this process can write to")
+
+    def unused_options(self, given: dict[str, object]) -> list[str]:
+        """Options in ``given`` (name -> value, as set on the command line) that this run would not
+        use: the --simulate model's without --simulate, a routing's without that --routing."""
+        only = {"--sim-ep": "--simulate", "--sim-experts": "--simulate", "--nvl-gbps": "--simulate",
+                "--rdma-gbps": "--simulate", "--nvl-latency-us": "--simulate",
+                "--rdma-latency-us": "--simulate", "--zipf-s": "--routing zipf",
+                "--num-groups": "--routing group-limited", "--topk-groups": "--routing group-limited"}
+        needed = {"--simulate": self.simulate, "--routing zipf": self.routing == "zipf",
+                  "--routing group-limited": self.routing == "group-limited"}
+        return [f"{name} is used only with {only[name]}" for name in given if name in only and not needed[only[name]]]
 
     def _validate_codec_gbps(self) -> None:
         if self.codec_gbps is None:
@@ -326,8 +349,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     mode = values.pop("mode")
     codec = values.pop("codec")
     cfg = BenchConfig(**values, modes=tuple(mode),
-                      codecs=tuple(codec) if codec else (("none", "fp8", "lossless")
-                                                         if ns.simulate else ("none",)))
+                      codecs=tuple(codec) if codec is not None else (("none", "fp8", "lossless")
+                                                                     if ns.simulate else ("none",)))
+    defaults = build_parser().parse_args([])
+    given = {f"--{k.replace('_', '-')}": v for k, v in vars(ns).items() if v != getattr(defaults, k)}
+    unused = cfg.unused_options(given)
+    if unused:
+        parser.error("; ".join(unused))
     if cfg.resolved_launcher() == "torchrun" and _torchrun_env():
         world = int(os.environ["WORLD_SIZE"])
         if ranks is not None and ranks != world:
