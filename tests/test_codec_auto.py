@@ -54,3 +54,26 @@ def test_measure_codec_gbps_times_the_host_codec():
     assert auto.codec_place("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device must be a torch.device"):
         auto.codec_place(3.5)
+
+
+def test_policy_inputs_are_checked_where_they_are_set():
+    """A bad speed or ratio raises ValueError naming the field when it is set, not inside a call on
+    one rank (which left its peers waiting in the vote)."""
+    import math
+
+    from ep_comm.codecs.auto import AutoCodecPolicy, compression_pays
+
+    policy = AutoCodecPolicy()
+    for name, bad in (("encode_gbps", 0.0), ("decode_gbps", -1), ("link_gbps", 0), ("link_gbps", "2"),
+                      ("encode_gbps", True), ("link_gbps", math.nan), ("expected_ratio", math.nan),
+                      ("expected_ratio", -0.1), ("observed_ratio", math.inf)):
+        with pytest.raises(ValueError, match=name):
+            setattr(policy, name, bad)
+    with pytest.raises(ValueError, match="link_gbps"):
+        AutoCodecPolicy(link_gbps=0.0)
+    policy.encode_gbps, policy.decode_gbps, policy.link_gbps = math.inf, 10, 2
+    assert policy.throughputs() == (math.inf, 10.0)
+    assert policy.pays("gloo")  # (1 - 0.7) / 2 > 1 / inf + 1 / 10
+    for args in ((0.0, 0.7, 1.0, 1.0), (2.0, 0.7, 0.0, 1.0), (2.0, 0.7, 1.0, -1.0)):
+        with pytest.raises(ValueError, match="must be a positive number of GB/s"):
+            compression_pays(*args)

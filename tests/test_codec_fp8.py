@@ -136,3 +136,27 @@ def test_zero_hidden_is_rejected_by_name():
         fp8.quantize(torch.empty(4, 0, dtype=torch.bfloat16))
     q, scales = fp8.quantize(torch.empty(0, 256, dtype=torch.bfloat16))
     assert q.shape == (0, 256) and scales.shape == (0, 2)
+
+
+def test_flags_and_helpers_name_their_bad_arguments():
+    import numpy as np
+
+    x = torch.randn(2, 512)
+    for bad in ("no", 2, None, torch.tensor(True)):
+        with pytest.raises(ValueError, match="round_scale must be a bool"):
+            fp8.quantize(x, round_scale=bad)
+        with pytest.raises(ValueError, match="use_ue8m0 must be a bool"):
+            fp8.quantize(x, round_scale=True, use_ue8m0=bad)
+    q, s = fp8.quantize(x, round_scale=np.bool_(True))
+    assert torch.equal(s, fp8.quantize(x, round_scale=True)[1])
+    with pytest.raises(ValueError, match="x must be a dense tensor"):
+        fp8.quantize(torch.eye(128).to_sparse())
+    with pytest.raises(ValueError, match="q must be a tensor"):
+        fp8.dequantize(None, s)
+    with pytest.raises(ValueError, match="scales must be a tensor"):
+        fp8.dequantize(q, [[1.0]])
+    for bad in ("bfloat16", torch.int32):
+        with pytest.raises(ValueError, match="dtype must be a torch floating-point dtype"):
+            fp8.dequantize(q, s, bad)
+    with pytest.raises(ValueError, match="last dimension is a multiple of 4"):
+        fp8.pack_ue8m0(torch.ones(2, 3))

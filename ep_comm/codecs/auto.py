@@ -18,6 +18,7 @@ are typical figures for each transport, not measurements). Lossy FP8 is never ch
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +36,17 @@ def compression_pays(link_gbps: float, ratio: float, encode_gbps: float, decode_
         ratio: ``rho`` = compressed bytes / raw bytes.
         encode_gbps / decode_gbps: codec throughputs on raw bytes (GB/s); ``math.inf`` = free.
     """
+    for name, value in (("link_gbps", link_gbps), ("encode_gbps", encode_gbps), ("decode_gbps", decode_gbps)):
+        _check_speed(name, value)
     return (1.0 - ratio) / link_gbps > 1.0 / encode_gbps + 1.0 / decode_gbps
+
+
+def _check_speed(name: str, value: object) -> float:
+    """``value`` as a float, or ValueError naming ``name`` unless it is a positive number (GB/s;
+    ``math.inf`` allowed)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of GB/s, got {value!r}")
+    return float(value)
 
 
 def break_even_gbps(link_gbps: float, ratio: float) -> float:
@@ -94,6 +105,8 @@ class AutoCodecPolicy:
     Attributes:
         link_gbps: link bandwidth ``L`` (GB/s); None = the transport's default.
         encode_gbps / decode_gbps: codec throughputs (GB/s); None = measure once.
+        Speeds must be positive (``math.inf`` = free) and ratios finite and >= 0: a bad value
+        raises ValueError naming the field where it is set.
         expected_ratio: ``rho`` until a lossless message has been sent.
         observed_ratio: updated from every lossless message (an exponential average).
     """
@@ -104,6 +117,16 @@ class AutoCodecPolicy:
     expected_ratio: float = 0.7
     observed_ratio: float | None = None
     _measured: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Each input checked as it is set (a bad one would fail inside a call, on one rank)."""
+        if name in ("link_gbps", "encode_gbps", "decode_gbps") and value is not None:
+            value = _check_speed(name, value)
+        elif name in ("expected_ratio", "observed_ratio") and not (value is None and name == "observed_ratio"):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            value = float(value)
+        object.__setattr__(self, name, value)
 
     def ratio(self) -> float:
         return self.observed_ratio if self.observed_ratio is not None else self.expected_ratio
@@ -128,12 +151,13 @@ class AutoCodecPolicy:
             enc, dec = measure_codec_gbps(sample)
             self._measured[key] = {"encode": enc, "decode": dec}
         measured = self._measured[key]
-        return (self.encode_gbps or measured["encode"], self.decode_gbps or measured["decode"])
+        return (self.encode_gbps if self.encode_gbps is not None else measured["encode"],
+                self.decode_gbps if self.decode_gbps is not None else measured["decode"])
 
     def pays(self, transport_kind: str, device: torch.device | str = "cpu") -> bool:
         """Whether lossless compression is expected to shorten a transfer on this link, for a
         payload on ``device``."""
-        link = self.link_gbps or DEFAULT_LINK_GBPS.get(transport_kind, 50.0)
+        link = self.link_gbps if self.link_gbps is not None else DEFAULT_LINK_GBPS.get(transport_kind, 50.0)
         enc, dec = self.throughputs(device)
         return compression_pays(link, self.ratio(), enc, dec)
 

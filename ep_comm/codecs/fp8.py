@@ -28,6 +28,8 @@ def _check(x: torch.Tensor, name: str = "x") -> None:
         raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{name} must be bf16, fp16 or fp32, got {x.dtype}")
+    if x.layout != torch.strided or x.device.type == "meta":
+        raise ValueError(f"{name} must be a dense tensor with data, got layout {x.layout} on {x.device}")
     if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % GROUP != 0:
         raise ValueError(f"{name}'s last dimension must be a positive multiple of {GROUP}, got shape "
                          f"{tuple(x.shape)}")
@@ -80,6 +82,9 @@ def _quantize_device(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tup
 
 
 def _check_flags(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> None:
+    for name, flag in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
+        if not isinstance(flag, bool) and not (type(flag).__module__ == "numpy" and type(flag).__name__ == "bool"):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")
     if use_ue8m0 and x.shape[-1] % (4 * GROUP) != 0:
@@ -130,6 +135,11 @@ def quantize_reference(x: torch.Tensor, round_scale: bool = False,
 
 def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """``[..., G]`` float32 powers of two -> ``[..., G // 4]`` int32 of biased exponent bytes."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.dim() < 1 \
+            or scale.shape[-1] % 4:
+        got = (f"{scale.dtype} of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor)
+               else type(scale).__name__)
+        raise ValueError(f"scale must be a float32 tensor whose last dimension is a multiple of 4, got {got}")
     exponent = (scale.contiguous().view(torch.int32) >> 23) & 0xFF
     # four exponent bytes side by side are one little-endian int32
     as_bytes = exponent.to(torch.uint8).reshape(*scale.shape[:-1], scale.shape[-1] // 4, 4)
@@ -147,6 +157,11 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``q [..., H]`` e4m3 and ``scales`` (float32 ``[..., H//128]`` or packed UE8M0 int32
     ``[..., H//512]``) -> ``[..., H]`` of ``dtype``."""
+    for name, t in (("q", q), ("scales", scales)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a torch floating-point dtype, got {dtype!r}")
     if q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q must be float8_e4m3fn, got {q.dtype}")
     if scales.dtype == torch.int32:
