@@ -916,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only ours' sizes over the order-0 bound at these chunk sizes (comma-separated, "
                              "\"default\" for encode's default chunking), per kind and layout; no timing")
     args = parser.parse_args(argv)
-    if args.chunk_sweep:
+    if args.chunk_sweep is not None:
         try:
             sizes = [None if s == "default" else int(s) for s in args.chunk_sweep.split(",")]
         except ValueError:

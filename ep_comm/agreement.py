@@ -152,10 +152,13 @@ def collective(mode: str):
                     self._broken = f"a failed {self._call_mode}"
                 raise
             except Exception as error:
-                if isinstance(error, CommTimeoutError):
-                    error.name_global_ranks(self._global_ranks())
                 if self._opened:
                     self._broken = f"a failed {self._call_mode} ({type(error).__name__})"
+                if isinstance(error, CommTimeoutError):
+                    try:
+                        error.name_global_ranks(self._global_ranks())
+                    except Exception:  # noqa: BLE001 - the group is gone: the timeout says enough
+                        pass
                 if isinstance(error, CommTimeoutError) and self.enable_shrink and mode.startswith("low_latency"):
                     # DeepEP's shrink mode masks a peer that timed out; here the call still fails
                     # (its exchange was cut short) and the next low-latency dispatch applies it

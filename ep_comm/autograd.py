@@ -211,7 +211,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     counts_list = align_up(counts.tolist(), expert_alignment)
     if num_worst_tokens > 0:
         rows = handle.num_recv_tokens
-        buffer._check_num_worst_tokens(rows, num_worst_tokens, None)  # on every rank alike
+        buffer._check_num_worst_tokens(rows, num_worst_tokens)
         pad = num_worst_tokens - rows
         recv_x = torch.nn.functional.pad(recv_x, (0, 0, 0, pad))
         recv_w = torch.nn.functional.pad(recv_w, (0, 0, 0, pad))

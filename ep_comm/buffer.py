@@ -452,7 +452,7 @@ class Buffer(RankMasking):
         state = replace(out.handle, mask_epoch=self.mask_epoch, group_key=self._group_key())
         recv_x, recv_topk, recv_w = out.x, out.topk_idx, out.topk_weights
         if num_worst_tokens > 0:
-            self._check_num_worst_tokens(state.num_recv_tokens, num_worst_tokens, out.stats)
+            self._check_num_worst_tokens(state.num_recv_tokens, num_worst_tokens)
             state = replace(state, num_worst_tokens=num_worst_tokens)
             recv_x = normal.pad_rows(recv_x, num_worst_tokens)
             recv_topk = normal.pad_rows(recv_topk, num_worst_tokens, -1)
@@ -464,21 +464,15 @@ class Buffer(RankMasking):
         event = finish_event(async_finish, self.device)
         return recv_x, recv_topk, recv_w, counts_list, handle_out, event
 
-    def _check_num_worst_tokens(self, received: int, num_worst_tokens: int, stats: CommStats | None) -> None:
-        """Every rank learns whether any rank received more rows than its ``num_worst_tokens`` (one
-        small exchange), and then all raise the same ValueError naming those ranks: the payload
-        has moved, the group stays in step, and the next call works."""
-        row = torch.tensor([int(received > num_worst_tokens), received, num_worst_tokens], dtype=torch.int64)
-        table = self.transport.exchange_counts(row.expand(self.group_size, -1).contiguous(),
-                                               "dispatch/num_worst_tokens")
-        if stats is not None:
-            stats.num_collectives += 1
-        over = {r: (int(table[r, 1]), int(table[r, 2])) for r in range(self.group_size) if int(table[r, 0])}
-        if over:
-            self._disagreed = True  # every rank raises this, in step: the Buffer stays usable
-            named = ", ".join(f"rank {r}: {got} rows, num_worst_tokens {limit}" for r, (got, limit) in over.items())
-            raise ValueError(f"num_worst_tokens is smaller than the rows received on {named}; "
-                             f"pass at least that many (every rank's dispatch failed alike)")
+    def _check_num_worst_tokens(self, received: int, num_worst_tokens: int) -> None:
+        """ValueError when this rank received more rows than its ``num_worst_tokens``. DeepEP lets
+        each rank pass its own value (0 on some), so no rank learns another's: the call's exchanges
+        have completed on every rank, the others return normally, and the group stays in step (the
+        next call works on every rank)."""
+        if received > num_worst_tokens:
+            self._disagreed = True  # the exchanges completed: not a group out of step
+            raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the {received} tokens this "
+                             f"rank received (the other ranks' dispatch returned; this Buffer stays usable)")
 
     def _deep_ep_handle(self, state: DispatchState, num_channels: int) -> DispatchHandle:
         """DeepEP's handle tuple of a dispatch (its entries on the Buffer's device). The per-rank
@@ -765,9 +759,9 @@ class Buffer(RankMasking):
         fused = self.path_plan.get(FusedKernelPath.name)
         if isinstance(fused, FusedKernelPath):
             try:
-                fused.low_latency_status(wait=False)
-            except CommTimeoutError as error:
-                error.name_global_ranks(self._global_ranks())
+                with self._global_rank_names():
+                    fused.low_latency_status(wait=False)
+            except CommTimeoutError:
                 self._broken = "a low-latency call whose kernels timed out"
                 raise
         self._device_status.report()
@@ -779,7 +773,10 @@ class Buffer(RankMasking):
         try:
             yield
         except CommTimeoutError as error:
-            error.name_global_ranks(self._global_ranks())
+            try:
+                error.name_global_ranks(self._global_ranks())
+            except Exception:  # noqa: BLE001 - the group is gone: the timeout says enough
+                pass
             raise
 
     def _check_wait_stats(self, name: str, stats: torch.Tensor | None) -> None:

@@ -99,11 +99,22 @@ def check_dispatch_input(x: object, device: torch.device | None) -> tuple[int, i
     return int(t.shape[0]), int(t.shape[1])
 
 
+def check_flag(name: str, flag: object) -> bool:
+    """``flag`` as a bool, or ValueError naming it unless it is a bool, a NumPy bool or an int 0/1
+    (what DeepEP's boolean arguments take)."""
+    numpy_bool = type(flag).__module__ == "numpy" and type(flag).__name__ in ("bool", "bool_")
+    if not (numpy_bool or (isinstance(flag, int) and flag in (0, 1))):
+        raise ValueError(f"{name} must be a bool, got {flag!r}")
+    return bool(flag)
+
+
 def check_low_latency_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: object, use_fp8: bool,
                                round_scale: bool, use_ue8m0: bool, *, check_values: bool = True) -> None:
     """The low-latency dispatch's limits: ``N <= num_max_dispatch_tokens_per_rank``, the FP8 and
     UE8M0 hidden-size multiples, and (with ``check_values``; else :class:`DeviceStatus` on the
     device) no token selecting one expert twice (each (token, expert) pair has one slot)."""
+    for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
+        check_flag(name, flag)
     check_nonneg_int("num_max_dispatch_tokens_per_rank", max_tokens, positive=True)
     if x.shape[0] > max_tokens:  # type: ignore[operator]
         raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank "
@@ -130,8 +141,7 @@ def check_buffer_arguments(group: object, num_nvl_bytes: object, num_rdma_bytes:
     if group is None or not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
     for name, flag in flags.items():
-        if not isinstance(flag, (bool, int)) or flag not in (0, 1):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
+        check_flag(name, flag)
     check_nonneg_int("num_nvl_bytes", num_nvl_bytes)
     check_nonneg_int("num_rdma_bytes", num_rdma_bytes)
     check_nonneg_int("num_qps_per_rank", num_qps_per_rank, positive=True)

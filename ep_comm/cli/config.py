@@ -184,7 +184,10 @@ class BenchConfig:
                                   f"({reachable})")
 
     def _validate_output_paths(self) -> None:
-        """--json and --plot must name files that can be written, checked before any rank runs."""
+        """--json and --plot must name files that can be written, checked before any rank runs (on
+        the rank that writes them: under torchrun, rank 0)."""
+        if _torchrun_env() and os.environ.get("RANK") != "0":
+            return
         for name, path in (("--json", self.json_path), ("--plot", self.plot_path)):
             if path is None:
                 continue

@@ -45,6 +45,7 @@ def quantize(x: torch.Tensor, round_scale: bool = False,
     """
     _check(x)
     _check_flags(x, round_scale, use_ue8m0)
+    round_scale, use_ue8m0 = bool(round_scale), bool(use_ue8m0)
     if _host is not None and x.device.type == "cpu":
         return _quantize_host(x, round_scale, use_ue8m0)
     if x.dtype == torch.bfloat16 and device_kernels.codec_kernels(x.device) is not None:
@@ -82,8 +83,9 @@ def _quantize_device(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tup
 
 
 def _check_flags(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> None:
-    for name, flag in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
-        if not isinstance(flag, bool) and not (type(flag).__module__ == "numpy" and type(flag).__name__ == "bool"):
+    for name, flag in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):  # bools, NumPy bools, 0 or 1
+        numpy_bool = type(flag).__module__ == "numpy" and type(flag).__name__ in ("bool", "bool_")
+        if not (numpy_bool or (isinstance(flag, int) and flag in (0, 1))):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")

@@ -8,14 +8,11 @@ call).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError
 from .base import Transport
 
 
@@ -124,29 +121,6 @@ def pick_device(group: dist.ProcessGroup, backend: str = "auto") -> torch.device
     return torch.device(kind, index)
 
 
-def wait_for_group(group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
-    """Returns once every rank of ``group`` has reached this call (a Buffer's construction is
-    collective: the collectives after it then meet), or raises CommTimeoutError after
-    ``timeout_s``: one small all-reduce, waited on with a deadline."""
-    comm_device = torch.device("cpu") if str(dist.get_backend(group)) == "gloo" else device
-    flag = torch.ones(1, dtype=torch.int32, device=comm_device)
-    started = time.monotonic()
-    cause: BaseException | None = None
-    try:
-        work = dist.all_reduce(flag, group=group, async_op=True)
-        finished = work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        finished, cause = False, error
-    if finished is False:
-        rank, me = dist.get_rank(group), dist.get_rank()
-        reason = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
-        raise CommTimeoutError(
-            f"ep_comm Buffer construction: rank {rank} (global rank {me}) waited {time.monotonic() - started:.1f}s; "
-            f"not every rank of the group constructed its Buffer within timeout_s={timeout_s:g} (construction is "
-            f"collective; which rank is missing cannot be told before the Buffer's store keys exist){reason}",
-            peers=[], phase="construct") from cause
-
-
 def make_transport(group: dist.ProcessGroup, backend: str, device: torch.device, timeout_s: float,
                    num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, num_qps_per_rank: int = 24,
                    capabilities: RankCapabilities | None = None) -> tuple[Transport, str]:
@@ -155,7 +129,6 @@ def make_transport(group: dist.ProcessGroup, backend: str, device: torch.device,
     description (tests simulate mixed jobs with it)."""
     from .torch_dist import TorchDistTransport
 
-    wait_for_group(group, device, timeout_s)
     if backend == "torch":
         why = "backend='torch'"
     else:
