@@ -971,6 +971,15 @@ def test_decode_into_refuses_an_out_that_overlaps_the_blob():
     assert torch.equal(held, blob)  # nothing written
     out = memory[2048:2248].view(torch.bfloat16)
     assert torch.equal(bits(lossless.decode_into(held, out)), bits(x))  # the same storage, apart
+    # several: an out over another message's blob (written before that blob is read)
+    memory[1024:1024 + blob.numel()] = blob
+    second = memory[1024:1024 + blob.numel()]
+    with pytest.raises(ValueError, match=r"outs\[0\] overlaps blobs\[1\]"):
+        lossless.decode_into_many([held, second], [memory[1000:1200].view(torch.bfloat16), out])
+    assert torch.equal(second, blob)
+    outs = [memory[2048:2248].view(torch.bfloat16), memory[2400:2600].view(torch.bfloat16)]
+    lossless.decode_into_many([held, second], outs)
+    assert all(torch.equal(bits(o), bits(x)) for o in outs)
 
 
 # ---- several blobs per call (one per message)

@@ -25,6 +25,8 @@ whose chunks are all stored raw carries no table.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 
 import torch
@@ -326,6 +328,29 @@ def _check_out(out: object, name: str) -> None:
     _check_has_data(out, name)
 
 
+def _check_apart(blobs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """ValueError unless every ``out`` (contiguous bf16) shares no memory with any blob (decoding
+    into one would overwrite a blob before it is read): the blobs' byte ranges sorted by start,
+    each out's range against the largest end among the blobs starting before it ends."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel(), i, b.device) for i, b in enumerate(blobs) if b.numel())
+    if not spans:
+        return
+    starts = [start for start, _, _, _ in spans]
+    reach = list(itertools.accumulate((end for _, end, _, _ in spans), max))
+    for k, out in enumerate(outs):
+        if out.numel() == 0:
+            continue
+        first, last = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        before = bisect.bisect_left(starts, last)  # blobs starting before this out ends
+        if before and reach[before - 1] > first:
+            hit = next((i for _, end, i, device in spans[:before] if end > first and device == out.device), None)
+            if hit is not None:
+                name = "out" if len(outs) == 1 else f"outs[{k}]"
+                blob = "blob" if len(blobs) == 1 else f"blobs[{hit}]"
+                raise ValueError(f"{name} overlaps {blob} in memory: decode into a tensor that shares no "
+                                 f"memory with the blobs")
+
+
 def _check_shape(shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
     """The ValueError of the host decoder for a blob of another shape than expected."""
     if tuple(shape) != tuple(expected):
@@ -417,9 +442,7 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
     _check_blob(blob)
     _check_simd(simd)
     _check_threads(threads)
-    if blob.device == out.device and blob.numel() > 0 and out.numel() > 0 and \
-            blob.data_ptr() < out.data_ptr() + 2 * out.numel() and out.data_ptr() < blob.data_ptr() + blob.numel():
-        raise ValueError("out overlaps blob in memory: decode into a tensor that shares no memory with the blob")
+    _check_apart([blob], [out])
     if lossless_device.available(out.device):
         blob = blob.detach().to(out.device).contiguous()
         layout = lossless_device.layouts([blob])[0]
@@ -455,6 +478,7 @@ def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, thr
         _check_blob(blob)
     _check_simd(simd)
     _check_threads(threads)
+    _check_apart(list(blobs), list(outs))
     if outs and len({out.device for out in outs}) == 1 and lossless_device.available(outs[0].device):
         device = outs[0].device
         blobs = [blob.detach().to(device).contiguous() for blob in blobs]
