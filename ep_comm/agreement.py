@@ -155,10 +155,7 @@ def collective(mode: str):
                 if self._opened:
                     self._broken = f"a failed {self._call_mode} ({type(error).__name__})"
                 if isinstance(error, CommTimeoutError):
-                    try:
-                        error.name_global_ranks(self._global_ranks())
-                    except Exception:  # noqa: BLE001 - the group is gone: the timeout says enough
-                        pass
+                    self._name_global_ranks(error)
                 if isinstance(error, CommTimeoutError) and self.enable_shrink and mode.startswith("low_latency"):
                     # DeepEP's shrink mode masks a peer that timed out; here the call still fails
                     # (its exchange was cut short) and the next low-latency dispatch applies it

@@ -773,10 +773,7 @@ class Buffer(RankMasking):
         try:
             yield
         except CommTimeoutError as error:
-            try:
-                error.name_global_ranks(self._global_ranks())
-            except Exception:  # noqa: BLE001 - the group is gone: the timeout says enough
-                pass
+            self._name_global_ranks(error)
             raise
 
     def _check_wait_stats(self, name: str, stats: torch.Tensor | None) -> None:

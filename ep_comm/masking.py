@@ -10,13 +10,15 @@ the survivors' invite (``ep_comm.transports.job_store``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from . import low_latency
 from .agreement import CallHeader, collective
 from .codecs.auto import AutoCodecPolicy
-from .errors import StoreLostError
+from .errors import CommTimeoutError, StoreLostError
 from .layout import drop_entries_of_ranks
 from .placement import ExpertPlacement
 from .rows import ScratchPool
@@ -212,6 +214,12 @@ class RankMasking:
         if self.group is None:
             return self._rejoined_global_ranks
         return tuple(dist.get_global_rank(self.group, r) for r in range(self.group_size))
+
+    def _name_global_ranks(self, error: CommTimeoutError) -> None:
+        """Adds the global ranks of ``error``'s peers (``CommTimeoutError.name_global_ranks``);
+        where they cannot be looked up (the group was destroyed) the timeout is raised as it is."""
+        with contextlib.suppress(ValueError, RuntimeError):
+            error.name_global_ranks(self._global_ranks())
 
     def _forms_from_store(self) -> bool:
         return self.group is None or str(dist.get_backend(self.group)) == "gloo"
