@@ -9,8 +9,8 @@ Used by bench/codec_bench.py (GPU rows of its report), by tests/gpu/test_codec_l
     python bench/codec_gpu.py --build-lib LIB.so --arch 90   # here: the kernels, no GPU needed
     python bench/codec_gpu.py --tensors T.pt --lib LIB.so    # there: the GPU table (+ --json)
 
-Encode runs in format version 5 and, for comparison, 4 (``--versions``; 6 too: gradients' raw
-fields coded as a second stream); each row names its version.
+Encode runs in format version 6 (the default: gradients' raw fields coded as a second stream
+where that pays) and, for comparison, 5 (``--versions``; 4 too); each row names its version.
 Throughput counts raw bf16 bytes (2 per value) per second of the whole encode (resp. decode)
 call, every kernel of it included, timed with CUDA events over ``reps`` calls after a warm-up.
 The copy bandwidth counts bytes read plus bytes written (a device-to-device copy of the same
@@ -217,7 +217,7 @@ def measure_kind(lib: ctypes.CDLL, kind: str, values: torch.Tensor, chunk_values
 
 def measure(data: dict[str, torch.Tensor], reps: int = 10,
             chunk_values: tuple[int, ...] = (lossless.DEFAULT_CHUNK_VALUES,), target_bytes: int = 1 << 30,
-            lib: ctypes.CDLL | None = None, versions: tuple[int, ...] = (5, 4)) -> list[GpuRow]:
+            lib: ctypes.CDLL | None = None, versions: tuple[int, ...] = (6, 5)) -> list[GpuRow]:
     """data: kind -> [n] bf16 CPU tensor of real values. One row per kind, chunk size and version."""
     lib = lib or gpu_library()
     rows = []
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=Path, help="real tensors from codec_bench.py --save-tensors")
     parser.add_argument("--chunk-values", default=str(lossless.DEFAULT_CHUNK_VALUES),
                         help="comma-separated chunk sizes in values")
-    parser.add_argument("--versions", default="5,4",
+    parser.add_argument("--versions", default="6,5",
                         help="comma-separated format versions to encode (4 to 6); the first for --once")
     parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
     parser.add_argument("--reps", type=int, default=10)

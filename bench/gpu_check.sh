@@ -102,11 +102,6 @@ elif [ -f $CARRY/tensors.pt ]; then
       --json "$OUT/codec_gpu.json" >> "$LOG" 2>&1
     say "codec bench rc=$?"
   fi
-  if step "lossless codec: format 6 (coded raw fields) GPU throughput, gradients and activations" 60; then
-    timeout $T $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --chunk-values 65536 \
-      --kinds gradients,activations --versions 6,5 --reps 5 --json "$OUT/codec_gpu_v6.json" >> "$LOG" 2>&1
-    say "codec v6 bench rc=$?"
-  fi
   if step "lossless codec: one 64x7168 message's latency per chunk size (target < 20 us each)" 40; then
     timeout $T $PY bench/codec_gpu.py --tensors $CARRY/tensors.pt ${lib:+--lib $lib} --message \
       --chunk-values 65536,16384,4096,2048 --reps 50 --json "$OUT/codec_message.json" >> "$LOG" 2>&1

@@ -29,6 +29,7 @@ from support.codec_kernel_cases import (
     check_blob_is_byte_identical_and_decodes_tensor,
     check_rejects_corrupted_blobs_like_the_host,
     device_decode,
+    device_fields_wanted,
     field_chunks,
     from_bits,
     gradient_like,
@@ -251,6 +252,9 @@ def test_encodes_format_version_6_like_the_host(libs, schedule, case: str, make,
     x = make()
     blob = check_blob_is_byte_identical_and_decodes_tensor(libs["default"], "cpu", x, chunk_values, version=6)
     assert int(blob[4]) == 6 and field_chunks(blob) >= coded
+    # the histogram pass found chunks whose fields may code smaller: the field-coding pass ran
+    again, wanted = device_fields_wanted(libs["default"], x, chunk_values, "cpu", version=6)
+    assert wanted and torch.equal(again, blob)
 
 
 @pytest.mark.parametrize("case,chunk_values", [("mixed_rows", 14336), ("mixed_rows", 4096), ("normal", 4096),
@@ -260,7 +264,12 @@ def test_encodes_format_version_6_of_other_tensors_like_the_host(libs, case: str
     """Tensors whose fields stay packed (activations, weights, +0.0, random bits) and messages whose
     chunks take tables of their own: the kernels' format version 6 blob is the host's."""
     x = {**CASES, **V5_CASES}[case]()
-    check_blob_is_byte_identical_and_decodes_tensor(libs["default"], "cpu", x, chunk_values, version=6)
+    blob = check_blob_is_byte_identical_and_decodes_tensor(libs["default"], "cpu", x, chunk_values, version=6)
+    assert field_chunks(blob) == 0
+    # no chunk's fields may code smaller (their sample or all of them: near 6 bits' entropy, or too
+    # few): the plain rANS pass wrote the blob, rans_fields_kernel returned at once
+    again, wanted = device_fields_wanted(libs["default"], x, chunk_values, "cpu", version=6)
+    assert not wanted and torch.equal(again, blob)
 
 
 def test_decoder_refuses_more_field_slots_than_chunks(libs) -> None:

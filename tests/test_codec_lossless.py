@@ -852,7 +852,7 @@ def test_encode_version_argument():
         lossless.encode(torch.zeros(4, dtype=torch.bfloat16), version=1)
     from ep_comm import _host
 
-    assert lossless.FORMAT_VERSION == 5 and _host.LOSSLESS_FORMAT_VERSION == 5
+    assert lossless.FORMAT_VERSION == 6 and _host.LOSSLESS_FORMAT_VERSION == 6
 
 
 # ---- what the device path reads on the host: the fixed header, and the error texts
@@ -949,7 +949,7 @@ def test_threads_version_and_tensors_without_data_are_checked_by_name():
     for bad in (5.0, "5", True, 7):
         with pytest.raises(ValueError, match="version must be one of"):
             lossless.encode(x, version=bad)
-    assert torch.equal(lossless.encode(x, version=np.int64(5)), blob)
+    assert torch.equal(lossless.encode(x, version=np.int64(6)), blob)
     with pytest.raises(ValueError, match="x must be a dense tensor with data"):
         lossless.encode(torch.empty(10, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(ValueError, match="x must be a dense tensor with data"):

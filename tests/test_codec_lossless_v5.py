@@ -361,7 +361,7 @@ def test_version_5_is_accepted_and_others_rejected_by_encode():
     for version in (1, 7):
         with pytest.raises(ValueError, match="version must be one of"):
             lossless.encode(x, version=version)
-    assert lossless.FORMAT_VERSION == 5 and int(lossless.encode(x)[4]) == 5
+    assert lossless.FORMAT_VERSION == 6 and int(lossless.encode(x)[4]) == 6
 
 
 def test_same_bytes_on_any_thread_count():
@@ -404,7 +404,8 @@ def test_all_zero_blob_is_the_fewest_chunks(shape):
     assert layout["table_bytes"] == 0 and blob.numel() == layout["directory"] + 16 * chunks
     v4 = lossless.encode(x, version=4)
     assert _chunks_of(v4) > chunks and blob.numel() < v4.numel()
-    assert torch.equal(lossless.encode(x), blob)  # the default
+    default = lossless.encode(x)  # version 6: the same chunks, its version in the header
+    assert int(default[4]) == 6 and default.numel() == blob.numel() and _layout(default)["entries"] == layout["entries"]
     for simd in lossless.simd_paths():
         y = lossless.decode(blob, simd=simd, expected_shape=shape)
         assert torch.equal(y.view(torch.int16), x.view(torch.int16))

@@ -249,13 +249,13 @@ def test_small_and_six_bit_fields_keep_mode_0():
         assert all(e["mode"] != 4 for e in _layout(blob)["entries"])
 
 
-def test_version_6_is_written_on_request_and_its_metadata_counts_the_chunks_with_coded_fields():
-    """encode writes 6 on request (the default stays 5, which the CUDA encoder writes too); the
-    metadata checks before the CUDA decoder read version 6 and count its chunks with coded fields,
-    which size the decoder's workspace."""
+def test_version_6_is_the_default_and_its_metadata_counts_the_chunks_with_coded_fields():
+    """encode writes 6 by default (as the CUDA encoder does); the metadata checks before the CUDA
+    decoder read version 6 and count its chunks with coded fields, which size the decoder's
+    workspace."""
     x = gradient_like(8)
-    blob = lossless.encode(x, version=6)
-    assert int(blob[4]) == 6 and lossless.FORMAT_VERSION == 5
+    blob = lossless.encode(x)
+    assert int(blob[4]) == 6 and lossless.FORMAT_VERSION == 6 and torch.equal(blob, lossless.encode(x, version=6))
     metadata = _host.lossless_metadata_bytes(blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy(), blob.numel())
     shape, cv, field_chunks = _host.lossless_parse_metadata(blob[:metadata].numpy(), blob.numel())
     assert (tuple(shape), cv) == (tuple(x.shape), 65536)

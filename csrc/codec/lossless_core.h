@@ -100,9 +100,9 @@ namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
 constexpr uint32_t kVersion4 = 4;    // the compact header (20 bytes, LEB128 shape) from here on
-constexpr uint32_t kDefaultVersion = 5;  // what the encoders (host and CUDA) write by default
+constexpr uint32_t kDefaultVersion = 6;  // what the encoders (host and CUDA) write by default
 constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host and CUDA), decoded everywhere
-constexpr uint32_t kVersion6 = 6;    // version 5 with coded raw fields (mode 4): written and decoded on the host
+constexpr uint32_t kVersion6 = 6;    // version 5 with coded raw fields (modes 4, 5): written and decoded everywhere
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;

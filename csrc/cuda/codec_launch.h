@@ -26,6 +26,11 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
                             uint32_t ndim, uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// Version 6: the byte offset in the encoder's workspace of a u64 that is non-zero after a call when
+// some chunk's fields may code smaller (the encoder then ran its field-coding pass,
+// rans_fields_kernel; else rans_kernel). For tests.
+size_t ep_lossless_encode_fields_wanted_offset();
+
 // Bytes of device workspace ep_lossless_decode_cuda needs for a blob of num_values values in chunks
 // of at least chunk_values. Sized for format 5's worst case whatever the blob: room for
 // min(255, chunks) extra decoder tables of about 16 KiB each and 8 KiB of scratch for each of the

@@ -230,6 +230,9 @@ struct EncWs {
   unsigned long long* survey_ticket; // [1]: version 5: rans_kernel's chunks handed out to be surveyed (phase A)
   unsigned long long* surveyed;      // [1]: version 5: the chunks surveyed
   unsigned long long* tables_ready;  // [1]: version 5: 1 once the final tables are built (release / acquire)
+  unsigned long long* fields_wanted; // [1]: version 6: 1 when some chunk's fields may code smaller
+                                     // (histogram_kernel: chunk_fields_may_pay); rans_fields_kernel runs
+                                     // then, else rans_kernel
   EncSym* syms;                      // [kNumSymbols]: the shared table (version 5: the final one after phase A)
   ChunkEntry* entries;               // [chunks]: num_raw and checksum by histogram_kernel, the rest by rans_kernel
   unsigned long long* lookback;      // [chunks]: rans_kernel's look-back words (zeroed by histogram_kernel)
@@ -252,7 +255,8 @@ struct EncWs {
   SharedSym* extra_syms;             // [extra * kNumSymbols]
 };
 
-constexpr size_t kSyncBytes = 8 * (kNumSymbols + 5);  // counts, the four tickets and the flag
+constexpr size_t kSyncBytes = 8 * (kNumSymbols + 6);  // counts, the four tickets and the two flags
+constexpr size_t kFieldsWantedOffset = 8 * (kNumSymbols + 5);  // fields_wanted's byte offset
 // A survey's scratch in a warp's slot: u64 counts[1025], then own_table_saving_q10's words.
 constexpr uint64_t kSurveyScratchBytes = 8 * kNumSymbols + 4 * kOwnTableScratchWords;
 constexpr uint64_t kSlotGuard = 16;  // below the words: rans_encode_one_state's store below its cursor
@@ -312,6 +316,7 @@ size_t carve(uint64_t n, uint32_t cv, uint32_t version, char* base, EncWs* ws) {
   w.survey_ticket = base ? w.counts + kNumSymbols + 2 : nullptr;
   w.surveyed = base ? w.counts + kNumSymbols + 3 : nullptr;
   w.tables_ready = base ? w.counts + kNumSymbols + 4 : nullptr;
+  w.fields_wanted = base ? w.counts + kFieldsWantedOffset / 8 : nullptr;
   w.syms = c.take<EncSym>(sizeof(EncSym) * kNumSymbols);
   w.entries = c.take<ChunkEntry>(sizeof(ChunkEntry) * chunks);
   w.lookback = c.take<unsigned long long>(8 * chunks);
@@ -749,26 +754,55 @@ __device__ void build_table(const unsigned long long* counts, uint64_t n, uint64
   if (t == 0) ws.syms[kNumSymbols - 1] = make_enc_sym(total, freq[kNumSymbols - 1], prob_bits);
 }
 
+// Version 6: whether a chunk of `num_fields` fields (one_state: a blob's only chunk, coded with one
+// state) passes the two checks code_fields_warp (code_fields_one_state) makes before it chooses a
+// field table: the sample of every kFieldSampleStride-th value (`sample`, `sampled` non-zero ones;
+// field_sample_may_pay) and all the fields (`all`; field_coding_may_pay). When no chunk passes,
+// no chunk codes its fields, and rans_kernel writes rans_fields_kernel's blob. The entropies' sums
+// split over the lanes (u64 sums: the same value in any order). Every lane calls and gets the answer.
+__device__ bool chunk_fields_may_pay(const unsigned* sample, uint32_t sampled, const unsigned* all,
+                                     uint32_t num_fields, bool one_state, int lane) {
+  if (num_fields < min_coded_fields(one_state)) return false;
+  const uint64_t log_sampled = sampled > 0 ? log2_q10_wide(sampled) : 0, log_all = log2_q10_wide(num_fields);
+  uint64_t sample_bits = 0, all_bits = 0;
+  for (int f = lane; f < 1 << kRawBits; f += kLanes) {
+    if (sample[f] != 0) sample_bits += uint64_t(sample[f]) * (log_sampled - log2_q10_wide(sample[f]));
+    if (all[f] != 0) all_bits += uint64_t(all[f]) * (log_all - log2_q10_wide(all[f]));
+  }
+  sample_bits = warp_sum64(sample_bits);
+  all_bits = warp_sum64(all_bits);
+  // field_sample_may_pay's two cases, then code_fields_warp's check over all the fields
+  const bool sample_pays =
+      sampled < kMinFieldSample || field_coding_may_pay(sample_bits, sampled, num_fields, one_state);
+  return sample_pays && field_coding_may_pay(all_bits, num_fields, num_fields, one_state);
+}
+
 // Kernel 1: one warp per chunk (grid-stride), each lane reading 8 values per 16-byte load one tile
 // ahead: the chunk's checksum and raw-field count (its ChunkEntry; its look-back word zeroed) and
 // the block's histogram (shared, merged into ws.counts by one atomic per seen symbol). The last
 // block to merge (the block ticket, taken after a fence) builds the symbol table from the merged
 // histogram (build_table): each block's adds are ordered before its ticket, so that block sees
-// them all.
+// them all. Version 6 (`fields`): each chunk's field counts too (its sample's and all), by shared
+// atomics in the warp's counters, and ws.fields_wanted set where chunk_fields_may_pay.
 __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
                                                                 uint64_t chunks, bool aligned, uint32_t one_state_max,
-                                                                EncWs ws) {
+                                                                bool fields, EncWs ws) {
   __shared__ unsigned int hist[kNumSymbols];
   __shared__ unsigned long long merged[kNumSymbols];
+  // version 6: a warp's field counts, its chunk's sample's [0] and all its fields' [1]
+  __shared__ unsigned int field_counts[kMetaWarps][2][1 << kRawBits];
   __shared__ int last_block;
   const int t = threadIdx.x, lane = t & 31, warp = t / 32;
   for (int s = t; s < kNumSymbols; s += kMetaThreads) hist[s] = 0;
+  unsigned* sample_counts = field_counts[warp][0];
+  unsigned* all_counts = field_counts[warp][1];
+  for (int f = lane; f < 2 << kRawBits; f += kLanes) sample_counts[f] = 0;  // both rows
   __syncthreads();
   for (uint64_t c = blockIdx.x * uint64_t(kMetaWarps) + warp; c < chunks; c += uint64_t(gridDim.x) * kMetaWarps) {
     const uint32_t cn = chunk_values_of(n, cv, c);
     const uint16_t* v = values + c * cv;
     const uint32_t num_tiles = (cn + kTileValues - 1) / kTileValues;
-    uint32_t checksum = 0, nr = 0, zeros = 0;
+    uint32_t checksum = 0, nr = 0, zeros = 0, sampled = 0;
     Tile8 next = fetch_tile(v, cn, 0, aligned, lane);
     for (uint32_t tt = 0; tt < num_tiles; ++tt) {
       const Tile8 tile = next;
@@ -784,6 +818,13 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
         if (x != 0) {
           ++nr;
           atomicAdd(&hist[symbol_of(x)], 1u);
+          if (fields) {
+            atomicAdd(&all_counts[raw_of(x)], 1u);
+            if ((first + k) % kFieldSampleStride == 0) {  // (first is a multiple of 8: lanes 0, 8, ... at k = 0)
+              atomicAdd(&sample_counts[raw_of(x)], 1u);
+              ++sampled;
+            }
+          }
         } else if (first + k < cn) {
           ++zeros;
         }
@@ -796,6 +837,16 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
       if (zeros) atomicAdd(&hist[kZeroSymbol], zeros);
       ws.entries[c] = ChunkEntry{kModeRans, 0, nr, checksum};
       ws.lookback[c] = 0;
+    }
+    if (fields) {
+      sampled = warp_sum(sampled);
+      __syncwarp();  // every lane's counts added
+      const bool one_state = chunks == 1 && n <= one_state_max;
+      if (chunk_fields_may_pay(sample_counts, sampled, all_counts, nr, one_state, lane) && lane == 0)
+        atomicMax(ws.fields_wanted, 1ull);  // (warps of any block set it) read by the next kernel
+      __syncwarp();  // the counts read before they are cleared for the warp's next chunk
+      for (int f = lane; f < 2 << kRawBits; f += kLanes) sample_counts[f] = 0;
+      __syncwarp();
     }
     if (ws.chunk_counts != nullptr) {  // version 5 with own tables: the chunk's symbol counts, a second read
       uint32_t* own = ws.chunk_counts + c * kNumSymbols;
@@ -1549,16 +1600,21 @@ __device__ __forceinline__ void rans_pass(const uint16_t* values, uint64_t n, ui
     copy_padded(q + states, raw - 2ull * nw, len, bytes - states, true, out_aligned, lane);
   }
 }
+// Version 6 launches both: rans_kernel returns at once when ws.fields_wanted is set (some chunk's
+// fields may code smaller), rans_fields_kernel when it is not (no chunk codes its fields: its blob
+// is rans_kernel's, which keeps 4 blocks an SM).
 __global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
     rans_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
-                uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
+                uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max, bool version6) {
   __shared__ RansShared sh;
+  if (version6 && *ws.fields_wanted != 0) return;
   rans_pass<false>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, sh);
 }
 __global__ void __launch_bounds__(kBlockThreads, kRansFieldsMinBlocks)
     rans_fields_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
                        uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
   __shared__ RansShared sh;
+  if (*ws.fields_wanted == 0) return;
   rans_pass<true>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, sh);
 }
 
@@ -2687,6 +2743,8 @@ size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t c
   return max_blob_bytes_v(num_values, ndim, chunk_values, version);
 }
 
+size_t ep_lossless_encode_fields_wanted_offset() { return kFieldsWantedOffset; }
+
 int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const int64_t* host_shape,
                             uint32_t ndim, uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -2715,15 +2773,17 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 3) == 0;
   // one memset (the histogram, the tickets and version 5's flag), then three kernels
   cudaMemsetAsync(ws.counts, 0, kSyncBytes, stream);
+  const bool version6 = version >= kVersion6;
   EP_LAUNCH(histogram_kernel, static_cast<int>(blocks_for(chunks, kMetaWarps, kGridMax)), kMetaThreads,
-            stream)(values, num_values, chunk_values, chunks, aligned, one_state_max, ws);
+            stream)(values, num_values, chunk_values, chunks, aligned, one_state_max, version6, ws);
   const int rans_grid = static_cast<int>(blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks));
-  if (chunks > 0 && version >= kVersion6)
+  // version 6: both, one of which returns at once (ws.fields_wanted)
+  if (chunks > 0)
+    EP_LAUNCH(rans_kernel, rans_grid, kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned, ws,
+                                                              table_at, out, out_aligned, one_state_max, version6);
+  if (chunks > 0 && version6)
     EP_LAUNCH(rans_fields_kernel, rans_grid, kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
                                                                      ws, table_at, out, out_aligned, one_state_max);
-  else if (chunks > 0)
-    EP_LAUNCH(rans_kernel, rans_grid, kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned, ws,
-                                                              table_at, out, out_aligned, one_state_max);
   const int layout_grid = static_cast<int>(chunks > 0 ? 1 + blocks_for(chunks, kMetaWarps, kGridMax - 1) : 1);
   EP_LAUNCH(layout_kernel, layout_grid, kMetaThreads, stream)(values, ws, num_values, shape, ndim, chunk_values, chunks,
                                                               table_at, out, out_size, out_aligned, version);

@@ -51,12 +51,13 @@ MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
-# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 5
-# (a chunk may carry its own frequency table), written by the host and the CUDA encoders alike;
-# versions 2 to 4 are written on request, and the host and CUDA decoders read 2 to 6. Version 6
-# (version 5 where a chunk's raw fields may be coded too: gradients' low mantissa bits) is written
-# by both encoders on request.
-FORMAT_VERSION = 5
+# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 6
+# (a chunk may carry its own frequency table, and its raw fields, the 6 low mantissa bits, are
+# entropy-coded where that pays: gradients'), written by the host and the CUDA encoders alike;
+# versions 2 to 5 are written on request, and the host and CUDA decoders read 2 to 6. A version 6
+# blob is never larger than version 5's, and without a chunk of coded fields it is version 5's
+# blob but for the version (its byte and the metadata checksum over it).
+FORMAT_VERSION = 6
 FORMAT_VERSIONS = (2, 3, 4, 5, 6)
 
 
@@ -137,10 +138,10 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: True: the fastest path this CPU has; False: the portable core; or a path of
             :func:`simd_paths` by name. The bytes are the same on every path.
-        version: the blob format, ``FORMAT_VERSION`` (5: a chunk may carry a frequency table of
-            its own, which shrinks messages that join values of different statistics); 6 (version
-            5 where a chunk's 6 low mantissa bits are entropy-coded too where that pays: gradients);
-            or 4, 3 or 2 (the older formats, for comparisons). Versions 4 to 6 are coded by the
+        version: the blob format, ``FORMAT_VERSION`` (6: version 5 where a chunk's 6 low
+            mantissa bits are entropy-coded too where that pays: gradients); 5 (a chunk may carry
+            a frequency table of its own, which shrinks messages that join values of different
+            statistics); or 4, 3 or 2 (the older formats, for comparisons). Versions 4 to 6 are coded by the
             CUDA kernels on a GPU; 3 and 2 always on the CPU, the blob then moved to ``x``'s
             device (every version decodes on either).
 

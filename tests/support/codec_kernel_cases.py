@@ -15,6 +15,9 @@ from ep_comm.codecs import lossless
 
 # the encoder's launches (one memset aside): histogram_kernel, rans_kernel, layout_kernel
 ENCODER_MAX_KERNELS = 3
+# version 6 launches rans_fields_kernel as well, and of the two, the one the histogram pass did not
+# pick (its workspace flag) returns at once
+VERSION_6_GATED_LAUNCHES = 1
 
 # error_message() of csrc/codec/lossless_core.h, in the order of lossless::Status (0 = ok)
 MESSAGES = ["ok", "blob is truncated", "not a lossless bf16 blob (bad magic)", "unsupported lossless blob version",
@@ -37,6 +40,21 @@ def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
                   version: int = lossless.FORMAT_VERSION) -> torch.Tensor:
     """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk in format ``version``
     (4 to 6), as a CPU uint8 tensor."""
+    return device_encode_and_workspace(lib, x, cv, device, version)[0]
+
+
+def device_fields_wanted(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
+                         version: int = lossless.FORMAT_VERSION) -> tuple[torch.Tensor, bool]:
+    """(blob, whether the encoder's histogram pass found a chunk whose fields may code smaller: its
+    workspace's flag, which runs the field-coding pass instead of the plain one)."""
+    blob, ws = device_encode_and_workspace(lib, x, cv, device, version)
+    at = lib.ep_lossless_encode_fields_wanted_offset()
+    return blob, bool(ws[at:at + 8].cpu().any())
+
+
+def device_encode_and_workspace(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
+                                version: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """device_encode's blob, and the workspace the encoder ran with."""
     flat = x.contiguous().view(torch.int16).reshape(-1).to(device)
     n = flat.numel()
     shape = (ctypes.c_int64 * max(x.dim(), 1))(*x.shape)
@@ -50,7 +68,7 @@ def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
                                      size.data_ptr(), ws.data_ptr(), ws.numel(), _stream(device))
     assert rc == 0
     _sync(device)
-    return out[:int(size.item())].cpu()
+    return out[:int(size.item())].cpu(), ws
 
 
 def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int, device: str,
@@ -370,6 +388,17 @@ def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: 
     return b
 
 
+def _field_slots(blob: torch.Tensor, n: int, chunk_values: int) -> int:
+    """The decoder workspace's slots for a (maybe corrupted) blob: one for each directory entry of
+    mode 4 or 5 (coded fields), at most one a chunk; none where the directory cannot be read. So
+    the kernels check what the host checks, not a missing slot."""
+    try:
+        count = field_chunks(blob)
+    except (struct.error, IndexError, ValueError, RuntimeError):
+        return 0
+    return min(count, -(-n // chunk_values))
+
+
 def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, case: str, chunk_values: int,
                                                 trials: int = 120, version: int = lossless.FORMAT_VERSION) -> None:
     """Corrupted and truncated blobs of CASES[case] (or V5_CASES[case]) in format ``version``: the
@@ -393,7 +422,7 @@ def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, c
         else:
             bad = _corrupt(blob, n, gen, chunks=1 + trial % 2)  # one or two chunks
         want = host_status(bad)
-        status, y = device_decode(lib, bad, n, chunk_values, device)
+        status, y = device_decode(lib, bad, n, chunk_values, device, _field_slots(bad, n, chunk_values))
         assert status == want, f"trial {trial}: device {MESSAGES[status]!r}, host {MESSAGES[want]!r}"
         if want == 0:
             assert torch.equal(y, bits(x))
