@@ -596,7 +596,7 @@ OVERHEAD_PARTS = ("header", "table", "directory", "states", "padding", "coded")
 # the format versions compared with the default: every other one, and per tensor the one before it
 OTHER_VERSIONS = tuple(v for v in lossless.FORMAT_VERSIONS if v != lossless.FORMAT_VERSION)
 PREVIOUS_VERSION = lossless.FORMAT_VERSION - 1
-# and per tensor the newest, written on request (version 6: the raw fields coded where that pays)
+# and per tensor the newest (version 6, the default: the raw fields coded where that pays)
 NEWEST_VERSION = max(lossless.FORMAT_VERSIONS)
 
 

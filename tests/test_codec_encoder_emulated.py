@@ -17,6 +17,8 @@ from support.codec_kernel_cases import (
     blob_layout,
     check_blob_is_byte_identical_and_decodes_tensor,
     device_encode,
+    field_chunks,
+    gradient_like,
     many_chunks,
 )
 from support.emulated_cuda import default_device
@@ -38,7 +40,8 @@ def lib(emulated_encoder) -> ctypes.CDLL:
 @pytest.mark.parametrize("case,chunk_values", [("n0", 4096), ("scalar", 4096), ("one_state", 4096),
                                                ("random_bits", 4096), ("zeros", 64), ("mixed", 96),
                                                ("normal", 65536)])
-def test_encoder_makes_at_most_three_kernel_launches(lib, case: str, chunk_values: int, version: int) -> None:
+def test_encoder_makes_three_kernel_launches_and_format_6_one_more(lib, case: str, chunk_values: int,
+                                                                   version: int) -> None:
     """Counted by the emulated runtime: every EP_LAUNCH of one ep_lossless_encode_cuda call (the
     cudaMemsetAsync that zeroes the histogram and the tickets is no kernel, counted apart: one);
     version 6 (the default) launches one more, which returns at once. Fails on the five-kernel
@@ -97,14 +100,16 @@ def _directory_modes(blob: torch.Tensor, n: int, chunk_values: int) -> list[int]
             for c in range(chunks)]
 
 
-@pytest.mark.parametrize("version", [4, 5])
+@pytest.mark.parametrize("version,case", [(4, "mixed"), (5, "mixed"), (6, "mixed"), (6, "gradients")])
 @pytest.mark.parametrize("offset", [2, 6])
-def test_unaligned_input_and_output_give_the_host_blob(lib, offset: int, version: int) -> None:
+def test_unaligned_input_and_output_give_the_host_blob(lib, offset: int, version: int, case: str) -> None:
     """Values that start 2 or 6 bytes past a 16-byte boundary (no 16-byte loads) coded into an
-    output that is not 4-byte aligned: the host's blob, raw and rANS-coded chunks alike."""
-    x = CASES["mixed"]()
+    output that is not 4-byte aligned: the host's blob, raw and rANS-coded chunks alike (format 6:
+    gradients with chunks of coded fields, mode 4)."""
+    x = gradient_like(4, seed=6).reshape(-1) if case == "gradients" else CASES[case]()
     n, cv = x.numel(), 4096
     host = lossless.encode(x, chunk_values=cv, version=version)
+    assert case != "gradients" or field_chunks(host) > 0
     space = torch.zeros(n + 16, dtype=torch.int16)
     first = ((-space.data_ptr()) % 16 + offset) // 2
     space[first:first + n] = x.view(torch.int16)

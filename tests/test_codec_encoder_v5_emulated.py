@@ -227,8 +227,9 @@ def test_other_versions_are_invalid_arguments(lib, version: int) -> None:
     """The device encoder writes versions 4 to 6 only."""
     x = CASES["normal"]()
     n = x.numel()
-    ws = torch.zeros(lib.ep_lossless_encode_workspace_bytes(n, 4096, 5), dtype=torch.uint8)
-    out = torch.zeros(lib.ep_lossless_max_blob_bytes(n, 1, 4096, 5), dtype=torch.uint8)
+    # room for the largest format (6: its slots' field areas), so only the version can be refused
+    ws = torch.zeros(lib.ep_lossless_encode_workspace_bytes(n, 4096, 6), dtype=torch.uint8)
+    out = torch.zeros(lib.ep_lossless_max_blob_bytes(n, 1, 4096, 6), dtype=torch.uint8)
     size = torch.zeros(1, dtype=torch.int64)
     rc = lib.ep_lossless_encode_cuda(x.view(torch.int16).data_ptr(), n, (ctypes.c_int64 * 1)(n), 1, 4096, version,
                                      out.data_ptr(), size.data_ptr(), ws.data_ptr(), ws.numel(), None)

@@ -98,6 +98,17 @@ def test_rejects_corrupted_blobs_like_the_host(libs, variant: str, case: str, ch
     check_rejects_corrupted_blobs_like_the_host(libs[variant], "cpu", case, chunk_values, trials=60)
 
 
+@pytest.mark.parametrize("variant", ["default", "per_step", "early_loads"])
+@pytest.mark.parametrize("case,chunk_values", [("small_chunks", 4096), ("message", 65536)])
+def test_rejects_corrupted_blobs_with_coded_fields_like_the_host(libs, variant: str, case: str,
+                                                                 chunk_values: int) -> None:
+    """Random damage (states, words, directory, metadata, table, truncation) to default-format
+    blobs of gradients, most of whose chunks code their fields (mode 4): the host's status."""
+    _, make, _, coded = next(c for c in V6_CASES if c[0] == case)
+    assert field_chunks(lossless.encode(make(), chunk_values=chunk_values)) >= coded
+    check_rejects_corrupted_blobs_like_the_host(libs[variant], "cpu", case, chunk_values, trials=60)
+
+
 @pytest.mark.parametrize("blob_offset,out_offset", [(0, 2), (2, 0), (1, 0), (16, 16)])
 def test_default_build_decodes_at_any_alignment(libs, blob_offset, out_offset):
     """The default build takes the staged decoder only for a 16-byte aligned blob and output, the

@@ -15,7 +15,7 @@ from ep_comm.codecs import lossless
 
 
 def _encode(x: torch.Tensor, version: int = 4, **kwargs) -> torch.Tensor:
-    """lossless.encode writing version 4 unless told otherwise (the default is 5)."""
+    """lossless.encode writing version 4 unless told otherwise (the default is 6)."""
     return lossless.encode(x, version=version, **kwargs)
 
 

@@ -65,8 +65,8 @@
 //   shared by the host and CUDA encoders); any choice decodes. A blob of +0.0 only is written with the largest
 //   chunk_values its values allow (one mode 3 chunk per 2^24 values): header, shape and a 16-byte
 //   entry per chunk.
-// Format version 6 (written on request by the host encoder; decoded by the host build and the CUDA
-// decoder) is version 5 where a 32-state chunk may code its raw fields with a second rANS
+// Format version 6 (the default, written by the host and CUDA encoders; decoded by the host build
+// and the CUDA decoder) is version 5 where a 32-state chunk may code its raw fields with a second rANS
 // stream: mode 4, whose payload lossless_fields.h lays out; its directory entry takes a table index
 // as mode 0, num_words counts the u16 words after its two state blocks, num_raw >= 1 its fields.
 // Mode 5 is mode 2 (one state, a blob's only chunk) with its fields coded the same way by one

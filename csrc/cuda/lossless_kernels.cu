@@ -796,7 +796,8 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
   for (int s = t; s < kNumSymbols; s += kMetaThreads) hist[s] = 0;
   unsigned* sample_counts = field_counts[warp][0];
   unsigned* all_counts = field_counts[warp][1];
-  for (int f = lane; f < 2 << kRawBits; f += kLanes) sample_counts[f] = 0;  // both rows
+  unsigned* warp_counts = &field_counts[warp][0][0];  // both rows
+  for (int f = lane; f < 2 << kRawBits; f += kLanes) warp_counts[f] = 0;
   __syncthreads();
   for (uint64_t c = blockIdx.x * uint64_t(kMetaWarps) + warp; c < chunks; c += uint64_t(gridDim.x) * kMetaWarps) {
     const uint32_t cn = chunk_values_of(n, cv, c);
@@ -845,7 +846,7 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
       if (chunk_fields_may_pay(sample_counts, sampled, all_counts, nr, one_state, lane) && lane == 0)
         atomicMax(ws.fields_wanted, 1ull);  // (warps of any block set it) read by the next kernel
       __syncwarp();  // the counts read before they are cleared for the warp's next chunk
-      for (int f = lane; f < 2 << kRawBits; f += kLanes) sample_counts[f] = 0;
+      for (int f = lane; f < 2 << kRawBits; f += kLanes) warp_counts[f] = 0;
       __syncwarp();
     }
     if (ws.chunk_counts != nullptr) {  // version 5 with own tables: the chunk's symbol counts, a second read
@@ -2771,7 +2772,8 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   // chunk starts are 64-byte multiples (chunk_values % 32 == 0): 16-byte loads when the base is aligned
   const bool aligned = (reinterpret_cast<uintptr_t>(values) & 15) == 0;
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 3) == 0;
-  // one memset (the histogram, the tickets and version 5's flag), then three kernels
+  // one memset (the histogram, the tickets and the two flags), then three kernels (version 6: four,
+  // one of which returns at once)
   cudaMemsetAsync(ws.counts, 0, kSyncBytes, stream);
   const bool version6 = version >= kVersion6;
   EP_LAUNCH(histogram_kernel, static_cast<int>(blocks_for(chunks, kMetaWarps, kGridMax)), kMetaThreads,

@@ -3,14 +3,14 @@
 Each BF16 value is split into a 10-bit symbol (sign, 8-bit exponent and the first mantissa bit;
 +0.0 is a symbol of its own, so zero runs cost almost nothing), entropy-coded with rANS from a
 frequency table shared by the blob's chunks (bit-coded, 11- or 12-bit probabilities, whichever
-codes the blob smaller), and its 6 low mantissa bits, stored raw (packed). Values are coded in
-independent chunks (one CPU task, one GPU warp each). Format version 5, the default on the host
+codes the blob smaller), and its 6 low mantissa bits, stored raw (packed) or, where they carry
+little information (gradients), entropy-coded as a second rANS stream. Values are coded in
+independent chunks (one CPU task, one GPU warp each). Format version 6, the default on the host
 and the GPU: a chunk may carry a table of its own where that pays (messages that join values of
-different statistics); a blob's only chunk of up to a quarter of ``chunk_values`` (4,096 to
-16,384 values) is coded with one rANS state (and 6 to 12 probability bits); a chunk of +0.0 only
-takes no payload. Versions 2 to 4 still decode and are written on request; version 6 (written on
-request by the host encoder) also codes a chunk's low mantissa bits where they carry little information
-(gradients). The blob is self-describing: magic, version, shape, tables, per-chunk sizes and
+different statistics) and code its low mantissa bits where that pays; a blob's only chunk of up
+to a quarter of ``chunk_values`` (4,096 to 16,384 values) is coded with one rANS state (and 6 to
+12 probability bits); a chunk of +0.0 only takes no payload. Versions 2 to 5 still decode and are
+written on request. The blob is self-describing: magic, version, shape, tables, per-chunk sizes and
 checksums; ``decode`` validates every field before use and raises ``ValueError`` on a truncated or
 corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
 

@@ -357,12 +357,16 @@ def _chunk_layout(blob: torch.Tensor, num_values: int) -> tuple[int, list[tuple[
     offsets = [directory + 16 * chunks]
     for c, (mode, nw, nr, _) in enumerate(ents):
         n = min(cv, num_values - c * cv)
-        used = 2 * n if mode == 1 else 0 if mode == 3 else STATE_BYTES[mode] + 2 * nw + (6 * nr + 7) // 8
+        if mode in FIELD_STATE_BYTES:  # two state blocks, then num_words words (the field header's on)
+            used = 2 * FIELD_STATE_BYTES[mode] + 2 * nw
+        else:
+            used = 2 * n if mode == 1 else 0 if mode == 3 else STATE_BYTES[mode] + 2 * nw + (6 * nr + 7) // 8
         offsets.append(offsets[-1] + (used + 3) // 4 * 4)
     return directory, ents, offsets
 
 
 STATE_BYTES = {0: 128, 2: 4}  # a chunk's final states by mode (32 states, or one in format version 4)
+FIELD_STATE_BYTES = {4: 128, 5: 4}  # format 6's coded-field modes: each of their two state blocks
 
 
 def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: int) -> torch.Tensor:
@@ -383,6 +387,8 @@ def _corrupt(blob: torch.Tensor, num_values: int, gen: torch.Generator, chunks: 
             b[offsets[c + 1] - 1] ^= 0x01
         elif kind == 3 and mode in STATE_BYTES:  # a rANS state
             b[offsets[c] + 4 * rand(STATE_BYTES[mode] // 4) + rand(4)] ^= 1 << rand(8)
+        elif kind == 3 and mode in FIELD_STATE_BYTES:  # a state of either stream
+            b[offsets[c] + 4 * rand(2 * FIELD_STATE_BYTES[mode] // 4) + rand(4)] ^= 1 << rand(8)
         else:  # a directory field
             b[directory + 16 * c + rand(16)] ^= 1 << rand(3)
     return b
@@ -394,7 +400,7 @@ def _field_slots(blob: torch.Tensor, n: int, chunk_values: int) -> int:
     the kernels check what the host checks, not a missing slot."""
     try:
         count = field_chunks(blob)
-    except (struct.error, IndexError, ValueError, RuntimeError):
+    except (struct.error, IndexError, ValueError, RuntimeError, ZeroDivisionError):
         return 0
     return min(count, -(-n // chunk_values))
 
@@ -403,7 +409,7 @@ def check_rejects_corrupted_blobs_like_the_host(lib: ctypes.CDLL, device: str, c
                                                 trials: int = 120, version: int = lossless.FORMAT_VERSION) -> None:
     """Corrupted and truncated blobs of CASES[case] (or V5_CASES[case]) in format ``version``: the
     kernels report the host decoder's status (and decode exactly the blobs the host accepts)."""
-    x = {**CASES, **V5_CASES}[case]()
+    x = {**CASES, **V5_CASES, **{name: make for name, make, _, _ in V6_CASES}}[case]()
     n = x.numel()
     blob = lossless.encode(x, chunk_values=chunk_values, version=version)
     gen = _gen(11)
