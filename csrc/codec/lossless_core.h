@@ -902,7 +902,7 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end, uint32_t version
 // The checks of parse_header that read fixed fields: header, shape, and that table and directory
 // fit (not the table padding and the metadata checksum, which read every metadata byte). Reads
 // only bytes below min(size, readable) (readable: how much of the blob the caller holds).
-// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion5
+// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion6
 // for the host and CUDA decoders.
 EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull,
                               uint32_t newest_version = kVersion4) {

@@ -256,7 +256,7 @@ def message_chunk_values(device: torch.device | str) -> int | None:
 
 def default_chunk_values(num_values: int) -> int:
     """The chunk size :func:`encode` uses for ``num_values`` values when none is given:
-    DEFAULT_CHUNK_VALUES up to that many values (one chunk; with format 5 a chunk of up to 16,384
+    DEFAULT_CHUNK_VALUES up to that many values (one chunk; from format 5 on, a chunk of up to 16,384
     values then takes one rANS state, the smallest blob, decoded serially); above it the fewest
     chunks of at most DEFAULT_CHUNK_VALUES, an even number (the AVX-512 coders take chunks two at a
     time, in lockstep: a 64x7168 message as 8 chunks instead of 7 decoded in 0.91-0.96x the time on
