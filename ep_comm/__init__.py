@@ -13,10 +13,11 @@ from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, InternodeDispatchHandle, IntranodeDispatchHandle, LowLatencyHandle
 from .placement import ExpertPlacement
 from .stats import CommStats
+from . import moe  # noqa: E402 (ep_comm.moe.MoE, after the names it uses)
 
 __all__ = [
     "Buffer", "BufferStateError", "CommStats", "CommTimeoutError", "Config", "DispatchHandle", "EventHandle",
     "EventOverlap", "ExpertPlacement", "InternodeDispatchHandle", "IntranodeDispatchHandle", "LowLatencyHandle",
-    "StoreLostError", "build_info", "combine", "dispatch",
+    "StoreLostError", "build_info", "combine", "dispatch", "moe",
 ]
 __version__ = "0.1.0"

@@ -184,20 +184,21 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     """
     if not isinstance(buffer, Buffer):
         raise ValueError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise ValueError("x must be a tensor (FP8 tuples are not differentiable)")
-    if not isinstance(topk_weights, torch.Tensor):
-        raise ValueError("topk_weights must be a [N, K] float tensor")
-    require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2)
-    require_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), dim=2)
-    check_num_experts(num_experts, buffer.group_size, buffer._placement is not None)
-    check_nonneg_int("expert_alignment", expert_alignment, positive=True)
-    check_nonneg_int("num_worst_tokens", num_worst_tokens)
-    check_codec(codec, ("none", "fp8", "lossless", "auto"))
+    try:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError("x must be a tensor (FP8 tuples are not differentiable)")
+        if not isinstance(topk_weights, torch.Tensor):
+            raise ValueError("topk_weights must be a [N, K] float tensor")
+        require_tensor("x", x, dtypes=PAYLOAD_DTYPES, dim=2)
+        require_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), dim=2)
+        check_num_experts(num_experts, buffer.group_size, buffer._placement is not None)
+        check_nonneg_int("expert_alignment", expert_alignment, positive=True)
+        check_nonneg_int("num_worst_tokens", num_worst_tokens)
+        check_codec(codec, ("none", "fp8", "lossless", "auto"))
+    except ValueError as error:
+        buffer._refuse("dispatch", error)
     _live_buffers[buffer.buffer_id] = buffer
-    codec_name = "none" if codec is None else codec
-    if codec_name == "auto":
-        codec_name = buffer._resolve_codec("auto", x, x.shape[1])
+    codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
         x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
     from .layout import align_up
@@ -235,19 +236,20 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
     """
     if not isinstance(buffer, Buffer):
         raise ValueError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
-    buffer._check_handle(handle, "handle")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != handle.num_recv_rows:
-        raise ValueError(f"x must be [{handle.num_recv_rows}, H] to match the handle")
-    if topk_weights is not None:
-        require_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float64), dim=2)
-        if topk_weights.shape[0] != x.shape[0]:
-            raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {x.shape[0]}")
-    check_codec(codec, ("none", "lossless", "auto"))
+    try:
+        buffer._check_handle(handle, "handle")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != handle.num_recv_rows:
+            raise ValueError(f"x must be [{handle.num_recv_rows}, H] to match the handle")
+        if topk_weights is not None:
+            require_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float64), dim=2)
+            if topk_weights.shape[0] != x.shape[0]:
+                raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {x.shape[0]}")
+        check_codec(codec, ("none", "lossless", "auto"))
+    except ValueError as error:
+        buffer._refuse("combine", error)
     _live_buffers[buffer.buffer_id] = buffer
     rows = handle.num_recv_tokens
-    codec_name = "none" if codec is None else codec
-    if codec_name == "auto":
-        codec_name = buffer._resolve_codec("auto", x, x.shape[1])
+    codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     weights = (topk_weights[:rows] if topk_weights is not None
                else x.new_empty(rows, 0, dtype=torch.float32))
     combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(),

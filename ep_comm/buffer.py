@@ -537,6 +537,17 @@ class Buffer(RankMasking):
             return agree_on_codec(x, self.auto_codec, self.transport, self.masked_ranks)
         return check_codec_input(codec, x, hidden)
 
+    def _refuse(self, mode: str, error: ValueError) -> None:
+        """Raises ``error``, an argument this rank rejected before a call of ``mode`` opened (the
+        differentiable wrappers' checks), as a Buffer method's own check does: the call opens with
+        a failed status first, so the peers fail with it (naming this rank) instead of pairing
+        with its next call, and the group stays in step."""
+        @collective(mode)
+        def refused(buffer: Buffer) -> None:
+            raise error
+
+        refused(self)
+
     def _check_handle(self, handle: object, name: str, kind: type = DispatchHandle) -> None:
         if not isinstance(handle, kind):
             made = " (a tuple built or sliced outside ep_comm is not one)" if isinstance(handle, (tuple, list)) else ""

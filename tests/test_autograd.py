@@ -2,6 +2,7 @@
 dispatch -> expert -> combine chain against the same chain computed in one process."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from support.rank_cases import make_routing
@@ -128,3 +129,41 @@ def test_torch_compile_treats_the_ops_as_opaque_calls(ranks):
     # the custom ops' fake implementations let dynamo/AOTAutograd trace around them
     for same_out, same_grad in ranks(2, _compiled_chain):
         assert same_out and same_grad
+
+
+def _one_rank_rejects(rank, world, group, case, codec):
+    """Rank 1 passes an argument the wrappers' own checks reject (before the Buffer's call); then
+    every rank makes the next, valid dispatch and combine."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    idx, w = make_routing(rank, 9, 6, EXPERTS, TOPK, 0.0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    error = None
+    try:
+        if case == "dispatch":
+            ep_comm.dispatch(buf, x, idx.int() if rank == 1 else idx, w, EXPERTS, codec=codec)
+        else:
+            recv_x, _, _, _, handle, _ = ep_comm.dispatch(buf, x, idx, w, EXPERTS, codec=codec)
+            ep_comm.combine(buf, recv_x[:-1] if rank == 1 else recv_x, handle, codec=codec)
+    except ValueError as e:
+        error = str(e)
+    recv_x, _, _, _, handle, _ = ep_comm.dispatch(buf, x + 100 * (rank + 1), idx, w, EXPERTS, codec=codec)
+    out, _, _ = ep_comm.combine(buf, recv_x, handle, codec=codec)
+    return error, x + 100 * (rank + 1), idx, w, out
+
+
+@pytest.mark.parametrize("case,codec", [("dispatch", None), ("dispatch", "auto"), ("combine", None),
+                                        ("combine", "lossless")])
+def test_a_rank_rejecting_its_arguments_fails_every_rank_and_the_next_call_is_right(ranks, case, codec):
+    """ep_comm.dispatch / ep_comm.combine check their arguments before the Buffer's call: a rank
+    that rejects its own fails the call on every rank (its peers naming it), as Buffer.dispatch
+    does, instead of skipping it (the peers' call would pair with that rank's next one and take its
+    rows). The next call on every rank then gets the right rows."""
+    results = ranks(2, _one_rank_rejects, case, codec)
+    assert "topk_idx" in results[1][0] if case == "dispatch" else "x must be" in results[1][0]
+    assert "rank(s) [1] rejected their arguments" in results[0][0]
+    placement = ExpertPlacement.contiguous(EXPERTS, 2)
+    received = reference.dispatch([r[1] for r in results], [r[2] for r in results], [r[3] for r in results],
+                                  placement)
+    outs = reference.combine([rec.x for rec in received], received, [r[1].shape[0] for r in results])
+    for rank, r in enumerate(results):
+        assert torch.equal(r[4], outs[rank]), rank

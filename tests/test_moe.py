@@ -140,3 +140,14 @@ def test_apply_experts_matches_a_token_loop():
     masked = idx.masked_fill(torch.arange(TOP_K) == 1, -1)
     half = apply_experts(moe.experts, x, masked, w)
     torch.testing.assert_close(half[3], w[3, 0] * moe.experts[int(idx[3, 0])](x[3:4])[0])
+
+
+def test_moe_is_an_attribute_of_the_package():
+    """The README's `ep_comm.moe.MoE` after a plain `import ep_comm` (a fresh interpreter: no other
+    test has imported the submodule)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import ep_comm; print(ep_comm.moe.MoE.__name__)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "MoE", done.stderr[-500:]
