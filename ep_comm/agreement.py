@@ -22,7 +22,7 @@ from .errors import BufferStateError, CommTimeoutError
 from .placement import ExpertPlacement
 from .transports.base import Transport
 
-VERSION = 2
+VERSION = 3
 """Changes whenever the wire format of any mode changes: ranks of different ep_comm versions fail
 in the header instead of misreading each other's payloads."""
 
@@ -41,6 +41,8 @@ class CallHeader:
         topk: ``K`` of the routing or the weights carried. num_experts: ``E``. capacity: ``T`` of
         low-latency mode. codec: one of ``CODECS``. weights: whether top-k weights travel.
         placement: :func:`placement_digest` of the Buffer's ``expert_placement``.
+        rows: a call that reuses a dispatch's handle (combine, cached dispatch): the rows this rank
+            sends to each rank, then the rows it expects from each (``2 R`` ints); else empty.
     """
 
     mode: str
@@ -54,16 +56,21 @@ class CallHeader:
     codec: str = "none"
     weights: bool = False
     placement: int = 0
+    rows: tuple[int, ...] = ()
 
-    def row(self) -> list[int]:
+    def row(self, num_ranks: int = 0) -> list[int]:
+        """The header as ints: the fields, then ``2 num_ranks`` ints of ``rows`` (zeros without)."""
+        rows = list(self.rows) if self.rows else [0] * (2 * num_ranks)
+        if len(rows) != 2 * num_ranks:
+            raise ValueError(f"rows must hold 2 x {num_ranks} counts, got {len(rows)}")
         return [VERSION, MODES.index(self.mode) + 1, self.seq, int(self.ok), DTYPES.index(self.dtype), self.hidden,
                 self.topk, self.num_experts, self.capacity, CODECS.index(self.codec), int(self.weights),
-                self.placement]
+                self.placement, *rows]
 
 
 _COLUMNS = ("version", "mode", "seq", "ok", "dtype", "hidden", "topk", "num_experts", "capacity", "codec",
             "weights", "placement")
-assert len(_COLUMNS) == 1 + len(fields(CallHeader))
+assert len(_COLUMNS) == len(fields(CallHeader))  # (version added, rows compared apart)
 
 
 def placement_digest(placement: ExpertPlacement | None) -> int:
@@ -108,8 +115,9 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
     def named(r: int, g: int) -> str:
         return f"rank {r}" if g == r else f"rank {r} (global rank {g})"
 
-    row = header.row()
-    table = torch.tensor([row] * transport.num_ranks, dtype=torch.int64)
+    num_ranks = transport.num_ranks
+    row = header.row(num_ranks)
+    table = torch.tensor([row] * num_ranks, dtype=torch.int64)
     got = transport.exchange_counts(table, f"{header.mode}/header")
     rejected = [r for r in live if int(got[r, _COLUMNS.index("ok")]) == 0 and int(got[r, 0]) != 0]
     if rejected and header.ok:
@@ -127,6 +135,16 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
             hint = " (a rank is in another call)" if column in ("mode", "seq") else ""
             raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
                              f"no rank sent any payload")
+    if header.rows:  # each rank's handle: rows r sends to p == rows p expects from r (every rank checks all)
+        at = len(_COLUMNS)
+        for r in live:
+            for p in live:
+                sends, expects = int(got[r, at + p]), int(got[p, at + num_ranks + r])
+                if sends != expects:
+                    (gr, gp) = to_global([r, p])
+                    raise ValueError(f"ep_comm {header.mode}: the ranks' handles do not match: {named(r, gr)} "
+                                     f"sends {sends} rows to {named(p, gp)}, which expects {expects} (handles "
+                                     f"of different dispatches?); no rank sent any payload")
 
 
 def collective(mode: str):

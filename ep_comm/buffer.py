@@ -62,6 +62,12 @@ from .validation import (
 _buffer_ids = itertools.count(1)
 
 
+def _handle_rows(sends: torch.Tensor, expects: torch.Tensor) -> tuple[int, ...]:
+    """A call that reuses a dispatch's handle: the rows this rank sends to each rank, then the rows
+    it expects from each ([R] counts each), for the opening exchange to check across ranks."""
+    return tuple(int(c) for c in sends.tolist()) + tuple(int(c) for c in expects.tolist())
+
+
 class Buffer(RankMasking):
     """Expert-parallel communication buffer over one process group (DeepEP V1 API).
 
@@ -407,7 +413,8 @@ class Buffer(RankMasking):
             self._check_handle(handle, "handle")
             if num_tokens != handle.num_tokens:  # the hidden size may differ (the layout is per token)
                 raise ValueError(f"x has {num_tokens} tokens but handle was made for {handle.num_tokens}")
-            self._open(CallHeader("cached_dispatch", 0, dtype=dtype, hidden=hidden, codec=codec_name))
+            self._open(CallHeader("cached_dispatch", 0, dtype=dtype, hidden=hidden, codec=codec_name,
+                                  rows=_handle_rows(handle.send_plan.send_counts, handle.recv_counts)))
             codec_name = self._resolve_codec(codec_name, x, hidden)
             recv_x, stats = self._run("cached_dispatch", CachedDispatchCall(handle, x, codec_name,
                                                                             bool(self.masked_ranks)))
@@ -607,7 +614,8 @@ class Buffer(RankMasking):
         wait_previous(previous_event)
         self._open(CallHeader("combine", 0, dtype=x.dtype, hidden=int(x.shape[1]), codec=codec_name,
                               topk=0 if topk_weights is None else int(topk_weights.shape[1]),
-                              weights=topk_weights is not None))
+                              weights=topk_weights is not None,
+                              rows=_handle_rows(handle.recv_counts, handle.send_plan.send_counts)))
         codec_name = self._resolve_codec(codec_name, x, x.shape[1])
         combined, combined_w, stats = self._run("combine", CombineCall(handle, x, topk_weights, biases, codec_name,
                                                                        bool(self.masked_ranks)))

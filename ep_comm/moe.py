@@ -87,6 +87,10 @@ def apply_experts(experts: nn.ModuleList, x: torch.Tensor, local_idx: torch.Tens
     """
     acc = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     out = x.new_zeros(x.shape[0], x.shape[1], dtype=acc)
+    if len(experts) == 0:
+        # no expert here: out stays in x's and weights' graph (sums over no element: exactly 0, even
+        # for non-finite x), so this rank still runs the backward's exchanges its peers wait for
+        out = out + x[:0].sum().to(acc) + weights[:0].sum().to(acc)
     for j, expert in enumerate(experts):
         rows, cols = torch.nonzero(local_idx == j, as_tuple=True)
         y = expert(x.index_select(0, rows)).to(acc) * weights[rows, cols].to(acc).unsqueeze(-1)

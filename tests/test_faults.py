@@ -64,6 +64,14 @@ def _disagree(rank, world, group, case):
             placed.dispatch(x, topk_idx=idx, num_tokens_per_expert=counts)
         elif case == "rejected":  # one rank's own topk_idx is out of range
             buf.dispatch(x, topk_idx=idx + (100 if odd else 0), num_tokens_per_expert=counts)
+        elif case in ("combine_handles", "cached_handles"):  # the last rank takes another dispatch's handle
+            a = buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=counts)
+            b = buf.dispatch(x, topk_idx=idx[:, :1], num_tokens_per_expert=counts)
+            recv_x, handle = (b[0], b[4]) if odd else (a[0], a[4])
+            if case == "combine_handles":
+                buf.combine(recv_x, handle)
+            else:
+                buf.dispatch(x, handle=handle)
         error = None
     except ValueError as e:
         error = str(e)
@@ -74,7 +82,7 @@ def _disagree(rank, world, group, case):
 @pytest.mark.parametrize("case,field", [
     ("dtype", "dtype"), ("num_experts", "num_experts"), ("topk", "topk"), ("combine_hidden", "hidden"),
     ("ll_hidden", "hidden"), ("ll_capacity", "capacity"), ("mode", "mode"), ("rejected", "topk_idx"),
-    ("placement", "placement"),
+    ("placement", "placement"), ("combine_handles", "handles"), ("cached_handles", "handles"),
 ])
 def test_ranks_that_disagree_fail_alike_and_stay_in_step(ranks, world, case, field):
     results = ranks(world, _disagree, case)
@@ -85,6 +93,8 @@ def test_ranks_that_disagree_fail_alike_and_stay_in_step(ranks, world, case, fie
             assert f"rank(s) [{odd}] rejected their arguments" in got["error"]
         elif case == "rejected":
             assert "topk_idx" in got["error"]
+        elif field == "handles":  # every rank names the same pair whose counts differ
+            assert "handles do not match" in got["error"] and got["error"] == results[0]["error"], got["error"]
         else:
             assert f"disagree on {field}" in got["error"], got["error"]
             assert f"rank {odd}:" in got["error"] and "rank 0:" in got["error"]

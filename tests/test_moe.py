@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import ep_comm
 from ep_comm.moe import MoE, apply_experts, route
 
 D_IN, HIDDEN, FFN, EXPERTS, TOP_K = 6, 16, 24, 4, 2
@@ -151,3 +152,28 @@ def test_moe_is_an_attribute_of_the_package():
     done = subprocess.run([sys.executable, "-c", "import ep_comm; print(ep_comm.moe.MoE.__name__)"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "MoE", done.stderr[-500:]
+
+
+def _zero_expert_case(rank: int, world_size: int, group: dist.ProcessGroup):
+    """Every expert on rank 0; rank 1 owns none. The loss is the layer's output alone (no residual
+    that would keep rank 1's graph connected)."""
+    buf = ep_comm.Buffer(group, expert_placement=torch.zeros(EXPERTS, dtype=torch.int64), timeout_s=30)
+    layer = MoE(HIDDEN, FFN, EXPERTS, TOP_K, buffer=buf, init_seed=1)
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    out = layer(x)
+    (out * (rank + 1)).sum().backward()
+    return len(layer.experts), x.detach(), out.detach(), x.grad
+
+
+def test_a_rank_without_experts_takes_part_in_the_backward(ranks):
+    """The rank's output still depends on its tokens through dispatch and combine, so its backward
+    runs the exchanges rank 0's backward waits for; gradients equal the single-process layer's."""
+    results = ranks(2, _zero_expert_case)
+    assert [r[0] for r in results] == [EXPERTS, 0]
+    x = torch.cat([r[1] for r in results]).requires_grad_()
+    ref = MoE(HIDDEN, FFN, EXPERTS, TOP_K, init_seed=1)
+    out = ref(x)
+    scale = torch.cat([torch.full((8, 1), float(rank + 1)) for rank in range(2)])
+    (out * scale).sum().backward()
+    torch.testing.assert_close(torch.cat([r[2] for r in results]), out.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([r[3] for r in results]), x.grad, rtol=1e-5, atol=1e-6)
