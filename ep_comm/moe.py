@@ -153,6 +153,27 @@ class MoE(nn.Module):
                 for lin in (expert.fc1, expert.fc2):
                     lin.weight.copy_(_normal(lin.weight, 1 / math.sqrt(lin.in_features), generator))
 
+    # The state dict also holds "expert_ids": the global ids of experts.0, experts.1, ... (positions
+    # in this rank's list). Loading refuses a state dict whose experts are other ones (saved under
+    # another expert placement or by another rank); one without the key (saved before it existed)
+    # loads unchecked.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "expert_ids"] = torch.tensor(self.global_expert_ids, dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "expert_ids"
+        saved = state_dict.get(key)
+        if saved is not None and torch.as_tensor(saved).tolist() != self.global_expert_ids:
+            error_msgs.append(f"{key}: the state dict holds experts {torch.as_tensor(saved).tolist()}, this layer "
+                              f"holds {self.global_expert_ids} (saved under another expert placement or by "
+                              f"another rank)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters of the local experts (owned by this rank alone)."""
         return list(self.experts.parameters())

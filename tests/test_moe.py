@@ -177,3 +177,32 @@ def test_a_rank_without_experts_takes_part_in_the_backward(ranks):
     (out * scale).sum().backward()
     torch.testing.assert_close(torch.cat([r[2] for r in results]), out.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.cat([r[3] for r in results]), x.grad, rtol=1e-5, atol=1e-6)
+
+
+def _state_dict_case(rank: int, world_size: int, group: dist.ProcessGroup):
+    default = MoE(HIDDEN, FFN, EXPERTS, TOP_K, group=group, init_seed=1)
+    state = default.state_dict()
+    same = MoE(HIDDEN, FFN, EXPERTS, TOP_K, buffer=default.buffer, init_seed=2)
+    same.load_state_dict(state)  # strict: every key, expert_ids among them, matches
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        equal = torch.equal(same(x), default(x))
+    interleaved = ep_comm.Buffer(group, expert_placement=torch.arange(EXPERTS) % world_size)
+    other = MoE(HIDDEN, FFN, EXPERTS, TOP_K, buffer=interleaved, init_seed=2)
+    try:
+        other.load_state_dict(state)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    return state["expert_ids"].tolist(), equal, refused
+
+
+def test_state_dict_names_its_experts_and_another_placement_refuses_it(ranks):
+    """A rank's state dict holds the global ids of its experts; it loads into a layer with the same
+    experts, and a layer under another expert placement (other experts at the same positions)
+    refuses it instead of loading the wrong weights."""
+    results = ranks(2, _state_dict_case)
+    per_rank = EXPERTS // 2
+    for rank, (ids, equal, refused) in enumerate(results):
+        assert ids == list(range(rank * per_rank, (rank + 1) * per_rank)) and equal
+        assert refused is not None and "expert_ids" in refused and "another expert placement" in refused
