@@ -35,6 +35,7 @@ from torch import nn
 
 from .autograd import combine, dispatch
 from .buffer import Buffer
+from .validation import check_codec
 
 
 class ExpertMLP(nn.Module):
@@ -115,7 +116,7 @@ class MoE(nn.Module):
         init_seed: when given, the router and each global expert are initialised from their own
             seeded generator, so every world size builds the same global parameters.
         device, dtype: of the parameters (the router is always float32, or float64 with
-            ``dtype=torch.float64``).
+            ``dtype=torch.float64``); ``x`` must have this dtype (outside autocast).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
@@ -125,6 +126,14 @@ class MoE(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.dtype = torch.get_default_dtype() if dtype is None else dtype
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        check_codec(codec, ("none", "fp8", "lossless", "auto"))
+        if codec == "fp8" and hidden_size % 128:
+            raise ValueError(f"codec='fp8' needs a hidden_size divisible by 128, got {hidden_size}")
+        if codec == "lossless" and self.dtype != torch.bfloat16:
+            raise ValueError(f"codec='lossless' codes bf16 payloads; this layer's dtype is {self.dtype}")
         if buffer is None and group is not None:
             buffer = Buffer(group)
         self.buffer = buffer
@@ -195,6 +204,8 @@ class MoE(nn.Module):
         """``x [..., H]`` -> ``[..., H]`` (same dtype): ``sum_k w_k * expert_{i_k}(x)`` per token."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != self.dtype and not _autocast(x):
+            raise ValueError(f"x is {x.dtype}, this layer's parameters are {self.dtype}")
         tokens = x.reshape(-1, self.hidden_size)
         topk_idx, topk_weights = route(tokens, self.router_weight, self.top_k, self.normalize_weights)
         if self.buffer is None:
@@ -205,6 +216,14 @@ class MoE(nn.Module):
         combine_codec = None if self.codec == "fp8" else self.codec
         out, _, _ = combine(self.buffer, partial, handle, codec=combine_codec)
         return out.reshape(x.shape)
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device (it then casts x for the layer's matmuls)."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except TypeError:  # a torch whose is_autocast_enabled takes no device type
+        return torch.is_autocast_enabled()
 
 
 def _normal(like: torch.Tensor, std: float, generator: torch.Generator | None) -> torch.Tensor:
