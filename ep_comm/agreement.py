@@ -41,6 +41,8 @@ class CallHeader:
         topk: ``K`` of the routing or the weights carried. num_experts: ``E``. capacity: ``T`` of
         low-latency mode. codec: one of ``CODECS``. weights: whether top-k weights travel.
         placement: :func:`placement_digest` of the Buffer's ``expert_placement``.
+        backward: a differentiable call (``ep_comm.dispatch`` / ``combine``) whose inputs require
+            grad, so that its backward will run collective calls on this rank.
         rows: a call that reuses a dispatch's handle (combine, cached dispatch): the rows this rank
             sends to each rank, then the rows it expects from each (``2 R`` ints); else empty.
     """
@@ -56,6 +58,7 @@ class CallHeader:
     codec: str = "none"
     weights: bool = False
     placement: int = 0
+    backward: bool = False
     rows: tuple[int, ...] = ()
 
     def row(self, num_ranks: int = 0) -> list[int]:
@@ -65,11 +68,11 @@ class CallHeader:
             raise ValueError(f"rows must hold 2 x {num_ranks} counts, got {len(rows)}")
         return [VERSION, MODES.index(self.mode) + 1, self.seq, int(self.ok), DTYPES.index(self.dtype), self.hidden,
                 self.topk, self.num_experts, self.capacity, CODECS.index(self.codec), int(self.weights),
-                self.placement, *rows]
+                self.placement, int(self.backward), *rows]
 
 
 _COLUMNS = ("version", "mode", "seq", "ok", "dtype", "hidden", "topk", "num_experts", "capacity", "codec",
-            "weights", "placement")
+            "weights", "placement", "backward")
 assert len(_COLUMNS) == len(fields(CallHeader))  # (version added, rows compared apart)
 
 
@@ -132,7 +135,9 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
         if len(set(values.values())) > 1:
             shown = ", ".join(f"{named(r, g)}: {_shown(column, v)}" for (r, v), g in zip(values.items(),
                                                                                          to_global(list(values))))
-            hint = " (a rank is in another call)" if column in ("mode", "seq") else ""
+            hint = (" (a rank is in another call)" if column in ("mode", "seq") else
+                    " (whether the inputs require grad: a rank without would skip the backward's calls)"
+                    if column == "backward" else "")
             raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
                              f"no rank sent any payload")
     if header.rows:  # each rank's handle: rows r sends to p == rows p expects from r (every rank checks all)

@@ -199,8 +199,11 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         buffer._refuse("dispatch", error)
     _live_buffers[buffer.buffer_id] = buffer
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
-    recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
-        x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
+    # every rank must agree on whether a backward will follow (a rank without one would skip its calls)
+    backward = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
+    with buffer._backward_call(backward):
+        recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
+            x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
     from .layout import align_up
 
     handle = OwnDispatchHandle((), DispatchState(
@@ -252,9 +255,11 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     weights = (topk_weights[:rows] if topk_weights is not None
                else x.new_empty(rows, 0, dtype=torch.float32))
-    combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(),
-                                       handle.send_plan.token_index, handle.send_plan.send_counts,
-                                       handle.recv_counts, handle.num_tokens, buffer.buffer_id, codec_name)
+    backward = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
+    with buffer._backward_call(backward):
+        combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(),
+                                           handle.send_plan.token_index, handle.send_plan.send_counts,
+                                           handle.recv_counts, handle.num_tokens, buffer.buffer_id, codec_name)
     from .event import EventOverlap
 
     return combined, (combined_w if topk_weights is not None else None), EventOverlap(None)

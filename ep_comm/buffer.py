@@ -131,6 +131,7 @@ class Buffer(RankMasking):
     _disagreed = False
     _broken: str | None = None
     _call_mode = ""
+    _call_backward = False  # set by the differentiable wrappers around their call (_backward_call)
     _header_collectives = 0
     _mask_request: frozenset[int] | None = None
     enable_shrink = False
@@ -320,8 +321,8 @@ class Buffer(RankMasking):
             live = [r for r in range(self.group_size) if r not in self.masked_ranks]
             self._header_collectives = 1
             try:
-                agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement)), live,
-                      self._global_ranks)
+                agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement),
+                                              backward=self._call_backward), live, self._global_ranks)
             except ValueError:
                 self._disagreed = True
                 raise
@@ -543,6 +544,16 @@ class Buffer(RankMasking):
         if codec == "auto":
             return agree_on_codec(x, self.auto_codec, self.transport, self.masked_ranks)
         return check_codec_input(codec, x, hidden)
+
+    @contextlib.contextmanager
+    def _backward_call(self, backward: bool):
+        """Within it, calls open with ``backward`` in their header (a differentiable call whose
+        backward will run on this rank), which every rank must agree on."""
+        self._call_backward = backward
+        try:
+            yield
+        finally:
+            self._call_backward = False
 
     def _refuse(self, mode: str, error: ValueError) -> None:
         """Raises ``error``, an argument this rank rejected before a call of ``mode`` opened (the

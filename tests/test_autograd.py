@@ -167,3 +167,35 @@ def test_a_rank_rejecting_its_arguments_fails_every_rank_and_the_next_call_is_ri
     outs = reference.combine([rec.x for rec in received], received, [r[1].shape[0] for r in results])
     for rank, r in enumerate(results):
         assert torch.equal(r[4], outs[rank]), rank
+
+
+def _grad_differs(rank, world, group, case):
+    """Rank 0's inputs require grad, rank 1's do not (or rank 1 calls under no_grad)."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    idx, w = make_routing(rank, 9, 6, EXPERTS, TOPK, 0.0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_(rank == 0 or case == "no_grad")
+    error = None
+    try:
+        if case == "no_grad" and rank == 1:
+            with torch.no_grad():
+                ep_comm.dispatch(buf, x, idx, w, EXPERTS)
+        else:
+            ep_comm.dispatch(buf, x, idx, w, EXPERTS)
+    except ValueError as e:
+        error = str(e)
+    x = x.detach().requires_grad_()
+    recv_x, _, _, _, handle, _ = ep_comm.dispatch(buf, x, idx, w, EXPERTS)
+    out, _, _ = ep_comm.combine(buf, recv_x * 2, handle)
+    out.sum().backward()
+    return error, x.grad
+
+
+@pytest.mark.parametrize("case", ["requires_grad", "no_grad"])
+def test_ranks_that_disagree_on_a_backward_fail_alike(ranks, case):
+    """A differentiable dispatch whose inputs require grad on one rank and not on another (the
+    second would skip the backward's calls, which the first would wait for until its timeout):
+    the same ValueError on both, before any payload moves; the next forward and backward work."""
+    results = ranks(2, _grad_differs, case)
+    for error, grad in results:
+        assert error is not None and "disagree on backward" in error, error
+        assert grad is not None and torch.isfinite(grad).all()
