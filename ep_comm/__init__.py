@@ -4,6 +4,7 @@ Public API (see docs/design.md): ``Buffer``, ``DispatchHandle``, ``LowLatencyHan
 ``CommTimeoutError`` (and its ``StoreLostError``), ``BufferStateError``, ``EventOverlap``, ``Config``,
 the differentiable ``dispatch`` / ``combine``, and ``build_info()``.
 """
+from . import moe
 from ._build import build_info
 from .autograd import combine, dispatch
 from .buffer import Buffer
@@ -13,7 +14,6 @@ from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, InternodeDispatchHandle, IntranodeDispatchHandle, LowLatencyHandle
 from .placement import ExpertPlacement
 from .stats import CommStats
-from . import moe  # noqa: E402 (ep_comm.moe.MoE, after the names it uses)
 
 __all__ = [
     "Buffer", "BufferStateError", "CommStats", "CommTimeoutError", "Config", "DispatchHandle", "EventHandle",

@@ -43,8 +43,8 @@ class CallHeader:
         placement: :func:`placement_digest` of the Buffer's ``expert_placement``.
         backward: a differentiable call (``ep_comm.dispatch`` / ``combine``) whose inputs require
             grad, so that its backward will run collective calls on this rank.
-        rows: a call that reuses a dispatch's handle (combine, cached dispatch): the rows this rank
-            sends to each rank, then the rows it expects from each (``2 R`` ints); else empty.
+        handle: a call that reuses a dispatch's handle (combine, cached dispatch): this rank's
+            :func:`handle_digests`; else ``(0, 0)``.
     """
 
     mode: str
@@ -59,21 +59,44 @@ class CallHeader:
     weights: bool = False
     placement: int = 0
     backward: bool = False
-    rows: tuple[int, ...] = ()
+    handle: tuple[int, int] = (0, 0)
 
-    def row(self, num_ranks: int = 0) -> list[int]:
-        """The header as ints: the fields, then ``2 num_ranks`` ints of ``rows`` (zeros without)."""
-        rows = list(self.rows) if self.rows else [0] * (2 * num_ranks)
-        if len(rows) != 2 * num_ranks:
-            raise ValueError(f"rows must hold 2 x {num_ranks} counts, got {len(rows)}")
+    def row(self) -> list[int]:
         return [VERSION, MODES.index(self.mode) + 1, self.seq, int(self.ok), DTYPES.index(self.dtype), self.hidden,
                 self.topk, self.num_experts, self.capacity, CODECS.index(self.codec), int(self.weights),
-                self.placement, int(self.backward), *rows]
+                self.placement, int(self.backward), *self.handle]
 
 
 _COLUMNS = ("version", "mode", "seq", "ok", "dtype", "hidden", "topk", "num_experts", "capacity", "codec",
             "weights", "placement", "backward")
-assert len(_COLUMNS) == len(fields(CallHeader))  # (version added, rows compared apart)
+assert len(_COLUMNS) == len(fields(CallHeader))  # (version added; handle's two digests summed apart)
+_HANDLE_MODES = ("combine", "cached_dispatch")
+_PRIME = (1 << 61) - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(num_ranks: int, salt: int) -> tuple[int, ...]:
+    """Pseudo-random weights in [1, 2^61 - 1), one per rank, the same on every rank (splitmix64)."""
+    out = []
+    for i in range(num_ranks):
+        x = (i * 0x9E3779B97F4A7C15 + salt) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        out.append((x ^ (x >> 31)) % (_PRIME - 1) + 1)
+    return tuple(out)
+
+
+def handle_digests(rank: int, sends: Sequence[int], expects: Sequence[int]) -> tuple[int, int]:
+    """Two numbers from a rank's handle whose sums over the ranks agree when every rank sends each
+    rank the rows that rank expects: with ``S[r][p]`` the rows ``r`` sends to ``p`` and ``X[p][r]``
+    the rows ``p`` expects from ``r``, rank ``r`` gives ``(u_r sum_p v_p S[r][p], v_r sum_q u_q
+    X[r][q])`` mod ``2^61 - 1`` (``u``, ``v``: :func:`_weights`), and the two sums over ``r`` are
+    ``u^T S v`` and ``u^T X^T v``, equal when ``S = X^T`` and, for other counts, equal with
+    probability about ``2^-61``. Two ints a rank, however many ranks."""
+    u, v = _weights(len(sends), 1), _weights(len(sends), 2)
+    sent = u[rank] * (sum(w * int(c) for w, c in zip(v, sends)) % _PRIME) % _PRIME
+    expected = v[rank] * (sum(w * int(c) for w, c in zip(u, expects)) % _PRIME) % _PRIME
+    return sent, expected
 
 
 def placement_digest(placement: ExpertPlacement | None) -> int:
@@ -118,9 +141,8 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
     def named(r: int, g: int) -> str:
         return f"rank {r}" if g == r else f"rank {r} (global rank {g})"
 
-    num_ranks = transport.num_ranks
-    row = header.row(num_ranks)
-    table = torch.tensor([row] * num_ranks, dtype=torch.int64)
+    row = header.row()
+    table = torch.tensor([row] * transport.num_ranks, dtype=torch.int64)
     got = transport.exchange_counts(table, f"{header.mode}/header")
     rejected = [r for r in live if int(got[r, _COLUMNS.index("ok")]) == 0 and int(got[r, 0]) != 0]
     if rejected and header.ok:
@@ -140,16 +162,14 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
                     if column == "backward" else "")
             raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
                              f"no rank sent any payload")
-    if header.rows:  # each rank's handle: rows r sends to p == rows p expects from r (every rank checks all)
+    if header.mode in _HANDLE_MODES:  # the rows each rank sends each other == the rows that rank expects
         at = len(_COLUMNS)
-        for r in live:
-            for p in live:
-                sends, expects = int(got[r, at + p]), int(got[p, at + num_ranks + r])
-                if sends != expects:
-                    (gr, gp) = to_global([r, p])
-                    raise ValueError(f"ep_comm {header.mode}: the ranks' handles do not match: {named(r, gr)} "
-                                     f"sends {sends} rows to {named(p, gp)}, which expects {expects} (handles "
-                                     f"of different dispatches?); no rank sent any payload")
+        sent = sum(int(got[r, at]) for r in live) % _PRIME
+        expected = sum(int(got[r, at + 1]) for r in live) % _PRIME
+        if sent != expected:
+            raise ValueError(f"ep_comm {header.mode}: the ranks' handles do not match: the rows they would "
+                             f"send each other are not the rows they expect (handles of different dispatches?); "
+                             f"no rank sent any payload")
 
 
 def collective(mode: str):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import handle_entries, low_latency, normal
-from .agreement import CallHeader, agree, collective, placement_digest
+from .agreement import CallHeader, agree, collective, handle_digests, placement_digest
 from .codecs import nvfp4
 from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
@@ -60,12 +60,6 @@ from .validation import (
 )
 
 _buffer_ids = itertools.count(1)
-
-
-def _handle_rows(sends: torch.Tensor, expects: torch.Tensor) -> tuple[int, ...]:
-    """A call that reuses a dispatch's handle: the rows this rank sends to each rank, then the rows
-    it expects from each ([R] counts each), for the opening exchange to check across ranks."""
-    return tuple(int(c) for c in sends.tolist()) + tuple(int(c) for c in expects.tolist())
 
 
 class Buffer(RankMasking):
@@ -415,7 +409,7 @@ class Buffer(RankMasking):
             if num_tokens != handle.num_tokens:  # the hidden size may differ (the layout is per token)
                 raise ValueError(f"x has {num_tokens} tokens but handle was made for {handle.num_tokens}")
             self._open(CallHeader("cached_dispatch", 0, dtype=dtype, hidden=hidden, codec=codec_name,
-                                  rows=_handle_rows(handle.send_plan.send_counts, handle.recv_counts)))
+                                  handle=self._handle_digests(handle.send_plan.send_counts, handle.recv_counts)))
             codec_name = self._resolve_codec(codec_name, x, hidden)
             recv_x, stats = self._run("cached_dispatch", CachedDispatchCall(handle, x, codec_name,
                                                                             bool(self.masked_ranks)))
@@ -545,15 +539,22 @@ class Buffer(RankMasking):
             return agree_on_codec(x, self.auto_codec, self.transport, self.masked_ranks)
         return check_codec_input(codec, x, hidden)
 
+    def _handle_digests(self, sends: torch.Tensor, expects: torch.Tensor) -> tuple[int, int]:
+        """A combine's or cached dispatch's :func:`agreement.handle_digests` (``sends``, ``expects``:
+        ``[R]`` rows to and from each rank), where the opening exchange runs (portable transport)."""
+        if self.transport.name != "torch":
+            return (0, 0)
+        return handle_digests(self.rank, sends.tolist(), expects.tolist())
+
     @contextlib.contextmanager
     def _backward_call(self, backward: bool):
         """Within it, calls open with ``backward`` in their header (a differentiable call whose
         backward will run on this rank), which every rank must agree on."""
-        self._call_backward = backward
+        previous, self._call_backward = self._call_backward, backward
         try:
             yield
         finally:
-            self._call_backward = False
+            self._call_backward = previous
 
     def _refuse(self, mode: str, error: ValueError) -> None:
         """Raises ``error``, an argument this rank rejected before a call of ``mode`` opened (the
@@ -626,7 +627,7 @@ class Buffer(RankMasking):
         self._open(CallHeader("combine", 0, dtype=x.dtype, hidden=int(x.shape[1]), codec=codec_name,
                               topk=0 if topk_weights is None else int(topk_weights.shape[1]),
                               weights=topk_weights is not None,
-                              rows=_handle_rows(handle.recv_counts, handle.send_plan.send_counts)))
+                              handle=self._handle_digests(handle.recv_counts, handle.send_plan.send_counts)))
         codec_name = self._resolve_codec(codec_name, x, x.shape[1])
         combined, combined_w, stats = self._run("combine", CombineCall(handle, x, topk_weights, biases, codec_name,
                                                                        bool(self.masked_ranks)))

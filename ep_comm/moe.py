@@ -116,7 +116,7 @@ class MoE(nn.Module):
         init_seed: when given, the router and each global expert are initialised from their own
             seeded generator, so every world size builds the same global parameters.
         device, dtype: of the parameters (the router is always float32, or float64 with
-            ``dtype=torch.float64``); ``x`` must have this dtype (outside autocast).
+            ``dtype=torch.float64``); ``x`` must have the experts' dtype (outside autocast).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
@@ -126,14 +126,11 @@ class MoE(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        self.dtype = torch.get_default_dtype() if dtype is None else dtype
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         check_codec(codec, ("none", "fp8", "lossless", "auto"))
         if codec == "fp8" and hidden_size % 128:
             raise ValueError(f"codec='fp8' needs a hidden_size divisible by 128, got {hidden_size}")
-        if codec == "lossless" and self.dtype != torch.bfloat16:
-            raise ValueError(f"codec='lossless' codes bf16 payloads; this layer's dtype is {self.dtype}")
         if buffer is None and group is not None:
             buffer = Buffer(group)
         self.buffer = buffer
@@ -204,8 +201,10 @@ class MoE(nn.Module):
         """``x [..., H]`` -> ``[..., H]`` (same dtype): ``sum_k w_k * expert_{i_k}(x)`` per token."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
-        if x.dtype != self.dtype and not _autocast(x):
-            raise ValueError(f"x is {x.dtype}, this layer's parameters are {self.dtype}")
+        # (the experts' dtype now: .to(), .bfloat16() and the like may have changed it since)
+        expert_dtype = self.experts[0].fc1.weight.dtype if len(self.experts) else x.dtype
+        if x.dtype != expert_dtype and not _autocast(x):
+            raise ValueError(f"x is {x.dtype}, this layer's experts are {expert_dtype}")
         tokens = x.reshape(-1, self.hidden_size)
         topk_idx, topk_weights = route(tokens, self.router_weight, self.top_k, self.normalize_weights)
         if self.buffer is None:
