@@ -10,6 +10,7 @@ gradients, as data parallelism would; expert gradients stay on their rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 
@@ -59,6 +60,12 @@ def _run(rank: int, world_size: int, port: int, steps: int) -> None:
         if rank == 0 and (step % 5 == 0 or step == steps - 1):
             print(f"step {step:3d}  loss {total.item():.4f}", flush=True)
         opt.step()
+    # The layer's Buffer holds the process group: drop it first (a collection: the model sits in
+    # reference cycles), so that destroy_process_group ends gloo's worker thread now. Left alive,
+    # the thread outlives the call and may free its last all_reduce's tensors while the
+    # interpreter shuts down, which aborts the process.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
