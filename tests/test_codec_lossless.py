@@ -997,6 +997,10 @@ def test_encode_many_and_decode_into_many_match_single_calls():
         assert torch.equal(bits(out), bits(x))
     assert lossless.encode_many([]) == []
     lossless.decode_into_many([], [])
+    for version in (2, 5):  # an older format on request, as encode writes it
+        older = lossless.encode_many(xs, chunk_values=256, version=version)
+        assert all(torch.equal(b, lossless.encode(x, chunk_values=256, version=version)) and int(b[4]) == version
+                   for x, b in zip(xs, older) if x.numel())
 
 
 def test_many_calls_name_the_bad_argument():
@@ -1006,6 +1010,8 @@ def test_many_calls_name_the_bad_argument():
         lossless.encode_many([x, x.float()])
     with pytest.raises(ValueError, match="xs must be a list"):
         lossless.encode_many(x)
+    with pytest.raises(ValueError, match="version must be one of"):
+        lossless.encode_many([x], version=7)
     with pytest.raises(ValueError, match="same length"):
         lossless.decode_into_many([blob, blob], [torch.empty(4, 4, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match=r"outs\[1\] must be a contiguous bfloat16 tensor"):

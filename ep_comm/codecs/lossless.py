@@ -162,7 +162,7 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
 
 
 def encode_many(xs: list[torch.Tensor], *, chunk_values: int | None = None, threads: int = 0,
-                simd: bool | str = True) -> list[torch.Tensor]:
+                simd: bool | str = True, version: int = FORMAT_VERSION) -> list[torch.Tensor]:
     """Blobs of several tensors (e.g. one message per destination rank), each as :func:`encode`
     would code it. Tensors on one GPU are coded there one after another with one
     synchronisation for all (their blobs are views into one buffer; with ``chunk_values=None``,
@@ -170,7 +170,7 @@ def encode_many(xs: list[torch.Tensor], *, chunk_values: int | None = None, thre
 
     Args:
         xs: bf16 tensors of any shapes; not modified.
-        chunk_values, threads, simd: as in :func:`encode` (None: each tensor's default).
+        chunk_values, threads, simd, version: as in :func:`encode` (None: each tensor's default).
 
     Returns:
         One 1-D uint8 blob per tensor, in order.
@@ -182,14 +182,16 @@ def encode_many(xs: list[torch.Tensor], *, chunk_values: int | None = None, thre
     sizes = [_chunk_values(chunk_values, x.numel()) for x in xs]
     _check_simd(simd)
     _check_threads(threads)
-    if xs and len({x.device for x in xs}) == 1 and lossless_device.available(xs[0].device):
+    version = _check_version(version)
+    if (xs and len({x.device for x in xs}) == 1 and version in lossless_device.ENCODE_VERSIONS
+            and lossless_device.available(xs[0].device)):
         blobs: list[torch.Tensor | None] = [None] * len(xs)
         for size in dict.fromkeys(sizes):  # one device call per distinct chunk size
             picked = [i for i, s in enumerate(sizes) if s == size]
-            for i, blob in zip(picked, lossless_device.encode_many([xs[i] for i in picked], size, FORMAT_VERSION)):
+            for i, blob in zip(picked, lossless_device.encode_many([xs[i] for i in picked], size, version)):
                 blobs[i] = blob
         return blobs  # type: ignore[return-value]
-    return [encode(x, chunk_values=size, threads=threads, simd=simd) for x, size in zip(xs, sizes)]
+    return [encode(x, chunk_values=size, threads=threads, simd=simd, version=version) for x, size in zip(xs, sizes)]
 
 
 def _check_input(x: object, name: str) -> None:
