@@ -9,8 +9,9 @@ Used by bench/codec_bench.py (GPU rows of its report), by tests/gpu/test_codec_l
     python bench/codec_gpu.py --build-lib LIB.so --arch 90   # here: the kernels, no GPU needed
     python bench/codec_gpu.py --tensors T.pt --lib LIB.so    # there: the GPU table (+ --json)
 
-Encode runs in format version 6 (the default: gradients' raw fields coded as a second stream
-where that pays) and, for comparison, 5 (``--versions``; 4 too); each row names its version.
+Encode runs in format version 7 (the default: gradients' raw fields coded as a second stream
+where that pays, the pair checksum) and, for comparison, 5 (``--versions``; 4 and 6 too); each row
+names its version.
 Throughput counts raw bf16 bytes (2 per value) per second of the whole encode (resp. decode)
 call, every kernel of it included, timed with CUDA events over ``reps`` calls after a warm-up.
 The copy bandwidth counts bytes read plus bytes written (a device-to-device copy of the same
@@ -78,8 +79,10 @@ def gpu_library(prebuilt: str | os.PathLike | None = None) -> ctypes.CDLL:
     # (values, num_values, shape, ndim, chunk_values, version, out, out_size, workspace, workspace_bytes, stream)
     lib.ep_lossless_encode_cuda.argtypes = [vp, u64, vp, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, vp, vp,
                                             vp, ctypes.c_size_t, vp]
-    # (blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, status, workspace, workspace_bytes, stream)
-    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, u64, vp, vp, ctypes.c_size_t, vp]
+    # (blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, version, status, workspace,
+    #  workspace_bytes, stream)
+    lib.ep_lossless_decode_cuda.argtypes = [vp, u64, vp, u64, ctypes.c_uint32, u64, ctypes.c_uint32, vp, vp,
+                                            ctypes.c_size_t, vp]
     return lib
 
 
@@ -99,7 +102,7 @@ def cuda_time(fn: Callable[[], None], reps: int) -> float:
 class DeviceCodec:
     """Encode/decode of one flat bf16 CUDA tensor with preallocated workspaces.
 
-    x: [n] bf16 (or int16) on the GPU; the blob (format ``version``, 4 to 6) lands in
+    x: [n] bf16 (or int16) on the GPU; the blob (format ``version``, 4 to 7) lands in
     ``self.out[:self.blob_bytes()]`` (uint8) and the decoded values in ``self.y`` ([n], x's dtype).
     Format 6: the decoder's workspace has a slot for every chunk (each may have coded fields);
     blob_bytes() counts those that do from the blob's metadata, which decode() passes."""
@@ -137,8 +140,8 @@ class DeviceCodec:
 
     def decode(self) -> None:
         rc = self.lib.ep_lossless_decode_cuda(self.out.data_ptr(), self._blob_bytes, self.y.data_ptr(), self.n,
-                                              self.cv, self.field_chunks, self.status.data_ptr(), self.ws.data_ptr(),
-                                              self.ws.numel(), self.stream)
+                                              self.cv, self.field_chunks, self.version, self.status.data_ptr(),
+                                              self.ws.data_ptr(), self.ws.numel(), self.stream)
         if rc:
             raise RuntimeError(f"decode launch failed: CUDA error {rc}")
 
@@ -334,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=Path, help="real tensors from codec_bench.py --save-tensors")
     parser.add_argument("--chunk-values", default=str(lossless.DEFAULT_CHUNK_VALUES),
                         help="comma-separated chunk sizes in values")
-    parser.add_argument("--versions", default="6,5",
-                        help="comma-separated format versions to encode (4 to 6); the first for --once")
+    parser.add_argument("--versions", default="7,5",
+                        help="comma-separated format versions to encode (4 to 7); the first for --once")
     parser.add_argument("--gpu-mb", type=int, default=1024, help="raw MB coded per call (real data tiled)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path)

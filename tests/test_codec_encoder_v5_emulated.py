@@ -222,14 +222,14 @@ def test_version_5_encoder_makes_at_most_three_kernel_launches(lib, case: str, c
     assert memsets <= 1, memsets
 
 
-@pytest.mark.parametrize("version", [2, 3, 7])
+@pytest.mark.parametrize("version", [2, 3, 8])
 def test_other_versions_are_invalid_arguments(lib, version: int) -> None:
-    """The device encoder writes versions 4 to 6 only."""
+    """The device encoder writes versions 4 to 7 only."""
     x = CASES["normal"]()
     n = x.numel()
-    # room for the largest format (6: its slots' field areas), so only the version can be refused
-    ws = torch.zeros(lib.ep_lossless_encode_workspace_bytes(n, 4096, 6), dtype=torch.uint8)
-    out = torch.zeros(lib.ep_lossless_max_blob_bytes(n, 1, 4096, 6), dtype=torch.uint8)
+    # room for the largest format (7: its slots' field areas), so only the version can be refused
+    ws = torch.zeros(lib.ep_lossless_encode_workspace_bytes(n, 4096, 7), dtype=torch.uint8)
+    out = torch.zeros(lib.ep_lossless_max_blob_bytes(n, 1, 4096, 7), dtype=torch.uint8)
     size = torch.zeros(1, dtype=torch.int64)
     rc = lib.ep_lossless_encode_cuda(x.view(torch.int16).data_ptr(), n, (ctypes.c_int64 * 1)(n), 1, 4096, version,
                                      out.data_ptr(), size.data_ptr(), ws.data_ptr(), ws.numel(), None)

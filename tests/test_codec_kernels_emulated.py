@@ -131,7 +131,8 @@ def test_default_build_decodes_at_any_alignment(libs, blob_offset, out_offset):
         ws = torch.zeros(lib.ep_lossless_decode_workspace_bytes(n, cv, 0), dtype=torch.uint8)
         status = torch.full((1,), -1, dtype=torch.int32)
         rc = lib.ep_lossless_decode_cuda(space.data_ptr() + start, b.numel(), out.data_ptr() + 2 * first, n, cv, 0,
-                                         status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
+                                         int(blob[4]), status.data_ptr(), ws.data_ptr(), ws.numel(),
+                                         ctypes.c_void_p(None))
         assert rc == 0 and int(status) == want, (int(status), want)
         if want == 0:
             assert torch.equal(out[first:first + n], bits(x))
@@ -299,8 +300,33 @@ def test_decoder_refuses_more_field_slots_than_chunks(libs) -> None:
     out = torch.empty(n, dtype=torch.int16)
     status = torch.full((1,), -1, dtype=torch.int32)
     rc = lib.ep_lossless_decode_cuda(blob.data_ptr(), blob.numel(), out.data_ptr(), n, 4096, chunks + 1,
-                                     status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
+                                     int(blob[4]), status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
     assert rc != 0
+
+
+@pytest.mark.parametrize("variant", ["default", "per_step"])
+def test_decoder_takes_the_version_the_blob_has(libs, variant: str) -> None:
+    """The caller passes the blob's version (its header's byte 4), which picks the kernels of its
+    checksum (format 7's pair checksum or the older one): versions 7 and 6 of one tensor decode
+    with their own; either passed for the other is kErrHeader, not a decode with the wrong
+    checksum."""
+    lib = libs[variant]
+    x = gradient_like(2, seed=3)
+    n = x.numel()
+    for version in (7, 6):
+        blob = lossless.encode(x, chunk_values=4096, version=version)
+        slots = field_chunks(blob)
+        for passed in (7, 6):
+            ws = torch.zeros(lib.ep_lossless_decode_workspace_bytes(n, 4096, slots), dtype=torch.uint8)
+            out = torch.full((n,), 0x5A5A, dtype=torch.int16)
+            status = torch.full((1,), -1, dtype=torch.int32)
+            rc = lib.ep_lossless_decode_cuda(blob.data_ptr(), blob.numel(), out.data_ptr(), n, 4096, slots, passed,
+                                             status.data_ptr(), ws.data_ptr(), ws.numel(), ctypes.c_void_p(None))
+            assert rc == 0
+            if passed == version:
+                assert int(status) == 0 and torch.equal(out, bits(x)), (version, passed)
+            else:
+                assert MESSAGES[int(status)] == "corrupted header", (version, passed, int(status))
 
 
 @pytest.mark.parametrize("variant", ["default", "per_step", "early_loads"])

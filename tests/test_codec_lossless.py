@@ -852,7 +852,7 @@ def test_encode_version_argument():
         lossless.encode(torch.zeros(4, dtype=torch.bfloat16), version=1)
     from ep_comm import _host
 
-    assert lossless.FORMAT_VERSION == 6 and _host.LOSSLESS_FORMAT_VERSION == 6
+    assert lossless.FORMAT_VERSION == 7 and _host.LOSSLESS_FORMAT_VERSION == 7
 
 
 # ---- what the device path reads on the host: the fixed header, and the error texts
@@ -946,10 +946,10 @@ def test_threads_version_and_tensors_without_data_are_checked_by_name():
         with pytest.raises(ValueError, match="threads must be an int"):
             lossless.decode_into(blob, torch.empty(100, dtype=torch.bfloat16), threads=bad)
     assert torch.equal(lossless.encode(x, threads=np.int64(1)), blob)
-    for bad in (5.0, "5", True, 7):
+    for bad in (5.0, "5", True, 8):
         with pytest.raises(ValueError, match="version must be one of"):
             lossless.encode(x, version=bad)
-    assert torch.equal(lossless.encode(x, version=np.int64(6)), blob)
+    assert torch.equal(lossless.encode(x, version=np.int64(7)), blob)
     with pytest.raises(ValueError, match="x must be a dense tensor with data"):
         lossless.encode(torch.empty(10, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(ValueError, match="x must be a dense tensor with data"):
@@ -1011,7 +1011,7 @@ def test_many_calls_name_the_bad_argument():
     with pytest.raises(ValueError, match="xs must be a list"):
         lossless.encode_many(x)
     with pytest.raises(ValueError, match="version must be one of"):
-        lossless.encode_many([x], version=7)
+        lossless.encode_many([x], version=8)
     with pytest.raises(ValueError, match="same length"):
         lossless.decode_into_many([blob, blob], [torch.empty(4, 4, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match=r"outs\[1\] must be a contiguous bfloat16 tensor"):

@@ -51,12 +51,13 @@ class HostKernels:
         ctypes.memmove(out, blob.ctypes.data, blob.size)
         ctypes.c_int64.from_address(out_size).value = blob.size
 
-    def lossless_decode(self, blob, blob_bytes, out, num_values, min_chunk_values, status, workspace,
-                        workspace_bytes, stream, field_chunks=0):
+    def lossless_decode(self, blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, version, status,
+                        workspace, workspace_bytes, stream):
         self.calls.append("decode")
         assert workspace_bytes >= self.lossless_decode_workspace_bytes(num_values, min_chunk_values, field_chunks)
         assert stream == 0
         data = np.frombuffer(ctypes.string_at(blob, blob_bytes), dtype=np.uint8)
+        assert version == data[4]  # the caller read it from the header, as the kernels check
         code = 0
         try:
             values = _host.lossless_decode(data.ctypes.data, data.size, 1, True, None)

@@ -30,7 +30,7 @@ def _layout(blob: torch.Tensor) -> dict:
     """A version 5 blob read by the format's definition: header fields, the shared table's and each
     extra table's frequencies and prob_bits, the directory (mode, table, words, fields, checksum)."""
     b, layout = blob.numpy().tobytes(), blob_layout(blob)
-    assert b[:4] == b"EPLB" and layout["version"] in (5, 6)
+    assert b[:4] == b"EPLB" and layout["version"] in (5, 6, 7)
     entries, prob_bits, extra_count = layout["entries"], layout["prob_bits"], b[17]
     table_at, table_bytes = layout["table_at"], layout["table_bytes"]
     end = table_at + table_bytes
@@ -358,10 +358,10 @@ def test_an_extra_table_shared_by_many_chunks_decodes_on_every_path_and_thread_c
 def test_version_5_is_accepted_and_others_rejected_by_encode():
     x = torch.randn(100).bfloat16()
     assert int(lossless.encode(x, version=5)[4]) == 5
-    for version in (1, 7):
+    for version in (1, 8):
         with pytest.raises(ValueError, match="version must be one of"):
             lossless.encode(x, version=version)
-    assert lossless.FORMAT_VERSION == 6 and int(lossless.encode(x)[4]) == 6
+    assert lossless.FORMAT_VERSION == 7 and int(lossless.encode(x)[4]) == 7
 
 
 def test_same_bytes_on_any_thread_count():
@@ -404,8 +404,8 @@ def test_all_zero_blob_is_the_fewest_chunks(shape):
     assert layout["table_bytes"] == 0 and blob.numel() == layout["directory"] + 16 * chunks
     v4 = lossless.encode(x, version=4)
     assert _chunks_of(v4) > chunks and blob.numel() < v4.numel()
-    default = lossless.encode(x)  # version 6: the same chunks, its version in the header
-    assert int(default[4]) == 6 and default.numel() == blob.numel() and _layout(default)["entries"] == layout["entries"]
+    default = lossless.encode(x)  # version 7: the same chunks, its version in the header
+    assert int(default[4]) == 7 and default.numel() == blob.numel() and _layout(default)["entries"] == layout["entries"]
     for simd in lossless.simd_paths():
         y = lossless.decode(blob, simd=simd, expected_shape=shape)
         assert torch.equal(y.view(torch.int16), x.view(torch.int16))

@@ -249,20 +249,19 @@ def test_small_and_six_bit_fields_keep_mode_0():
         assert all(e["mode"] != 4 for e in _layout(blob)["entries"])
 
 
-def test_version_6_is_the_default_and_its_metadata_counts_the_chunks_with_coded_fields():
-    """encode writes 6 by default (as the CUDA encoder does); the metadata checks before the CUDA
-    decoder read version 6 and count its chunks with coded fields, which size the decoder's
-    workspace."""
+def test_version_6_metadata_counts_the_chunks_with_coded_fields():
+    """The metadata checks before the CUDA decoder read version 6 and count its chunks with coded
+    fields, which size the decoder's workspace."""
     x = gradient_like(8)
-    blob = lossless.encode(x)
-    assert int(blob[4]) == 6 and lossless.FORMAT_VERSION == 6 and torch.equal(blob, lossless.encode(x, version=6))
+    blob = lossless.encode(x, version=6)
+    assert int(blob[4]) == 6
     metadata = _host.lossless_metadata_bytes(blob[:_host.LOSSLESS_HEADER_PREFIX_BYTES].numpy(), blob.numel())
-    shape, cv, field_chunks = _host.lossless_parse_metadata(blob[:metadata].numpy(), blob.numel())
-    assert (tuple(shape), cv) == (tuple(x.shape), 65536)
+    shape, cv, field_chunks, version = _host.lossless_parse_metadata(blob[:metadata].numpy(), blob.numel())
+    assert (tuple(shape), cv, version) == (tuple(x.shape), 65536, 6)
     assert field_chunks == sum(e["mode"] in (4, 5) for e in _layout(blob)["entries"]) > 0
     assert lossless_device.layouts([blob])[0].field_chunks == field_chunks
     with pytest.raises(ValueError, match="version must be one of"):
-        lossless.encode(x, version=7)
+        lossless.encode(x, version=8)
 
 
 def test_same_bytes_on_any_thread_count():

@@ -40,6 +40,15 @@ def _kernel(cubins, source: str, name: str) -> sass.Function:
     return next(iter(found.values()))
 
 
+# each decode kernel is built once per checksum: format 7's pair checksum (the default; the
+# kernel's name) and the older formats' (its name with this suffix)
+CHECKSUMS = {"pairs": "", "linear": "_linear"}
+
+
+def _decoder(cubins, name: str, checksum: str = "pairs") -> sass.Function:
+    return _kernel(cubins, LOSSLESS, name + CHECKSUMS[checksum])
+
+
 def _source_line(source: str, text: str) -> int:
     """The 1-based line of ``source`` holding ``text`` (exactly once)."""
     lines = [k + 1 for k, line in enumerate((ROOT / source).read_text().splitlines()) if text in line]
@@ -71,24 +80,28 @@ def step_loop(f: sass.Function, line: int) -> tuple[sass.Loop, int]:
     return best, lookups(best)
 
 
-def _step_loop_of(cubins, name: str) -> tuple[sass.Loop, int]:
+def _step_loop_of(cubins, name: str, checksum: str = "pairs") -> tuple[sass.Loop, int]:
     line = _staged_lookup_line() if name == STAGED else _table_lookup_line()
-    return step_loop(_kernel(cubins, LOSSLESS, name), line)
+    return step_loop(_decoder(cubins, name, checksum), line)
 
 
 def test_step_loop_is_found(cubins):
-    """The step loop is identified in both decoders, and it holds the step's work (a ballot and the
-    state's update): the budget checks below measure the right loop."""
+    """The step loop is identified in every decoder build, and it holds the step's work (a ballot
+    and the state's update): the budget checks below measure the right loop."""
     for name in DECODERS:
-        lp, steps = _step_loop_of(cubins, name)
-        assert steps == (8 if name == STAGED else 1), (name, steps)
-        assert lp.count(lambda i: i.op == "VOTE") >= steps and lp.count(lambda i: i.op in ("IMAD", "IMUL")) >= steps
+        for checksum in CHECKSUMS:
+            lp, steps = _step_loop_of(cubins, name, checksum)
+            assert steps == (8 if name == STAGED else 1), (name, checksum, steps)
+            assert lp.count(lambda i: i.op == "VOTE") >= steps and lp.count(lambda i: i.op in ("IMAD", "IMUL")) >= steps
 
 
-def test_decode_step_is_within_its_instruction_budget(cubins):
-    """The default decoder's step loop, and no divergent-ballot fallback in it (WARPSYNC.COLLECTIVE:
-    the compiler could not prove the warp converged, which adds instructions to every ballot)."""
-    lp, steps = _step_loop_of(cubins, STAGED)
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_decode_step_is_within_its_instruction_budget(cubins, checksum):
+    """The default decoder's step loop (of each checksum's build: a group's checksum is taken in
+    the loop, from the values it stores), and no divergent-ballot fallback in it
+    (WARPSYNC.COLLECTIVE: the compiler could not prove the warp converged, which adds instructions
+    to every ballot)."""
+    lp, steps = _step_loop_of(cubins, STAGED, checksum)
     per_step = len(lp.instructions) / steps
     assert per_step <= DECODE_STEP_BUDGET, f"{per_step:.1f} instructions per step\n{lp}"
     assert not lp.count(lambda i: i.op == "WARPSYNC"), str(lp)
@@ -115,9 +128,10 @@ def test_fp8_kernels_do_not_spill(cubins):
         assert not _spills(f), name
 
 
+@pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("name", DECODERS)
-def test_decoders_do_not_spill(cubins, name):
-    spills = _spills(_kernel(cubins, LOSSLESS, name))
+def test_decoders_do_not_spill(cubins, name, checksum):
+    spills = _spills(_decoder(cubins, name, checksum))
     assert not spills, "\n".join(spills)
 
 
@@ -137,7 +151,7 @@ def _is_async_copy_128(i: sass.Instruction) -> bool:
 def test_decoder_moves_16_bytes_per_access(cubins):
     """The default decoder stages its streams with 16-byte loads and stores its values 16 bytes at
     a time: in its step loop every global access is 16 bytes wide."""
-    lp, _ = _step_loop_of(cubins, STAGED)
+    lp, _ = _step_loop_of(cubins, STAGED)  # (the default format's build)
     assert lp.count(lambda i: i.is_global_load_128() or _is_async_copy_128(i)) >= 2  # both streams
     assert lp.count(lambda i: i.is_global_store_128()) >= 1
     narrow = [str(i) for i in lp.instructions if i.op in ("LDG", "LD", "STG", "ST")
@@ -148,9 +162,9 @@ def test_decoder_moves_16_bytes_per_access(cubins):
 def test_staged_decoder_keeps_40_warps_per_sm(cubins):
     """Its registers (launch bounds: 5 blocks of 8 warps) and shared memory (the 16 KiB table and
     8 warps' rings and staging) let an H200 SM hold 5 blocks."""
-    resources = sass.find(cubins(LOSSLESS)["resources"], STAGED)
-    (usage,) = resources.values()
-    assert sass.blocks_per_sm(usage.registers, 256, usage.shared) >= 5, usage
+    for suffix in CHECKSUMS.values():
+        (usage,) = sass.find(cubins(LOSSLESS)["resources"], STAGED + suffix).values()
+        assert sass.blocks_per_sm(usage.registers, 256, usage.shared) >= 5, usage
 
 
 def test_encoder_first_pass_reads_16_bytes_per_load(cubins):

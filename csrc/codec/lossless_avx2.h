@@ -39,28 +39,42 @@ inline bool have_avx2() {
   return ok;
 }
 
-// Running chunk checksum, sum_i v[i] * (2 i + 1) mod 2^32 (checksum_term), 16 values per add(),
-// over the chunk's values from index `first` on, without multiplies: per lane l (value first +
-// 16 s + l in step s), P_l = the sum of its values so far and Q_l = the sum of P_l over the steps,
-// so that sum_s s v_s = T P_l - Q_l after T steps and the checksum is sum_l 32 (T P_l - Q_l) +
-// (2 (first + l) + 1) P_l (all mod 2^32). Four adds per 16 values instead of two vpmulld and four
-// adds (C++ A/B on real tensors, alternating order, 3 runs: the encoder's histogram pass took 4-13%
-// less time on an Emerald Rapids Xeon).
+// pair_mix of each 32-bit lane (version 7's checksum).
+__attribute__((target("avx2"))) inline __m256i pair_mix_avx2(__m256i u) {
+  const __m256i m = _mm256_mullo_epi32(u, _mm256_set1_epi32(static_cast<int>(kPairMix)));
+  return _mm256_xor_si256(m, _mm256_srli_epi32(m, 16));
+}
+
+// Running chunk checksum (checksum_of), 16 values per add(), over the chunk's values from index
+// `first` on (even for pairs), without multiplies in the weighted sum: per lane l, P_l = the sum
+// of its terms so far and Q_l = the sum of P_l over the steps, so that sum_s s t_s = T P_l - Q_l
+// after T steps. Versions 2-6 (a lane per value, value first + 16 s + l in step s): the checksum
+// is sum_l 32 (T P_l - Q_l) + (2 (first + l) + 1) P_l; version 7 (pairs: a lane per pair
+// first / 2 + 8 s + l, its term pair_mix of it): sum_l 16 (T P_l - Q_l) + (first + 2 l + 1) P_l
+// (all mod 2^32). Four adds per 16 values instead of two vpmulld and four adds (C++ A/B on real
+// tensors, alternating order, 3 runs: the encoder's histogram pass took 4-13% less time on an
+// Emerald Rapids Xeon).
 struct ChecksumAvx2 {
-  __m256i p0, p1, q0, q1;  // lanes 0-7 and 8-15
+  __m256i p0, p1, q0, q1;  // lanes 0-7 and 8-15 (pairs: p0 and q0, lanes 0-7)
   uint32_t first, steps = 0;
-  __attribute__((target("avx2"))) explicit ChecksumAvx2(uint32_t first_index = 0)
+  bool pairs;
+  __attribute__((target("avx2"))) ChecksumAvx2(uint32_t first_index, bool pair_checksum)
       : p0(_mm256_setzero_si256()), p1(_mm256_setzero_si256()), q0(_mm256_setzero_si256()),
-        q1(_mm256_setzero_si256()), first(first_index) {}
+        q1(_mm256_setzero_si256()), first(first_index), pairs(pair_checksum) {}
   // The next 16 values (v[first + 16 k .. first + 16 k + 15] after k earlier calls).
   __attribute__((target("avx2"))) void add(__m256i x) {
-    p0 = _mm256_add_epi32(p0, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)));
-    p1 = _mm256_add_epi32(p1, _mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)));
-    q0 = _mm256_add_epi32(q0, p0);
-    q1 = _mm256_add_epi32(q1, p1);
+    if (pairs) {
+      p0 = _mm256_add_epi32(p0, pair_mix_avx2(x));
+      q0 = _mm256_add_epi32(q0, p0);
+    } else {
+      p0 = _mm256_add_epi32(p0, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)));
+      p1 = _mm256_add_epi32(p1, _mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)));
+      q0 = _mm256_add_epi32(q0, p0);
+      q1 = _mm256_add_epi32(q1, p1);
+    }
     ++steps;
   }
-  // The sum of the values added so far.
+  // The checksum's part over the values added so far.
   __attribute__((target("avx2"))) uint32_t total() const {
     alignas(32) uint32_t p[16], q[16];
     _mm256_store_si256(reinterpret_cast<__m256i*>(p), p0);
@@ -68,19 +82,21 @@ struct ChecksumAvx2 {
     _mm256_store_si256(reinterpret_cast<__m256i*>(q), q0);
     _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8), q1);
     uint32_t sum = 0;
-    for (uint32_t l = 0; l < 16; ++l) sum += 32u * (steps * p[l] - q[l]) + (2u * (first + l) + 1u) * p[l];
+    if (pairs) {
+      for (uint32_t l = 0; l < 8; ++l) sum += 16u * (steps * p[l] - q[l]) + (first + 2u * l + 1u) * p[l];
+    } else {
+      for (uint32_t l = 0; l < 16; ++l) sum += 32u * (steps * p[l] - q[l]) + (2u * (first + l) + 1u) * p[l];
+    }
     return sum;
   }
 };
 
-// sum_i v[i] * (2 i + 1) mod 2^32 (checksum_term over a chunk), 16 values per step.
-__attribute__((target("avx2"))) inline uint32_t chunk_checksum_avx2(const uint16_t* v, uint32_t n) {
-  ChecksumAvx2 checksum;
+// checksum_of a chunk's values v[0, n), 16 values per step.
+__attribute__((target("avx2"))) inline uint32_t chunk_checksum_avx2(const uint16_t* v, uint32_t n, bool pairs) {
+  ChecksumAvx2 checksum(0, pairs);
   uint32_t i = 0;
   for (; i + 16 <= n; i += 16) checksum.add(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)));
-  uint32_t sum = checksum.total();
-  for (; i < n; ++i) sum += checksum_term(v[i], i);
-  return sum;
+  return checksum.total() + checksum_of(v + i, n - i, i, pairs);
 }
 
 // Zero-padded copy of the last bytes of a stream, so that SIMD steps near its end read in bounds.
@@ -190,7 +206,8 @@ __attribute__((target("avx2"))) inline bool zero_step_in_place(__m256i x[4], __m
 template <bool kHasZero, bool kFlagZeroHi = false>
 __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const uint8_t* payload, const ChunkEntry& e,
                                                                         uint32_t n, const DecodeTable& table,
-                                                                        uint16_t* out, bool* saw_zero_hi = nullptr) {
+                                                                        uint16_t* out, bool pairs,
+                                                                        bool* saw_zero_hi = nullptr) {
   __m256i zero_hi = _mm256_setzero_si256();
   alignas(32) uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;
@@ -295,15 +312,15 @@ __attribute__((target("avx2,popcnt"))) inline int decode_chunk_avx2_impl(const u
   }
   for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(states + 8 * j), x[j]);
   if constexpr (kFlagZeroHi) *saw_zero_hi = !_mm256_testz_si256(zero_hi, zero_hi);
-  const int status = decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos, false);
-  return status == kOk && chunk_checksum_avx2(out, n) != e.checksum ? int(kErrChecksum) : status;
+  const int status = decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos, pairs, false);
+  return status == kOk && chunk_checksum_avx2(out, n, pairs) != e.checksum ? int(kErrChecksum) : status;
 }
 
 // Same result as decode_chunk (AVX2 steps, then the portable core for the rest and the checks).
 inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                             uint16_t* out) {
-  if (table.zero_freq == 0) return decode_chunk_avx2_impl<false>(payload, e, n, table, out);  // no zero slot
-  if (e.num_raw != n) return decode_chunk_avx2_impl<true>(payload, e, n, table, out);
+                             uint16_t* out, bool pairs) {
+  if (table.zero_freq == 0) return decode_chunk_avx2_impl<false>(payload, e, n, table, out, pairs);  // no zero slot
+  if (e.num_raw != n) return decode_chunk_avx2_impl<true>(payload, e, n, table, out, pairs);
   // The directory says the chunk has no +0.0 (a raw field per value) while other chunks have
   // some: the path without zero tests is exact unless a +0.0 slot comes up, which only a corrupted
   // or crafted chunk can produce and which that path would decode as a value with a raw field
@@ -311,8 +328,8 @@ inline int decode_chunk_avx2(const uint8_t* payload, const ChunkEntry& e, uint32
   // with zero top bits, and a flagged or failed chunk is decoded again with the zero tests: the
   // result and status are then the portable core's (and the GPU decoder's).
   bool saw_zero_hi = false;
-  const int status = decode_chunk_avx2_impl<false, true>(payload, e, n, table, out, &saw_zero_hi);
-  return status == kOk && !saw_zero_hi ? status : decode_chunk_avx2_impl<true>(payload, e, n, table, out);
+  const int status = decode_chunk_avx2_impl<false, true>(payload, e, n, table, out, pairs, &saw_zero_hi);
+  return status == kOk && !saw_zero_hi ? status : decode_chunk_avx2_impl<true>(payload, e, n, table, out, pairs);
 }
 
 // compress[mask][p]: source lane of output slot p when the lanes in mask are packed at the top
@@ -402,23 +419,24 @@ inline const ByteCompactTable& byte_compact_table() {
 // (A/B of builds in turn; 512 bytes ahead: 1.28-1.40, 1024: 1.38-1.51, 2048 to 8192 alike).
 constexpr int kSurveyPrefetchBytes = 2048;
 
-// Symbol histogram of values v[0, n), which are values [first, first + n) of a chunk (the counts of
+// Symbol histogram of values v[0, n), which are values [first, first + n) of a chunk (first even;
+// the counts of
 // symbol_of over every value), counted into `h`
 // (`hist` [1025] receives a fold when h's tables run full): kTables (4 or 8) interleaved u32 tables
 // of v >> 6 (on Zen 3, 8 tables took 2-13% more time than 4; on an Emerald Rapids Xeon 0-18%
 // less, C++ A/B on real tensors: the AVX-512 level takes 8),
 // zeros counted 16 at a time with a vector compare (16 +0.0 in a row: one add, not 16 increments
 // of one counter, whose store-to-load chain made gradients' zero runs the slowest). The chunk's
-// checksum comes with it: its vector multiplies run beside the table increments (measured: no
+// checksum (pairs: version 7's) comes with it: its vector work runs beside the table increments (measured: no
 // slower than the counts alone). The checksum and +0.0 count returned are those of these values: a
 // chunk's are the sums over the pieces it was surveyed in.
 template <int kTables = 4>
 __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(const uint16_t* v, uint32_t n,
                                                                            uint32_t first, SymbolHistogram& h,
-                                                                           uint64_t* hist) {
+                                                                           uint64_t* hist, bool pairs) {
   uint32_t (*local)[SymbolHistogram::kTableStride] = h.local;
   const __m256i zero = _mm256_setzero_si256();
-  ChecksumAvx2 checksum(first);
+  ChecksumAvx2 checksum(first, pairs);
   uint32_t zero_bytes = 0, i = 0;
   for (; i + 16 <= n; i += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(v + i) + kSurveyPrefetchBytes, _MM_HINT_T0);
@@ -448,10 +466,9 @@ __attribute__((target("avx2,popcnt"))) inline ChunkSurvey survey_chunk_avx2(cons
     }
   }
   ChunkSurvey survey;
-  survey.checksum = checksum.total();
+  survey.checksum = checksum.total() + checksum_of(v + i, n - i, first + i, pairs);
   survey.zeros = zero_bytes / 2;  // two mask bits per value
   for (; i < n; ++i) {
-    survey.checksum += checksum_term(v[i], first + i);
     survey.zeros += v[i] == 0;
     ++local[0][v[i] >> kRawBits];
   }

@@ -44,18 +44,32 @@ inline bool have_avx512() {
   return ok;
 }
 
-// Chunk checksum (sum_i v[i] * (2 i + 1) mod 2^32, i = 32 s + l for lane l of step s) without
-// multiplies: per lane, P = sum of its values so far and Q = sum over steps of P. After T steps,
-// sum_s s v_s = T P - Q, so the checksum is sum_l 64 (T P_l - Q_l) + (2 l + 1) P_l (all mod 2^32).
-// ChecksumAvx2 does the same 16 values at a time; the decoder keeps this one-vector-per-step form
-// (with ChecksumAvx2 it took 2-9% more time, C++ A/B, within that harness's noise of about 5%).
+// pair_mix of each 32-bit lane (version 7's checksum).
+EP_COMM_AVX512 __attribute__((always_inline)) inline __m512i pair_mix_avx512(__m512i u) {
+  const __m512i m = _mm512_mullo_epi32(u, _mm512_set1_epi32(static_cast<int>(kPairMix)));
+  return _mm512_xor_si512(m, _mm512_srli_epi32(m, 16));
+}
+
+// Chunk checksum (checksum_of) 32 values a step without multiplies in the weighted sum: per lane,
+// P = the sum of its terms so far and Q = the sum over steps of P; after T steps, sum_s s t_s = T
+// P - Q. Versions 2-6 (value 32 s + l in lane l of step s): the checksum is sum_l 64 (T P_l - Q_l)
+// + (2 l + 1) P_l; version 7 (`pairs`: pair 16 s + l in lane l, its term pair_mix of it): sum_l 32
+// (T P_l - Q_l) + (2 l + 1) P_l (all mod 2^32). ChecksumAvx2 does the same 16 values at a time; the
+// decoder keeps this one-vector-per-step form (with ChecksumAvx2 it took 2-9% more time, C++ A/B,
+// within that harness's noise of about 5%).
 struct ChecksumSums512 {
-  __m512i p0, p1, q0, q1;  // lanes 0-15 and 16-31
+  __m512i p0, p1, q0, q1;  // lanes 0-15 and 16-31 (pairs: p0 and q0, lanes 0-15)
+  bool pairs = false;
   EP_COMM_AVX512 ChecksumSums512()
       : p0(_mm512_setzero_si512()), p1(_mm512_setzero_si512()), q0(_mm512_setzero_si512()),
         q1(_mm512_setzero_si512()) {}
   // One step's 32 values.
   EP_COMM_AVX512 __attribute__((always_inline)) void add(__m512i v) {
+    if (pairs) {
+      p0 = _mm512_add_epi32(p0, pair_mix_avx512(v));
+      q0 = _mm512_add_epi32(q0, p0);
+      return;
+    }
     p0 = _mm512_add_epi32(p0, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)));
     p1 = _mm512_add_epi32(p1, _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)));
     q0 = _mm512_add_epi32(q0, p0);
@@ -71,11 +85,14 @@ struct ChecksumSums512 {
     const __m512i t = _mm512_set1_epi32(int(steps));
     const __m512i odd0 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512i odd1 = _mm512_add_epi32(odd0, _mm512_set1_epi32(32));
-    const __m512i s0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_mullo_epi32(t, p0), q0), 6),
+    const int shift = pairs ? 5 : 6;  // log2 of a step's weight increase: 2 x 16 pairs, 2 x 32 values
+    const __m512i s0 = _mm512_add_epi32(_mm512_sll_epi32(_mm512_sub_epi32(_mm512_mullo_epi32(t, p0), q0),
+                                                         _mm_cvtsi32_si128(shift)),
                                         _mm512_mullo_epi32(odd0, p0));
     const __m512i s1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_mullo_epi32(t, p1), q1), 6),
                                         _mm512_mullo_epi32(odd1, p1));
-    // summed as unsigned (GCC's _mm512_reduce_add_epi32 adds as signed int, which may overflow)
+    // summed as unsigned (GCC's _mm512_reduce_add_epi32 adds as signed int, which may overflow);
+    // pairs: p1 and q1 stay 0
     alignas(64) uint32_t lanes[16];
     _mm512_store_si512(lanes, _mm512_add_epi32(s0, s1));
     uint32_t sum = 0;
@@ -188,10 +205,11 @@ struct ChunkCursor512 {
   uint32_t full_steps;
   bool bad_states = false;
 
-  EP_COMM_AVX512 ChunkCursor512(const uint8_t* p, const ChunkEntry& e, uint32_t count, uint16_t* o)
+  EP_COMM_AVX512 ChunkCursor512(const uint8_t* p, const ChunkEntry& e, uint32_t count, uint16_t* o, bool pairs)
       : payload(p), entry(&e), n(count), out(o), words(p + kStateBytes), raw(words + 2ull * e.num_words),
         nword_bytes(2ull * e.num_words), nraw_bytes(raw_bytes(e.num_raw)), word_tail(words, nword_bytes),
         raw_tail(raw, nraw_bytes), full_steps(count / kLanes) {
+    s.sums.pairs = pairs;
     alignas(64) uint32_t states[kLanes];
     bad_states = !load_states(payload, states);
     if (bad_states) full_steps = 0;
@@ -298,10 +316,11 @@ struct ChunkCursor512 {
     alignas(64) uint32_t states[kLanes];
     _mm512_store_si512(states, s.x[0]);
     _mm512_store_si512(states + 16, s.x[1]);
-    const int status = decode_chunk_from(payload, *entry, n, table, out, states, s.t, s.wpos, s.rpos, false);
+    const bool pairs = s.sums.pairs;
+    const int status = decode_chunk_from(payload, *entry, n, table, out, states, s.t, s.wpos, s.rpos, pairs, false);
     if (status != kOk) return status;
-    uint32_t checksum = s.sums.total(s.t);
-    for (uint32_t i = s.t * kLanes; i < n; ++i) checksum += checksum_term(out[i], i);
+    const uint32_t done = s.t * kLanes < n ? s.t * kLanes : n;
+    const uint32_t checksum = s.sums.total(s.t) + checksum_of(out + done, n - done, done, pairs);
     return checksum == entry->checksum ? int(kOk) : int(kErrChecksum);
   }
 };
@@ -315,16 +334,16 @@ template <bool kHasZero0, int kProbBits0, bool kHasZero1, int kProbBits1>
 EP_COMM_AVX512 inline void decode_chunks_avx512_impl(int count, const uint8_t* const* payload,
                                                      const ChunkEntry* const* e, const uint32_t* n,
                                                      const DecodeTable* const* table, uint16_t* const* out,
-                                                     int* status) {
+                                                     int* status, bool pairs) {
   using Cursor0 = ChunkCursor512<kHasZero0, kProbBits0>;
   using Cursor1 = ChunkCursor512<kHasZero1, kProbBits1>;
   const DecodeConsts k;
   const __m512i last_nonzero_slot0 = _mm512_set1_epi32(int(table[0]->zero_start) - 1);
-  Cursor0 c0(payload[0], *e[0], n[0], out[0]);
+  Cursor0 c0(payload[0], *e[0], n[0], out[0], pairs);
   typename Cursor0::State s0 = c0.s;  // in registers while decoding (see State)
   if (count == 2) {
     const __m512i last_nonzero_slot1 = _mm512_set1_epi32(int(table[1]->zero_start) - 1);
-    Cursor1 c1(payload[1], *e[1], n[1], out[1]);
+    Cursor1 c1(payload[1], *e[1], n[1], out[1], pairs);
     typename Cursor1::State s1 = c1.s;
     while (c0.can_step(s0) && c1.can_step(s1)) {
       c0.step(s0, *table[0], last_nonzero_slot0, k);
@@ -346,15 +365,15 @@ inline int decode_table_kind(const DecodeTable& t) {
 }
 
 using DecodeChunksFn = void (*)(int, const uint8_t* const*, const ChunkEntry* const*, const uint32_t*,
-                                const DecodeTable* const*, uint16_t* const*, int*);
+                                const DecodeTable* const*, uint16_t* const*, int*, bool);
 
 // decode_chunks_avx512_impl for chunk 0's table of kind K0 and chunk 1's of kind K1.
 template <int K0, int K1>
 EP_COMM_AVX512 void decode_chunks_of_kinds(int count, const uint8_t* const* payload, const ChunkEntry* const* e,
                                            const uint32_t* n, const DecodeTable* const* table, uint16_t* const* out,
-                                           int* status) {
+                                           int* status, bool pairs) {
   decode_chunks_avx512_impl<(K0 & 2) != 0, (K0 & 1) ? kMaxProbBits : kProbBits, (K1 & 2) != 0,
-                            (K1 & 1) ? kMaxProbBits : kProbBits>(count, payload, e, n, table, out, status);
+                            (K1 & 1) ? kMaxProbBits : kProbBits>(count, payload, e, n, table, out, status, pairs);
 }
 
 template <int... I>
@@ -362,17 +381,17 @@ constexpr std::array<DecodeChunksFn, sizeof...(I)> decoders_of_kinds(std::intege
   return {&decode_chunks_of_kinds<I / 4, I % 4>...};
 }
 
-// Same results as decode_chunk on each of `count` (1 or 2) chunks, chunk k with table[k], decoded
-// together whatever their tables. +0.0 lanes are told apart by slot (one compare per 16 lanes)
+// Same results as decode_chunk on each of `count` (1 or 2) chunks of one blob (its checksum:
+// `pairs`), chunk k with table[k], decoded together whatever their tables. +0.0 lanes are told apart by slot (one compare per 16 lanes)
 // whenever the table has a +0.0 range, so a crafted chunk whose directory denies +0.0 still
 // decodes as the portable core does.
 inline void decode_chunks_avx512(int count, const uint8_t* const* payload, const ChunkEntry* const* e,
                                  const uint32_t* n, const DecodeTable* const* table, uint16_t* const* out,
-                                 int* status) {
+                                 int* status, bool pairs) {
   static constexpr std::array<DecodeChunksFn, 16> kDecoders = decoders_of_kinds(std::make_integer_sequence<int, 16>());
   const int k0 = decode_table_kind(*table[0]);
   const int k1 = count == 2 ? decode_table_kind(*table[1]) : k0;
-  kDecoders[size_t(4 * k0 + k1)](count, payload, e, n, table, out, status);
+  kDecoders[size_t(4 * k0 + k1)](count, payload, e, n, table, out, status, pairs);
 }
 
 // Field counts by pairs (field_values_avx512): the fields of 4 words f << 6 gathered by one pext
@@ -420,10 +439,11 @@ struct FieldPairCounts {
 // Format version 6's field stream of chunk values v[0, n) (lossless_fields.h): w[k] = (v & 63) << 6
 // for the values other than +0.0, in order (32 values a step: a mask of the non-zero ones, a
 // compress in registers and a full 64-byte store: a compressing store to memory is microcoded and
-// several times slower), their counts by field in counts[64] (added), their checksum (sum of w_k
-// (2k + 1), ChecksumSums512); returns their number. w needs room for n + 32 values.
+// several times slower), their counts by field in counts[64] (added), their checksum (checksum_of
+// w[0, k), pairs: version 7's; ChecksumSums512); returns their number k. w needs room for n + 32
+// values.
 EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n, uint16_t* w, uint64_t* counts,
-                                                  uint32_t& checksum) {
+                                                  uint32_t& checksum, bool pairs) {
   const __m512i low = _mm512_set1_epi16(int16_t(kRawMask));
   uint32_t k = 0;
   for (uint32_t i = 0; i < n; i += 32) {
@@ -436,15 +456,16 @@ EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n
   // counts and checksum, 32 fields a step; counts by pairs where there are enough fields to pay
   // for the pair tables' clearing and folding, else one by one (the last step's fields too)
   ChecksumSums512 sums;
+  sums.pairs = pairs;
   uint32_t j = 0, steps = 0;
   if (k >= 4096) {
-    FieldPairCounts pairs;
+    FieldPairCounts pair_counts;
     for (; j + 32 <= k; j += 32, ++steps) {
       sums.add(_mm512_loadu_si512(w + j));
-      for (uint32_t q = 0; q < 32; q += 4) pairs.add(w + j + q);
-      if ((j + 32) % FieldPairCounts::kBlockFields == 0) pairs.fold(counts);
+      for (uint32_t q = 0; q < 32; q += 4) pair_counts.add(w + j + q);
+      if ((j + 32) % FieldPairCounts::kBlockFields == 0) pair_counts.fold(counts);
     }
-    pairs.fold(counts);
+    pair_counts.fold(counts);
   }
   uint32_t c4[4][1 << kRawBits] = {};
   for (uint32_t s = j; s < k; ++s) ++c4[s % 4][w[s] >> kRawBits];
@@ -459,11 +480,11 @@ EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n
 
 // decode_chunks_avx512 of one chunk (decode_chunk's result).
 inline int decode_chunk_avx512(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                               uint16_t* out) {
+                               uint16_t* out, bool pairs) {
   const ChunkEntry* entries[1] = {&e};
   const DecodeTable* tables[1] = {&table};
   int status = kOk;
-  decode_chunks_avx512(1, &payload, entries, &n, tables, &out, &status);
+  decode_chunks_avx512(1, &payload, entries, &n, tables, &out, &status, pairs);
   return status;
 }
 

@@ -65,7 +65,7 @@
 //   shared by the host and CUDA encoders); any choice decodes. A blob of +0.0 only is written with the largest
 //   chunk_values its values allow (one mode 3 chunk per 2^24 values): header, shape and a 16-byte
 //   entry per chunk.
-// Format version 6 (the default, written by the host and CUDA encoders; decoded by the host build
+// Format version 6 (written by the host and CUDA encoders on request; decoded by the host build
 // and the CUDA decoder) is version 5 where a 32-state chunk may code its raw fields with a second rANS
 // stream: mode 4, whose payload lossless_fields.h lays out; its directory entry takes a table index
 // as mode 0, num_words counts the u16 words after its two state blocks, num_raw >= 1 its fields.
@@ -87,8 +87,17 @@
 // everything else is the same; a rANS lane's bytes are its symbols' information plus between 2
 // and 4 bytes (the final state less the renormalisation floor), so two tables' chunks differ from
 // their estimates' difference by under 2 bytes a lane.
-// The checksum of a chunk is sum_i v_i * (2 i + 1) mod 2^32 over its values (i within the chunk),
-// so any single corrupted value changes it.
+// Format version 7 (the default) is version 6 with a chunk checksum that is not linear in the
+// values (pair_checksum, below); a field stream's checksum likewise.
+// The checksum of a chunk, versions 2 to 6, is sum_i v_i * (2 i + 1) mod 2^32 over its values (i
+// within the chunk), so any single corrupted value changes it; but it is linear in the values with
+// weights in arithmetic progression, so changes (-d, +d, +d, -d) to values 2 apart cancel. A
+// corrupted field stream of version 6 decodes to such changes in about 1e-5 of single-bit flips.
+// Version 7's checksum is sum_j mix(u_j) * (2 j + 1) mod 2^32 over the chunk's value pairs u_j =
+// v_2j | v_2j+1 << 16 (v_n = 0 when n is odd), mix(u) = m ^ (m >> 16) with m = u * kPairMix mod
+// 2^32: a change within one pair always changes it (mix is a bijection, the weights odd); changes
+// the linear sum misses pass only where the high halves XORed into the products' low halves
+// cancel too.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -100,9 +109,11 @@ namespace ep_comm::lossless {
 
 constexpr uint32_t kMagic = 0x424C5045u;  // "EPLB"
 constexpr uint32_t kVersion4 = 4;    // the compact header (20 bytes, LEB128 shape) from here on
-constexpr uint32_t kDefaultVersion = 6;  // what the encoders (host and CUDA) write by default
+constexpr uint32_t kDefaultVersion = 7;  // what the encoders (host and CUDA) write by default
 constexpr uint32_t kVersion5 = 5;    // per-chunk tables: written on request (host and CUDA), decoded everywhere
 constexpr uint32_t kVersion6 = 6;    // version 5 with coded raw fields (modes 4, 5): written and decoded everywhere
+constexpr uint32_t kVersion7 = 7;    // version 6 with the pair checksum: written and decoded everywhere
+constexpr uint32_t kNewestVersion = kVersion7;
 constexpr uint32_t kVersion3 = 3;    // still decoded and written on request
 constexpr uint32_t kOldVersion = 2;  // still decoded and written on request
 constexpr int kMaxDims = 8;
@@ -190,7 +201,34 @@ EP_HD uint16_t join_value(uint32_t symbol, uint32_t raw) {
   if (symbol == uint32_t(kZeroSymbol)) return 0;
   return static_cast<uint16_t>((symbol << kRawBits) | raw);
 }
+// Versions 2 to 6: value v's term in its chunk's checksum (value `index` of the chunk).
 EP_HD uint32_t checksum_term(uint16_t v, uint32_t index) { return uint32_t(v) * (2u * index + 1u); }
+
+// Version 7 on: the chunk checksum mixes each pair of values (u = v_2j | v_2j+1 << 16) before the
+// weighted sum: m = u * kPairMix mod 2^32, mix = m ^ (m >> 16), a bijection of u32 (so, the
+// weights being odd, a change within one pair always changes the sum). mix(0) = 0, so +0.0 pairs
+// add nothing, as in the linear checksum.
+constexpr uint32_t kPairMix = 0x9E3779B1u;  // odd; 2^32 over the golden ratio
+EP_HD bool pair_checksum(uint32_t version) { return version >= kVersion7; }
+EP_HD uint32_t pair_mix(uint32_t u) {
+  const uint32_t m = u * kPairMix;
+  return m ^ (m >> 16);
+}
+EP_HD uint32_t pair_term(uint32_t u, uint32_t pair_index) { return pair_mix(u) * (2u * pair_index + 1u); }
+
+// The checksum's part over values v[0, n), which are values [first, first + n) of a chunk (first
+// even for pairs; the parts of a chunk's pieces sum to its checksum).
+EP_HD uint32_t checksum_of(const uint16_t* v, uint32_t n, uint32_t first, bool pairs) {
+  uint32_t sum = 0;
+  if (!pairs) {
+    for (uint32_t i = 0; i < n; ++i) sum += checksum_term(v[i], first + i);
+    return sum;
+  }
+  uint32_t i = 0;
+  for (; i + 2 <= n; i += 2) sum += pair_term(uint32_t(v[i]) | uint32_t(v[i + 1]) << 16, (first + i) / 2);
+  if (i < n) sum += pair_term(v[i], (first + i) / 2);
+  return sum;
+}
 
 EP_HD uint64_t align4(uint64_t n) { return (n + 3) & ~uint64_t(3); }
 
@@ -902,7 +940,7 @@ EP_HD uint32_t meta_checksum(const uint8_t* blob, uint64_t end, uint32_t version
 // The checks of parse_header that read fixed fields: header, shape, and that table and directory
 // fit (not the table padding and the metadata checksum, which read every metadata byte). Reads
 // only bytes below min(size, readable) (readable: how much of the blob the caller holds).
-// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kVersion6
+// newest_version: the newest format the caller decodes (a newer one is kErrVersion): kNewestVersion
 // for the host and CUDA decoders.
 EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uint64_t readable = ~0ull,
                               uint32_t newest_version = kVersion4) {
@@ -910,7 +948,7 @@ EP_HD int parse_header_fields(const uint8_t* blob, uint64_t size, Header& h, uin
   if (readable < kHeaderBytesV4) return kErrTruncated;
   if (load_le<uint32_t>(blob) != kMagic) return kErrMagic;
   if (blob[4] != kVersion4 && blob[4] != kVersion3 && blob[4] != kOldVersion &&
-      !(blob[4] >= kVersion5 && blob[4] <= kVersion6 && newest_version >= blob[4]))
+      !(blob[4] >= kVersion5 && blob[4] <= kNewestVersion && newest_version >= blob[4]))
     return kErrVersion;
   h.version = blob[4];
   if (readable < header_bytes(h.version)) return kErrTruncated;
@@ -1283,14 +1321,14 @@ EP_HD uint64_t max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk
 
 // ---- single-chunk coding, sequential form (host; also a reference for the warp kernels) ----
 
-// The split pass of a chunk: returns its checksum and writes the raw fields of values v[0, n)
-// (packed, raw_bytes(count) bytes) to `raw`, their count to num_raw. `raw` needs n bytes.
-EP_HD uint32_t split_chunk(const uint16_t* v, uint32_t n, uint8_t* raw, uint32_t& num_raw) {
-  uint32_t checksum = 0, nr = 0;
+// The split pass of a chunk: returns its checksum (pairs: version 7's) and writes the raw fields
+// of values v[0, n) (packed, raw_bytes(count) bytes) to `raw`, their count to num_raw. `raw`
+// needs n bytes.
+EP_HD uint32_t split_chunk(const uint16_t* v, uint32_t n, uint8_t* raw, uint32_t& num_raw, bool pairs) {
+  uint32_t nr = 0;
   BitWriter bits(raw);
   for (uint32_t i = 0; i < n; ++i) {
     const uint16_t x = v[i];
-    checksum += checksum_term(x, i);
     if (x != 0) {
       bits.put(raw_of(x), kRawBits);
       ++nr;
@@ -1298,7 +1336,7 @@ EP_HD uint32_t split_chunk(const uint16_t* v, uint32_t n, uint8_t* raw, uint32_t
   }
   bits.finish();
   num_raw = nr;
-  return checksum;
+  return checksum_of(v, n, 0, pairs);
 }
 
 // The rANS pass of a chunk: codes the symbols of v[0, n) with the blob's table, writing words
@@ -1334,9 +1372,9 @@ EP_HD uint32_t rans_encode_partial_step(const uint16_t* v, uint32_t n, const Enc
 // Encodes chunk values v[0, n): words backwards ending at words_end (room for n words), raw
 // fields forward to `raw` (room for n bytes), final states to `states`. Fills `e`.
 EP_HD void encode_chunk(const uint16_t* v, uint32_t n, const EncSym* syms, uint32_t* states,
-                        uint16_t* words_end, uint8_t* raw, ChunkEntry& e) {
+                        uint16_t* words_end, uint8_t* raw, ChunkEntry& e, bool pairs) {
   e.mode = kModeRans;
-  e.checksum = split_chunk(v, n, raw, e.num_raw);
+  e.checksum = split_chunk(v, n, raw, e.num_raw, pairs);
   e.num_words = rans_encode_chunk(v, n, syms, states, words_end);
 }
 
@@ -1369,19 +1407,17 @@ EP_HD bool raw_tail_zero(const uint8_t* payload, const ChunkEntry& e) {
 }
 
 // Checks run after a chunk's values are decoded: every word and raw field consumed, states back
-// at their initial value, the unused bits of the last raw byte zero, and the checksum.
-// verify_checksum = false leaves the checksum (the last check) to the caller: the host's AVX2
-// decoder computes it with vector multiplies.
+// at their initial value, the unused bits of the last raw byte zero, and the checksum (pairs:
+// version 7's). verify_checksum = false leaves the checksum (the last check) to the caller: the
+// host's SIMD decoders compute it with vector instructions.
 EP_HD int finish_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const uint16_t* out,
-                       const uint32_t* states, uint32_t wpos, uint32_t rpos, bool verify_checksum = true) {
+                       const uint32_t* states, uint32_t wpos, uint32_t rpos, bool pairs, bool verify_checksum = true) {
   if (wpos != e.num_words || rpos != e.num_raw) return kErrStream;
   for (int l = 0; l < kLanes; ++l)
     if (states[l] != kStateLow) return kErrStream;
   if (!raw_tail_zero(payload, e)) return kErrPadding;
   if (!verify_checksum) return kOk;
-  uint32_t checksum = 0;
-  for (uint32_t i = 0; i < n; ++i) checksum += checksum_term(out[i], i);
-  return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
+  return checksum_of(out, n, 0, pairs) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
 // Decodes steps [t0, end) of a chunk whose first t0 steps are done (states, wpos, rpos describe
@@ -1390,7 +1426,7 @@ EP_HD int finish_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, 
 // Host SIMD decoders hand over here.
 EP_HD int decode_chunk_from(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
                             uint16_t* out, uint32_t* states, uint32_t t0, uint32_t wpos, uint32_t rpos,
-                            bool verify_checksum = true) {
+                            bool pairs, bool verify_checksum = true) {
   const uint8_t* words = payload + kStateBytes;
   const uint8_t* raw = words + 2ull * e.num_words;
   const uint64_t nraw_bytes = raw_bytes(e.num_raw);
@@ -1415,14 +1451,14 @@ EP_HD int decode_chunk_from(const uint8_t* payload, const ChunkEntry& e, uint32_
       out[base + l] = join_value(s, r);
     }
   }
-  return finish_chunk(payload, e, n, out, states, wpos, rpos, verify_checksum);
+  return finish_chunk(payload, e, n, out, states, wpos, rpos, pairs, verify_checksum);
 }
 
 EP_HD int decode_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                       uint16_t* out) {
+                       uint16_t* out, bool pairs) {
   uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;
-  return decode_chunk_from(payload, e, n, table, out, states, 0, 0, 0);
+  return decode_chunk_from(payload, e, n, table, out, states, 0, 0, 0, pairs);
 }
 
 // ---- one-state chunks (mode 2, version 4): the chunk's values coded in order by one rANS state ----
@@ -1440,15 +1476,16 @@ EP_HD uint32_t rans_encode_one_state(const uint16_t* v, uint32_t n, const EncSym
 
 // Decodes a mode 2 chunk (payload_bytes(e, n) bytes at `payload`, bounds-checked by the caller)
 // with the checks of decode_chunk: the state in range, every word and raw field consumed, the
-// state back at its initial value, the last raw byte's unused bits zero, the checksum.
+// state back at its initial value, the last raw byte's unused bits zero, the checksum (pairs:
+// version 7's).
 // (decode_one_state_streams: the same with the state, the words and the raw fields at `state`,
 // `words` and `raw`, wherever they lie: version 6's mode 5 decodes its two streams with it.)
 EP_HD int decode_one_state_streams(const uint8_t* state, const uint8_t* words, const uint8_t* raw, const ChunkEntry& e,
-                                   uint32_t n, const DecodeTable& table, uint16_t* out) {
+                                   uint32_t n, const DecodeTable& table, uint16_t* out, bool pairs) {
   uint32_t x = load_le<uint32_t>(state);
   if (x < kStateLow) return kErrStream;
   const uint64_t nraw_bytes = raw_bytes(e.num_raw);
-  uint32_t wpos = 0, rpos = 0, checksum = 0;
+  uint32_t wpos = 0, rpos = 0, checksum = 0, even = 0;  // even: pairs, the value before an odd one
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t s = dec_step(x, table);
     if (x < kStateLow) {
@@ -1461,18 +1498,22 @@ EP_HD int decode_one_state_streams(const uint8_t* state, const uint8_t* words, c
       if (rpos >= e.num_raw) return kErrStream;
       r = read_raw_field(raw, nraw_bytes, rpos++);
     }
-    out[i] = join_value(s, r);
-    checksum += checksum_term(out[i], i);
+    const uint16_t v = join_value(s, r);
+    out[i] = v;
+    if (!pairs) checksum += checksum_term(v, i);
+    else if (i % 2 == 0) even = v;
+    else checksum += pair_term(even | uint32_t(v) << 16, i / 2);
   }
+  if (pairs && n % 2 != 0) checksum += pair_term(even, n / 2);
   if (wpos != e.num_words || rpos != e.num_raw || x != kStateLow) return kErrStream;
   const uint64_t tail_bits = uint64_t(kRawBits) * e.num_raw;  // raw_tail_zero
   if (tail_bits % 8 != 0 && (raw[tail_bits / 8] >> (tail_bits % 8)) != 0) return kErrPadding;
   return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 EP_HD int decode_one_state_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                                 uint16_t* out) {
+                                 uint16_t* out, bool pairs) {
   const uint8_t* words = payload + kOneStateBytes;
-  return decode_one_state_streams(payload, words, words + 2ull * e.num_words, e, n, table, out);
+  return decode_one_state_streams(payload, words, words + 2ull * e.num_words, e, n, table, out, pairs);
 }
 
 // A mode 3 chunk: n values +0.0 (check_entry checked its fields).
@@ -1480,15 +1521,10 @@ EP_HD void decode_zero_chunk(uint32_t n, uint16_t* out) {
   for (uint32_t i = 0; i < n; ++i) out[i] = 0;
 }
 
-// Raw chunk: copies and checks the checksum.
-EP_HD int decode_raw_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, uint16_t* out) {
-  uint32_t checksum = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    uint16_t v = load_le<uint16_t>(payload + 2ull * i);
-    out[i] = v;
-    checksum += checksum_term(v, i);
-  }
-  return checksum == e.checksum ? int(kOk) : int(kErrChecksum);
+// Raw chunk: copies and checks the checksum (pairs: version 7's).
+EP_HD int decode_raw_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, uint16_t* out, bool pairs) {
+  for (uint32_t i = 0; i < n; ++i) out[i] = load_le<uint16_t>(payload + 2ull * i);
+  return checksum_of(out, n, 0, pairs) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
 }  // namespace ep_comm::lossless

@@ -18,7 +18,8 @@
 //   u32 field_state[32]   the field stream's final states
 //   u32 symbol_words S    the symbols' words
 //   u32 nonzero_fields Z  fields other than 0 (the field stream's num_raw)
-//   u32 field_checksum    the field stream's checksum (checksum_term over w_k, k from 0)
+//   u32 field_checksum    the field stream's checksum: w_k's as a chunk's values' (checksum_of;
+//                         version 7: the pair checksum)
 //   u8 field_prob_bits (11 or 12), u8 0, u16 L (table bytes, 1 to kMaxFieldTableBytes)
 //   L bytes               the field table in version 4's encoding, entries until the frequencies
 //                         sum to 2^field_prob_bits (as version 5's extra tables), then zero bytes
@@ -256,20 +257,20 @@ inline void finish_coded_fields(const uint8_t* payload, const ChunkEntry& e, Fie
 }
 
 // The three steps on one chunk: decode(payload, entry, n, table, out) decodes a mode 0 chunk on the
-// caller's path (every path gives the same status and values); mode 2 decodes with the portable
-// core, as the host decodes mode 2.
+// caller's path (every path gives the same status and values; the blob's checksum, as `pairs`);
+// mode 2 decodes with the portable core, as the host decodes mode 2.
 template <typename Build, typename Decode>
 int decode_coded_fields_chunk(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                              uint16_t* out, FieldDecodeScratch& s, Build&& build, Decode&& decode) {
+                              uint16_t* out, FieldDecodeScratch& s, bool pairs, Build&& build, Decode&& decode) {
   int st = prepare_coded_fields(payload, e, n, s, build);
   if (st != kOk) return st;
   const bool one = e.mode == kModeOneStateFields;
   const ChunkEntry& fe = s.layout.field_entry;
-  st = one ? decode_one_state_chunk(s.field_payload.get(), fe, e.num_raw, s.table, s.values.get())
+  st = one ? decode_one_state_chunk(s.field_payload.get(), fe, e.num_raw, s.table, s.values.get(), pairs)
            : decode(s.field_payload.get(), fe, e.num_raw, s.table, s.values.get());
   if (st != kOk) return st;
   finish_coded_fields(payload, e, s);
-  return one ? decode_one_state_chunk(s.chunk_payload.get(), s.chunk_entry, n, table, out)
+  return one ? decode_one_state_chunk(s.chunk_payload.get(), s.chunk_entry, n, table, out, pairs)
              : decode(s.chunk_payload.get(), s.chunk_entry, n, table, out);
 }
 

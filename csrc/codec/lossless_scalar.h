@@ -68,14 +68,15 @@ struct SymbolHistogram {
 
 // What the encoder's first pass learns of a chunk besides its symbol counts.
 struct ChunkSurvey {
-  uint32_t checksum = 0;  // sum_i v[i] * (2 i + 1) mod 2^32
+  uint32_t checksum = 0;  // checksum_of the values
   uint32_t zeros = 0;     // values that are +0.0
 };
 
-// Symbol histogram, checksum and +0.0 count of values v[0, n), which are values [first, first + n)
-// of a chunk, as survey_chunk_avx2 gives them: four tables of SymbolHistogram.
+// Symbol histogram, checksum (pairs: version 7's) and +0.0 count of values v[0, n), which are
+// values [first, first + n) of a chunk (first even), as survey_chunk_avx2 gives them: four tables
+// of SymbolHistogram.
 inline ChunkSurvey survey_chunk_scalar(const uint16_t* v, uint32_t n, uint32_t first, SymbolHistogram& h,
-                                       uint64_t* hist) {
+                                       uint64_t* hist, bool pairs) {
   uint32_t (*local)[SymbolHistogram::kTableStride] = h.local;
   ChunkSurvey survey;
   uint32_t i = 0;
@@ -84,14 +85,13 @@ inline ChunkSurvey survey_chunk_scalar(const uint16_t* v, uint32_t n, uint32_t f
       const uint16_t x = v[i + k];
       ++local[k][x >> kRawBits];
       survey.zeros += x == 0;
-      survey.checksum += checksum_term(x, first + i + uint32_t(k));
     }
   }
   for (; i < n; ++i) {
     ++local[0][v[i] >> kRawBits];
     survey.zeros += v[i] == 0;
-    survey.checksum += checksum_term(v[i], first + i);
   }
+  survey.checksum = checksum_of(v, n, first, pairs);
   h.add(n, survey.zeros, hist);
   return survey;
 }
@@ -125,7 +125,7 @@ inline uint32_t split_fields_scalar(const uint16_t* v, uint32_t n, uint32_t zero
 
 // Same result as decode_chunk.
 inline int decode_chunk_scalar(const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                               uint16_t* out) {
+                               uint16_t* out, bool pairs) {
   uint32_t states[kLanes];
   if (!load_states(payload, states)) return kErrStream;
   const uint8_t* words = payload + kStateBytes;
@@ -183,7 +183,7 @@ inline int decode_chunk_scalar(const uint8_t* payload, const ChunkEntry& e, uint
     }
     rpos += fields;
   }
-  return decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos);
+  return decode_chunk_from(payload, e, n, table, out, states, t, wpos, rpos, pairs);
 }
 
 }  // namespace ep_comm::lossless

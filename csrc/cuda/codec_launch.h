@@ -40,15 +40,17 @@ size_t ep_lossless_encode_fields_wanted_offset();
 // decoder table, two symbol arrays and the packed fields each (about 25 KiB and 0.75 bytes a value).
 size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_values, uint64_t field_chunks);
 
-// blob [blob_bytes] (format version 2 to 6; field_chunks: its chunks of modes 4 and 5, as the
-// workspace was sized for) -> out [num_values] bf16 bits. *status (device int) is
-// set to 0 on success or a lossless::Status code (the blob is corrupted, or does not hold
-// num_values values): the one the host decoder reports for the same blob (that of the first
-// failing chunk); out is undefined then. Reads stay inside the blob. min_chunk_values bounds the
+// blob [blob_bytes] (format `version`, 2 to 7: its header's byte 4 as the caller read it, which
+// picks the decode kernels built for its checksum; field_chunks: its chunks of modes 4 and 5, as
+// the workspace was sized for) -> out [num_values] bf16 bits. *status (device int) is set to 0 on
+// success or a lossless::Status code (the blob is corrupted, does not hold num_values values, or
+// its header's version is not `version`: kErrHeader): for a blob whose version is `version`, the
+// one the host decoder reports for the same blob (that of the first failing chunk); out is
+// undefined then. Reads stay inside the blob. min_chunk_values bounds the
 // blob's chunk size from below, which sizes the workspace (use the encoder's chunk_values).
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                            uint32_t min_chunk_values, uint64_t field_chunks, int* status, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream);
+                            uint32_t min_chunk_values, uint64_t field_chunks, uint32_t version, int* status,
+                            void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // x [rows, hidden] bf16 bits -> q [rows, hidden] e4m3 bytes and scales: [rows, hidden/128] float32,
 // or with use_ue8m0 [rows, hidden/512] int32 (viewed here as bytes). hidden % 128 == 0

@@ -25,10 +25,10 @@ int launch_lossless_encode(const uint16_t* values, uint64_t num_values, const in
 }
 
 int launch_lossless_decode(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                           uint32_t min_chunk_values, uint64_t field_chunks, int32_t* status, void* workspace,
-                           size_t workspace_bytes, void* stream) {
-  return ep_lossless_decode_cuda(blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, status, workspace,
-                                 workspace_bytes, static_cast<cudaStream_t>(stream));
+                           uint32_t min_chunk_values, uint64_t field_chunks, uint32_t version, int32_t* status,
+                           void* workspace, size_t workspace_bytes, void* stream) {
+  return ep_lossless_decode_cuda(blob, blob_bytes, out, num_values, min_chunk_values, field_chunks, version, status,
+                                 workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 
 int launch_fp8_quantize(const uint16_t* x, int64_t rows, int64_t hidden, bool round_scale, bool use_ue8m0,

@@ -358,6 +358,23 @@ __device__ uint32_t warp_sum(uint32_t v) {
   return v;
 }
 
+// This lane's part of checksum_of values v[0, n), which are values [first, first + n) of a chunk
+// (first even; mix_pairs: version 7's): lane l takes values (pairs) l, l + 32, ...
+__device__ uint32_t lane_checksum(const uint16_t* v, uint32_t n, uint32_t first, bool mix_pairs, int lane) {
+  uint32_t sum = 0;
+  if (mix_pairs) {
+    for (uint32_t j = uint32_t(lane); 2 * j < n; j += kLanes)
+      sum += pair_term(uint32_t(v[2 * j]) | (2 * j + 1 < n ? uint32_t(v[2 * j + 1]) << 16 : 0u), first / 2 + j);
+  } else {
+    for (uint32_t i = uint32_t(lane); i < n; i += kLanes) sum += checksum_term(v[i], first + i);
+  }
+  return sum;
+}
+// The same summed over the warp (every lane calls; every lane gets checksum_of).
+__device__ uint32_t warp_checksum(const uint16_t* v, uint32_t n, bool mix_pairs, int lane) {
+  return warp_sum(lane_checksum(v, n, 0, mix_pairs, lane));
+}
+
 // ---- block-wide helpers (blockDim.x == kMetaThreads, every thread calls) ----
 template <typename T>
 __device__ T block_sum(T v, T* scratch32) {
@@ -783,10 +800,11 @@ __device__ bool chunk_fields_may_pay(const unsigned* sample, uint32_t sampled, c
 // block to merge (the block ticket, taken after a fence) builds the symbol table from the merged
 // histogram (build_table): each block's adds are ordered before its ticket, so that block sees
 // them all. Version 6 (`fields`): each chunk's field counts too (its sample's and all), by shared
-// atomics in the warp's counters, and ws.fields_wanted set where chunk_fields_may_pay.
+// atomics in the warp's counters, and ws.fields_wanted set where chunk_fields_may_pay. Version 7
+// (`mix_pairs`): the pair checksum (a lane's 8 values are 4 pairs).
 __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t* values, uint64_t n, uint32_t cv,
                                                                 uint64_t chunks, bool aligned, uint32_t one_state_max,
-                                                                bool fields, EncWs ws) {
+                                                                bool fields, bool mix_pairs, EncWs ws) {
   __shared__ unsigned int hist[kNumSymbols];
   __shared__ unsigned long long merged[kNumSymbols];
   // version 6: a warp's field counts, its chunk's sample's [0] and all its fields' [1]
@@ -810,10 +828,14 @@ __global__ void __launch_bounds__(kMetaThreads) histogram_kernel(const uint16_t*
       if (tt + 1 < num_tiles) next = fetch_tile(v, cn, (tt + 1) * kTileValues, aligned, lane);
       const uint32_t first = tt * kTileValues + 8u * lane;
       const uint32_t pairs[4] = {tile.bits.x, tile.bits.y, tile.bits.z, tile.bits.w};
+      if (mix_pairs) {
+#pragma unroll
+        for (uint32_t k = 0; k < 4; ++k) checksum += pair_term(pairs[k], first / 2 + k);  // (0 past the end)
+      }
 #pragma unroll
       for (uint32_t k = 0; k < 8; ++k) {
         const uint16_t x = static_cast<uint16_t>(pairs[k / 2] >> (16 * (k % 2)));  // 0 past the end
-        checksum += checksum_term(x, first + k);
+        if (!mix_pairs) checksum += checksum_term(x, first + k);
         // one shared atomic per non-zero value (aggregating equal symbols with __match_any_sync
         // was measured 2.9x slower on an H200)
         if (x != 0) {
@@ -1095,7 +1117,7 @@ __device__ bool field_table(const unsigned long long* fcounts, uint32_t total, b
 // the fields k = l mod 32, its words written backwards in place below w + num_raw: after step t
 // (fields [32 t, num_raw) coded) at most num_raw - 32 t words are written (one a value at most),
 // so they lie at or above field 32 t, which that step read before its ballot.
-__device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, ChunkEntry& e, const FieldArea& a,
+__device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, bool mix_pairs, ChunkEntry& e, const FieldArea& a,
                                  unsigned long long* fcounts, SharedSym* ftab, int lane, FieldCode& fc) {
   const uint32_t nr = e.num_raw;
   const unsigned below = (1u << lane) - 1u;
@@ -1118,22 +1140,20 @@ __device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, ChunkEntry& e, 
   if (__shfl_sync(kFull, go, 0) == 0) return false;
   fcounts[lane] = fcounts[lane + kLanes] = 0;
   __syncwarp();
-  uint32_t after = 0, checksum = 0;
+  uint32_t after = 0;
   for (uint32_t base = 0; base < cn; base += kLanes) {
     const uint32_t i = base + lane;
     const uint16_t value = i < cn ? v[i] : uint16_t(0);
     const unsigned nz = __ballot_sync(kFull, value != 0);
     if (value != 0) {
       const uint32_t k = after + __popc(nz & below);
-      const uint16_t w = static_cast<uint16_t>(raw_of(value) << kRawBits);
-      a.w[k] = w;
+      a.w[k] = static_cast<uint16_t>(raw_of(value) << kRawBits);
       atomicAdd(&fcounts[raw_of(value)], 1ull);
-      checksum += checksum_term(w, k);
     }
     after += __popc(nz);
   }
-  checksum = warp_sum(checksum);
   __syncwarp();  // the counts and the values stored
+  const uint32_t checksum = warp_checksum(a.w, nr, mix_pairs, lane);
   int pays = 0;
   if (lane == 0)
     pays = field_coding_may_pay(field_entropy_q10(reinterpret_cast<const uint64_t*>(fcounts), nr), nr, nr, false);
@@ -1164,7 +1184,7 @@ __device__ bool code_fields_warp(const uint16_t* v, uint32_t cn, ChunkEntry& e, 
 // A blob's only chunk, coded with one state (mode 2: values v[0, cn), entry e), recoded as mode 5
 // where the host encoder does so (as code_fields_warp, with one state: the field stream coded in
 // order by rans_encode_one_state's steps, in place as there). Lane 0 alone.
-__device__ bool code_fields_one_state(const uint16_t* v, uint32_t cn, ChunkEntry& e, const FieldArea& a,
+__device__ bool code_fields_one_state(const uint16_t* v, uint32_t cn, bool mix_pairs, ChunkEntry& e, const FieldArea& a,
                                       unsigned long long* fcounts, SharedSym* ftab, FieldCode& fc) {
   const uint32_t nr = e.num_raw;
   if (nr < min_coded_fields(true)) return false;
@@ -1178,14 +1198,13 @@ __device__ bool code_fields_one_state(const uint16_t* v, uint32_t cn, ChunkEntry
   }
   if (!field_sample_may_pay(counts, sampled, nr, true)) return false;
   for (uint32_t f = 0; f < 1u << kRawBits; ++f) fcounts[f] = 0;
-  uint32_t k = 0, checksum = 0;
+  uint32_t k = 0;
   for (uint32_t i = 0; i < cn; ++i) {
     if (v[i] == 0) continue;
-    const uint16_t w = static_cast<uint16_t>(raw_of(v[i]) << kRawBits);
-    a.w[k] = w;
+    a.w[k++] = static_cast<uint16_t>(raw_of(v[i]) << kRawBits);
     ++fcounts[raw_of(v[i])];
-    checksum += checksum_term(w, k++);
   }
+  const uint32_t checksum = checksum_of(a.w, nr, 0, mix_pairs);
   if (!field_coding_may_pay(field_entropy_q10(counts, nr), nr, nr, true)) return false;
   if (!field_table(fcounts, nr, true, a, ftab, fc, 0)) return false;
   uint32_t x = kStateLow;
@@ -1475,7 +1494,7 @@ struct RansShared {
 template <bool code_fields>
 __device__ __forceinline__ void rans_pass(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks,
                                           bool aligned, const EncWs& ws, uint64_t table_at, uint8_t* out,
-                                          bool out_aligned, uint32_t one_state_max, RansShared& sh) {
+                                          bool out_aligned, uint32_t one_state_max, bool mix_pairs, RansShared& sh) {
   unsigned char* pool = sh.pool;
   auto& tiles = sh.tiles;
   auto& rings = sh.rings;
@@ -1562,7 +1581,7 @@ __device__ __forceinline__ void rans_pass(const uint16_t* values, uint64_t n, ui
     if (code_fields && one_state && nr > 0) {
       int coded = 0;
       if (lane == 0)
-        coded = code_fields_one_state(v, cn, e, field_area(slot, ws.slot_values), fcounts, field_tables[warp],
+        coded = code_fields_one_state(v, cn, mix_pairs, e, field_area(slot, ws.slot_values), fcounts, field_tables[warp],
                                       field_codes[warp]) ? 1 : 0;
       __syncwarp();  // lane 0's field_codes stored
       if (__shfl_sync(kFull, coded, 0) != 0)
@@ -1573,7 +1592,7 @@ __device__ __forceinline__ void rans_pass(const uint16_t* values, uint64_t n, ui
     if (raw_pays) e = ChunkEntry{kModeRaw, 0, 0, e.checksum};
     if (nr == 0 && cn > 0) e = ChunkEntry{kModeZero, 0, 0, 0};  // +0.0 only (checksum 0)
     if (code_fields && e.mode == kModeRans)
-      code_fields_warp(v, cn, e, field_area(slot, ws.slot_values), fcounts, field_tables[warp], lane,
+      code_fields_warp(v, cn, mix_pairs, e, field_area(slot, ws.slot_values), fcounts, field_tables[warp], lane,
                        field_codes[warp]);
     const uint64_t bytes = align4(payload_bytes(e, cn));
     __syncwarp();  // the slot's words and fields are stored before any lane copies them
@@ -1609,14 +1628,16 @@ __global__ void __launch_bounds__(kBlockThreads, kRansMinBlocks)
                 uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max, bool version6) {
   __shared__ RansShared sh;
   if (version6 && *ws.fields_wanted != 0) return;
-  rans_pass<false>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, sh);
+  // (mix_pairs: the field streams' checksum, which this pass does not code; the chunks' came from
+  // histogram_kernel)
+  rans_pass<false>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, false, sh);
 }
 __global__ void __launch_bounds__(kBlockThreads, kRansFieldsMinBlocks)
     rans_fields_kernel(const uint16_t* values, uint64_t n, uint32_t cv, uint64_t chunks, bool aligned, EncWs ws,
-                       uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max) {
+                       uint64_t table_at, uint8_t* out, bool out_aligned, uint32_t one_state_max, bool mix_pairs) {
   __shared__ RansShared sh;
   if (*ws.fields_wanted == 0) return;
-  rans_pass<true>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, sh);
+  rans_pass<true>(values, n, cv, chunks, aligned, ws, table_at, out, out_aligned, one_state_max, mix_pairs, sh);
 }
 
 // The directory entries of chunks c = first, first + stride, ... below `chunks` (one warp each;
@@ -1906,7 +1927,8 @@ __device__ bool build_extra_tables(const uint8_t* blob, const Header& h, const E
 // pass, reported in the host's order; then the chunk offsets and the decoder's tables (the shared
 // one, and version 5's extra ones, ws.table[1 + k], built as they are checked).
 __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* blob, uint64_t size, uint64_t n,
-                                                               uint64_t max_chunks, DecWs ws, int* status) {
+                                                               uint64_t max_chunks, uint32_t version, DecWs ws,
+                                                               int* status) {
   __shared__ Header h;
   __shared__ int st;
   __shared__ unsigned long long first_failure;  // the directory's: (chunk << 1) | (0: entry, 1: past the end)
@@ -1918,7 +1940,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   const int t = threadIdx.x;
   if (t == 0) {
     *ws.first_error = kNoError;
-    st = parse_header_fields(blob, size, h, ~0ull, kVersion6);
+    st = parse_header_fields(blob, size, h, ~0ull, kNewestVersion);
   }
   __syncthreads();
   // parse_header's loops: the table's zero padding, then the metadata checksum
@@ -1936,7 +1958,7 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
       if (bad_pad) st = kErrPadding;
       else if (checksum != load_le<uint32_t>(blob + checksum_at)) st = kErrHeader;
       else if (h.num_values != n) st = kErrShape;
-      else if (h.num_chunks > max_chunks) st = kErrHeader;
+      else if (h.num_chunks > max_chunks || h.version != version) st = kErrHeader;
     }
   }
   __syncthreads();
@@ -2060,13 +2082,20 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   }
 }
 
-// A raw chunk, as decode_raw_chunk; the same status in every lane.
-__device__ int decode_raw_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, uint16_t* dst, int lane) {
+// A raw chunk, as decode_raw_chunk (mix_pairs: version 7's checksum); the same status in every lane.
+__device__ int decode_raw_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, uint16_t* dst,
+                               bool mix_pairs, int lane) {
   uint32_t checksum = 0;
   for (uint32_t i = lane; i < cn; i += kLanes) {
     const uint16_t v = load_le<uint16_t>(payload + 2ull * i);
     dst[i] = v;
-    checksum += checksum_term(v, i);
+    if (!mix_pairs) checksum += checksum_term(v, i);
+  }
+  if (mix_pairs) {
+    for (uint32_t j = lane; 2 * j < cn; j += kLanes) {
+      const uint32_t hi = 2 * j + 1 < cn ? uint32_t(load_le<uint16_t>(payload + 4ull * j + 2)) << 16 : 0u;
+      checksum += pair_term(uint32_t(load_le<uint16_t>(payload + 4ull * j)) | hi, j);
+    }
   }
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
@@ -2114,11 +2143,22 @@ __device__ DecStep dec_state_step(uint32_t x, bool valid, const DecodeTable& tab
   return DecStep{entry, y, slot - zero_start < zero_freq, valid && y < kStateLow};
 }
 
-// A valid lane's end of step: the renormalised state y, value v stored at dst[i] and checksummed.
+// A valid lane's end of step: the renormalised state y, value v stored at dst[i] and (versions
+// 2-6) checksummed; version 7's pair checksum (mix_pairs) is taken from dst after the chunk
+// (pair_checksum_from).
+template <bool MixPairs>
 __device__ void keep_value(uint32_t& x, uint32_t y, uint32_t v, uint32_t i, uint16_t* dst, uint32_t& checksum) {
   x = y;
   dst[i] = static_cast<uint16_t>(v);
-  checksum += checksum_term(static_cast<uint16_t>(v), i);
+  if constexpr (!MixPairs) checksum += checksum_term(static_cast<uint16_t>(v), i);
+}
+
+// mix_pairs: this lane's part of the pair checksum of a chunk's cn values just stored at dst by
+// the warp (every lane calls); else `checksum`, the lane's part kept by keep_value.
+__device__ uint32_t pair_checksum_from(const uint16_t* dst, uint32_t cn, bool mix_pairs, uint32_t checksum, int lane) {
+  if (!mix_pairs) return checksum;
+  __syncwarp();  // every lane's values stored
+  return lane_checksum(dst, cn, 0, true, lane);
 }
 
 // The end of a warp-decoded rANS chunk: a read past a stream (bad), then finish_chunk's checks in
@@ -2140,7 +2180,7 @@ __device__ int finish_rans_warp(const uint8_t* payload, const ChunkEntry& e, boo
 // apart, so the shared one's lookups stay shared-memory loads.
 // decode_rans_streams: the same with the 32 states at `states` and the streams st wherever they
 // lie (version 6's modes 4: the field stream, the chunk with its fields packed elsewhere).
-template <bool Aligned, bool OwnTable>
+template <bool Aligned, bool OwnTable, bool MixPairs>
 __device__ __forceinline__ int decode_rans_streams(const uint8_t* states, const RansStreams& st, const ChunkEntry& e,
                                                    uint32_t cn, const DecodeTable& table, uint16_t* dst, int lane) {
   const unsigned below = (1u << lane) - 1u;
@@ -2202,8 +2242,9 @@ __device__ __forceinline__ int decode_rans_streams(const uint8_t* states, const 
       }
       rpos += __popc(rmask);
     }
-    if (valid) keep_value(x, d.y, v, i, dst, checksum);
+    if (valid) keep_value<MixPairs>(x, d.y, v, i, dst, checksum);
   }
+  checksum = pair_checksum_from(dst, cn, MixPairs, checksum, lane);
   // finish_rans_warp's checks, the raw stream's last byte read where it lies
   if (__any_sync(kFull, bad)) return kErrStream;
   if (wpos != e.num_words || rpos != e.num_raw || __any_sync(kFull, x != kStateLow)) return kErrStream;
@@ -2211,10 +2252,10 @@ __device__ __forceinline__ int decode_rans_streams(const uint8_t* states, const 
   if (tail_bits % 8 != 0 && (st.raw[tail_bits / 8] >> (tail_bits % 8)) != 0) return kErrPadding;
   return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
-template <bool Aligned, bool OwnTable>
+template <bool Aligned, bool OwnTable, bool MixPairs>
 __device__ __forceinline__ int decode_rans_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
                                                 const DecodeTable& table, uint16_t* dst, int lane) {
-  return decode_rans_streams<Aligned, OwnTable>(payload, RansStreams(payload, e), e, cn, table, dst, lane);
+  return decode_rans_streams<Aligned, OwnTable, MixPairs>(payload, RansStreams(payload, e), e, cn, table, dst, lane);
 }
 
 // Version 6's field slot `slot` of the workspace: the field stream's decoder table, its freq[1025]
@@ -2244,7 +2285,7 @@ __device__ FieldSlot field_slot(const DecWs& ws, uint32_t slot) {
 // them. Returns the status (every check of the host's, in its order); *symbol_words gets S.
 template <bool Aligned>
 __device__ int rebuild_fields_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, uint16_t* dst, int lane,
-                                   const DecWs& ws, const FieldSlot& fs, uint32_t* symbol_words_out) {
+                                   const DecWs& ws, const FieldSlot& fs, bool mix_pairs, uint32_t* symbol_words_out) {
   const bool one = e.mode == kModeOneStateFields;
   const uint64_t sb = field_state_bytes(e);
   FieldLayout f{};
@@ -2277,11 +2318,13 @@ __device__ int rebuild_fields_warp(const uint8_t* payload, const ChunkEntry& e, 
   const uint32_t num_fields = e.num_raw;
   if (one)
     st = __shfl_sync(kFull, lane == 0 ? decode_one_state_streams(payload + sb, field_words, ws.zeros, fe, num_fields, ft,
-                                                                 dst)
+                                                                 dst, mix_pairs)
                                       : 0, 0);
   else
-    st = decode_rans_streams<Aligned, true>(payload + sb, RansStreams(field_words, ws.zeros, fe), fe, num_fields, ft,
-                                            dst, lane);
+    st = mix_pairs ? decode_rans_streams<Aligned, true, true>(payload + sb, RansStreams(field_words, ws.zeros, fe), fe,
+                                                              num_fields, ft, dst, lane)
+                   : decode_rans_streams<Aligned, true, false>(payload + sb, RansStreams(field_words, ws.zeros, fe), fe,
+                                                               num_fields, ft, dst, lane);
   if (st != kOk) return st;
   __syncwarp();  // the field stream's values in dst are visible to the warp
   // the rebuilt payload: states, words, then pack_field_values (eight fields, 6 bytes, a lane and
@@ -2334,7 +2377,7 @@ __device__ uint32_t window_at(uint32_t first, uint32_t second, uint32_t k) {
 // byte(rpos) - rb < 128 when a step starts, so its fields (<= 24 bytes on) are in the first 256.
 // A step consumes at most 32 words and 24 bytes, so one slide per step restores both bounds; the
 // slid-in registers are read only after the next slide, steps later.
-template <bool Aligned, bool OwnTable>
+template <bool Aligned, bool OwnTable, bool MixPairs>
 __device__ __forceinline__ int decode_rans_warp_window(const uint8_t* payload, const ChunkEntry& e, uint32_t cn,
                                                        const DecodeTable& table, uint16_t* dst, int lane) {
   const unsigned below = (1u << lane) - 1u;
@@ -2378,7 +2421,7 @@ __device__ __forceinline__ int decode_rans_warp_window(const uint8_t* payload, c
       }
     }
     rpos += __popc(rmask);
-    if (valid) keep_value(x, d.y, v, i, dst, checksum);
+    if (valid) keep_value<MixPairs>(x, d.y, v, i, dst, checksum);
     if (wpos - wb >= 32) {  // warp-uniform
       w0 = w1;
       w1 = w2;
@@ -2392,6 +2435,7 @@ __device__ __forceinline__ int decode_rans_warp_window(const uint8_t* payload, c
       r2 = raw4_or_zero(st.raw, st.nraw_bytes, rb + 256 + 4 * l);
     }
   }
+  checksum = pair_checksum_from(dst, cn, MixPairs, checksum, lane);
   return finish_rans_warp(payload, e, bad, wpos, rpos, x, checksum);
 }
 
@@ -2469,8 +2513,7 @@ __device__ __forceinline__ void refill_round(const uint4* space, uint32_t last, 
 // its slots are the top ones, [zero_start, 2^prob_bits): a lane has a raw field iff its slot is
 // below zero_start (2^prob_bits without +0.0).
 template <bool Tail>
-__device__ __forceinline__ void staged_step(uint32_t& x, uint32_t& wcur, uint32_t& rbit, uint32_t& checksum,
-                                            uint32_t i, uint32_t cn, const uint32_t* table, uint32_t slot_mask,
+__device__ __forceinline__ void staged_step(uint32_t& x, uint32_t& wcur, uint32_t& rbit, uint32_t i, uint32_t cn, const uint32_t* table, uint32_t slot_mask,
                                             uint32_t prob_bits, uint32_t zero_start, unsigned below,
                                             const uint8_t* wring, const uint32_t* rring,
                                             uint16_t* staged, uint32_t s, uint16_t* dst) {
@@ -2493,19 +2536,32 @@ __device__ __forceinline__ void staged_step(uint32_t& x, uint32_t& wcur, uint32_
   if (valid) x = need ? (y << 16) | word : y;  // (a lane past the chunk's end keeps its final state)
   // the symbol's top 10 bits (entry bits 22-31) over the field's 6: one bit select
   const uint32_t v = has_raw ? bit_select(entry >> 16, field, kRawMask) : 0u;
-  if (!Tail) {
-    staged[kLanes * s] = static_cast<uint16_t>(v);
-    checksum += v * (2u * i + 1u);
-  } else if (valid) {
-    dst[i] = static_cast<uint16_t>(v);
-    checksum += v * (2u * i + 1u);
+  if (!Tail) staged[kLanes * s] = static_cast<uint16_t>(v);
+  else if (valid) dst[i] = static_cast<uint16_t>(v);
+}
+
+// A lane's 8 values of a staged group, values [first, first + 8) of the chunk as 4 pairs (q), in
+// its part of the chunk's checksum (MixPairs: version 7's).
+template <bool MixPairs>
+__device__ __forceinline__ uint32_t staged_group_checksum(const uint4& q, uint32_t first) {
+  const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+  uint32_t sum = 0;
+  if constexpr (MixPairs) {
+#pragma unroll
+    for (uint32_t m = 0; m < 4; ++m) sum += pair_mix(u[m]) * (first + 2 * m + 1);  // pair (first / 2 + m)
+  } else {
+#pragma unroll
+    for (uint32_t m = 0; m < 4; ++m)
+      sum += (u[m] & 0xFFFFu) * (2 * (first + 2 * m) + 1) + (u[m] >> 16) * (2 * (first + 2 * m) + 3);
   }
+  return sum;
 }
 
 // A rANS chunk on the staged decoder: the values, checks and statuses of decode_chunk. `payload`
 // is at byte `payload_at` of the blob (size bytes, 16-byte aligned, as `dst`); OwnTable as in
-// decode_rans_warp.
-template <bool OwnTable>
+// decode_rans_warp; MixPairs: version 7's checksum (each instantiation's group loop holds only its
+// own checksum's instructions).
+template <bool OwnTable, bool MixPairs>
 __device__ __forceinline__ int decode_rans_warp_staged(const uint8_t* blob, uint64_t size, uint64_t payload_at,
                                                        const ChunkEntry& e, uint32_t cn, const DecodeTable& table,
                                                        uint16_t* dst, int lane, StagedRings& rings) {
@@ -2556,16 +2612,20 @@ __device__ __forceinline__ int decode_rans_warp_staged(const uint8_t* blob, uint
   const uint32_t groups = __shfl_sync(kFull, cn / (kGroupSteps * kLanes), 0);
   uint4* out16 = reinterpret_cast<uint4*>(dst) + lane;  // lane l: values [8 l, 8 l + 8) of each group
   uint32_t i = uint32_t(lane);                          // this lane's value of the group's first step
+  uint32_t first8 = 8u * uint32_t(lane);                // the first of this lane's 8 values of the group
 #pragma unroll 1
   for (uint32_t left = groups; left > 0; --left) {
 #pragma unroll
     for (uint32_t s = 0; s < kGroupSteps; ++s)
-      staged_step<false>(x, wcur, rbit, checksum, i + s * kLanes, cn, table.entry, slot_mask, prob_bits, zero_start,
+      staged_step<false>(x, wcur, rbit, i + s * kLanes, cn, table.entry, slot_mask, prob_bits, zero_start,
                          below, wring, rring, staged, s, dst);
     __syncwarp();
-    *out16 = rings.values[lane];
+    const uint4 values = rings.values[lane];
+    *out16 = values;
+    checksum += staged_group_checksum<MixPairs>(values, first8);
     out16 += kGroupSteps * kLanes / 8;
     i += kGroupSteps * kLanes;
+    first8 += kGroupSteps * kLanes;
     // (the rounds below write only the rings, which the staging buffer's reads above do not touch)
     if (wfill < wcur + kGroupWordBytes) {  // warp-uniform
       refill_round(wspace, wlast, wfill, rings.words, kWordRingBytes, lane, nullptr);
@@ -2577,11 +2637,14 @@ __device__ __forceinline__ int decode_rans_warp_staged(const uint8_t* blob, uint
     }
     __syncwarp();  // the rings' new bytes are read, and the staging buffer rewritten, from here on
   }
-  // the last steps (fewer than a group), value by value
+  // the last steps (fewer than a group), value by value, then their checksum from dst
+  const uint32_t tail = groups * kGroupSteps * kLanes;
 #pragma unroll 1
-  for (uint32_t t = groups * kGroupSteps * kLanes; t < cn; t += kLanes)  // (t: warp-uniform)
-    staged_step<true>(x, wcur, rbit, checksum, t + uint32_t(lane), cn, table.entry, slot_mask, prob_bits, zero_start,
+  for (uint32_t t = tail; t < cn; t += kLanes)  // (t: warp-uniform)
+    staged_step<true>(x, wcur, rbit, t + uint32_t(lane), cn, table.entry, slot_mask, prob_bits, zero_start,
                       below, wring, rring, staged, 0, dst);
+  __syncwarp();  // every lane's values stored
+  checksum += lane_checksum(dst + tail, cn - tail, tail, MixPairs, lane);
   const uint32_t wpos = (wcur - wcur0) / 2, rpos = (rbit - rbit0) / kRawBits;
   return finish_rans_warp(payload, e, false, wpos, rpos, x, checksum);
 }
@@ -2590,9 +2653,11 @@ __device__ __forceinline__ int decode_rans_warp_staged(const uint8_t* blob, uint
 // kDecodeStaged (decode_rans_warp_staged; blob and out 16-byte aligned)), with the block's shared
 // `table`, `valid_blob` and, staged, one StagedRings per warp, which the kernels below declare:
 // function-local statics of a template kernel are out of reach of the CUDA emulation's
-// shared-memory poisoning (csrc/emulation/cuda_runtime.h).
+// shared-memory poisoning (csrc/emulation/cuda_runtime.h). MixPairs: the blob's checksum is
+// version 7's; each decode kernel is built once per checksum (the host picks by the blob's
+// version): with both checksums' staged decoders in one kernel, its 48 registers spilled).
 constexpr int kDecodeUnaligned = 0, kDecodeAligned = 1, kDecodeStaged = 2;
-template <int Mode, int Warps>
+template <int Mode, int Warps, bool MixPairs>
 __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size, uint16_t* out, const DecWs& ws,
                                              const int* status, DecodeTable& table, int& valid_blob,
                                              StagedRings* rings) {
@@ -2645,47 +2710,46 @@ __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size,
       if (st != kOk) {
         // the field stream's status, fields_kernel's
       } else if (mode == kModeRaw)
-        st = decode_raw_warp(payload, e, cn, dst, lane);
+        st = decode_raw_warp(payload, e, cn, dst, MixPairs, lane);
       else if (mode == kModeZero)
         st = decode_zero_warp(cn, dst, lane);
       else if (mode == kModeOneState)
-        st = __shfl_sync(kFull, lane == 0 ? decode_one_state_chunk(payload, e, cn, table, dst) : 0, 0);
+        st = __shfl_sync(kFull, lane == 0 ? decode_one_state_chunk(payload, e, cn, table, dst, MixPairs) : 0, 0);
       else if constexpr (Mode == kDecodeStaged)
-        st = own == 0 ? decode_rans_warp_staged<false>(source, source_size, at, e, cn, table, dst, lane, rings[warp])
-                      : decode_rans_warp_staged<true>(source, source_size, at, e, cn, ws.table[own], dst, lane,
-                                                      rings[warp]);
+        st = own == 0 ? decode_rans_warp_staged<false, MixPairs>(source, source_size, at, e, cn, table, dst, lane,
+                                                                 rings[warp])
+                      : decode_rans_warp_staged<true, MixPairs>(source, source_size, at, e, cn, ws.table[own], dst,
+                                                                lane, rings[warp]);
       else if constexpr (EP_LOSSLESS_DEC_WINDOW)
-        st = own == 0 ? decode_rans_warp_window<Aligned, false>(payload, e, cn, table, dst, lane)
-                      : decode_rans_warp_window<Aligned, true>(payload, e, cn, ws.table[own], dst, lane);
+        st = own == 0 ? decode_rans_warp_window<Aligned, false, MixPairs>(payload, e, cn, table, dst, lane)
+                      : decode_rans_warp_window<Aligned, true, MixPairs>(payload, e, cn, ws.table[own], dst, lane);
       else
-        st = own == 0 ? decode_rans_warp<Aligned, false>(payload, e, cn, table, dst, lane)
-                      : decode_rans_warp<Aligned, true>(payload, e, cn, ws.table[own], dst, lane);
+        st = own == 0 ? decode_rans_warp<Aligned, false, MixPairs>(payload, e, cn, table, dst, lane)
+                      : decode_rans_warp<Aligned, true, MixPairs>(payload, e, cn, ws.table[own], dst, lane);
     }
     if (lane == 0 && st != kOk) atomicMin(ws.first_error, (static_cast<unsigned long long>(c) << 8) | unsigned(st));
   }
 }
 
-__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_aligned(const uint8_t* blob, uint64_t size,
-                                                                                      uint16_t* out, DecWs ws,
-                                                                                      const int* status) {
-  __shared__ DecodeTable table;
-  __shared__ int valid_blob;
-  decode_block<kDecodeAligned, kDecWarps>(blob, size, out, ws, status, table, valid_blob, nullptr);
-}
-__global__ void __launch_bounds__(32 * kDecWarps, kDecMinBlocks) decode_kernel_unaligned(const uint8_t* blob, uint64_t size,
-                                                                                        uint16_t* out, DecWs ws,
-                                                                                        const int* status) {
-  __shared__ DecodeTable table;
-  __shared__ int valid_blob;
-  decode_block<kDecodeUnaligned, kDecWarps>(blob, size, out, ws, status, table, valid_blob, nullptr);
-}
-__global__ void __launch_bounds__(32 * kStagedWarps, EP_LOSSLESS_DEC_STAGED_MIN_BLOCKS)
-    decode_kernel_staged(const uint8_t* blob, uint64_t size, uint16_t* out, DecWs ws, const int* status) {
-  __shared__ DecodeTable table;
-  __shared__ int valid_blob;
-  __shared__ StagedRings rings[kStagedWarps];
-  decode_block<kDecodeStaged, kStagedWarps>(blob, size, out, ws, status, table, valid_blob, rings);
-}
+// The decode kernels, each for format 7's pair checksum and, as *_linear, for the older formats'
+// checksum. (Plain kernels, not a template: the CUDA emulation poisons only the __shared__
+// variables of plain kernels.)
+#define EP_DECODE_KERNEL(NAME, MODE, WARPS, MIN_BLOCKS, MIX_PAIRS)                                         \
+  __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                                               \
+      NAME(const uint8_t* blob, uint64_t size, uint16_t* out, DecWs ws, const int* status) {              \
+    __shared__ DecodeTable table;                                                                         \
+    __shared__ int valid_blob;                                                                            \
+    __shared__ StagedRings rings[MODE == kDecodeStaged ? kStagedWarps : 1];                               \
+    decode_block<MODE, WARPS, MIX_PAIRS>(blob, size, out, ws, status, table, valid_blob,                 \
+                                         MODE == kDecodeStaged ? rings : nullptr);                        \
+  }
+EP_DECODE_KERNEL(decode_kernel_aligned, kDecodeAligned, kDecWarps, kDecMinBlocks, true)
+EP_DECODE_KERNEL(decode_kernel_aligned_linear, kDecodeAligned, kDecWarps, kDecMinBlocks, false)
+EP_DECODE_KERNEL(decode_kernel_unaligned, kDecodeUnaligned, kDecWarps, kDecMinBlocks, true)
+EP_DECODE_KERNEL(decode_kernel_unaligned_linear, kDecodeUnaligned, kDecWarps, kDecMinBlocks, false)
+EP_DECODE_KERNEL(decode_kernel_staged, kDecodeStaged, kStagedWarps, EP_LOSSLESS_DEC_STAGED_MIN_BLOCKS, true)
+EP_DECODE_KERNEL(decode_kernel_staged_linear, kDecodeStaged, kStagedWarps, EP_LOSSLESS_DEC_STAGED_MIN_BLOCKS, false)
+#undef EP_DECODE_KERNEL
 
 // Version 6: each chunk with coded fields (modes 4 and 5), one warp a chunk (rebuild_fields_warp):
 // its slot gets the chunk rebuilt as a mode 0 (2) payload, or the status of its field stream, for
@@ -2695,6 +2759,7 @@ __device__ __forceinline__ void fields_block(const uint8_t* blob, uint16_t* out,
   if (!valid_blob) return;
   const Header h = *ws.header;
   const int lane = threadIdx.x & 31, warp = __shfl_sync(kFull, int(threadIdx.x / 32), 0);
+  const bool mix_pairs = __shfl_sync(kFull, int(pair_checksum(h.version)), 0) != 0;  // (warp-uniform)
   for (uint64_t c = blockIdx.x * uint64_t(kDecWarps) + warp; c < h.num_chunks; c += uint64_t(gridDim.x) * kDecWarps) {
     ChunkEntry e = read_entry(blob, h, c);
     const uint32_t mode = __shfl_sync(kFull, e.mode, 0) & kModeMask;
@@ -2703,7 +2768,7 @@ __device__ __forceinline__ void fields_block(const uint8_t* blob, uint16_t* out,
     const uint32_t slot = ws.field_slot[c];
     uint32_t symbol_words = 0;
     const int st = rebuild_fields_warp<Aligned>(blob + ws.offsets[c], e, chunk_count(h, c), out + c * h.chunk_values,
-                                                lane, ws, field_slot(ws, slot), &symbol_words);
+                                                lane, ws, field_slot(ws, slot), mix_pairs, &symbol_words);
     if (lane == 0) {
       ws.field_result[2 * slot] = uint32_t(st);
       ws.field_result[2 * slot + 1] = symbol_words;
@@ -2750,7 +2815,7 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
                             uint32_t ndim, uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (ndim > uint32_t(kMaxDims) || chunk_values < kMinChunkValues || chunk_values > kMaxChunkValues ||
-      chunk_values % kLanes != 0 || num_values > kMaxValues || version < kVersion4 || version > kVersion6)
+      chunk_values % kLanes != 0 || num_values > kMaxValues || version < kVersion4 || version > kNewestVersion)
     return cudaErrorInvalidValue;
   ShapeArg shape{};
   uint64_t product = 1;
@@ -2775,9 +2840,9 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
   // one memset (the histogram, the tickets and the two flags), then three kernels (version 6: four,
   // one of which returns at once)
   cudaMemsetAsync(ws.counts, 0, kSyncBytes, stream);
-  const bool version6 = version >= kVersion6;
+  const bool version6 = version >= kVersion6, mix_pairs = pair_checksum(version);
   EP_LAUNCH(histogram_kernel, static_cast<int>(blocks_for(chunks, kMetaWarps, kGridMax)), kMetaThreads,
-            stream)(values, num_values, chunk_values, chunks, aligned, one_state_max, version6, ws);
+            stream)(values, num_values, chunk_values, chunks, aligned, one_state_max, version6, mix_pairs, ws);
   const int rans_grid = static_cast<int>(blocks_for(chunks, kWarpsPerBlock, kRansMaxBlocks));
   // version 6: both, one of which returns at once (ws.fields_wanted)
   if (chunks > 0)
@@ -2785,7 +2850,8 @@ int ep_lossless_encode_cuda(const uint16_t* values, uint64_t num_values, const i
                                                               table_at, out, out_aligned, one_state_max, version6);
   if (chunks > 0 && version6)
     EP_LAUNCH(rans_fields_kernel, rans_grid, kBlockThreads, stream)(values, num_values, chunk_values, chunks, aligned,
-                                                                     ws, table_at, out, out_aligned, one_state_max);
+                                                                     ws, table_at, out, out_aligned, one_state_max,
+                                                                     mix_pairs);
   const int layout_grid = static_cast<int>(chunks > 0 ? 1 + blocks_for(chunks, kMetaWarps, kGridMax - 1) : 1);
   EP_LAUNCH(layout_kernel, layout_grid, kMetaThreads, stream)(values, ws, num_values, shape, ndim, chunk_values, chunks,
                                                               table_at, out, out_size, out_aligned, version);
@@ -2800,16 +2866,18 @@ size_t ep_lossless_decode_workspace_bytes(uint64_t num_values, uint32_t chunk_va
 }
 
 int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                            uint32_t min_chunk_values, uint64_t field_chunks, int* status, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream) {
+                            uint32_t min_chunk_values, uint64_t field_chunks, uint32_t version, int* status,
+                            void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (min_chunk_values < kMinChunkValues) return cudaErrorInvalidValue;
+  // (a version the blob does not have, or none the decoder reads, fails validate_kernel's checks)
+  const bool pairs = pair_checksum(version);
   const uint64_t max_chunks = num_chunks_for(num_values, min_chunk_values);
   if (field_chunks > max_chunks) return cudaErrorInvalidValue;  // more slots than chunks: a bad count
   if (workspace_bytes < ep_lossless_decode_workspace_bytes(num_values, min_chunk_values, field_chunks))
     return cudaErrorInvalidValue;
   DecWs ws;
   carve_dec(max_chunks, min_chunk_values, field_chunks, static_cast<char*>(workspace), &ws);
-  EP_LAUNCH(validate_kernel, 1, kMetaThreads, stream)(blob, blob_bytes, num_values, max_chunks, ws, status);
+  EP_LAUNCH(validate_kernel, 1, kMetaThreads, stream)(blob, blob_bytes, num_values, max_chunks, version, ws, status);
   if (max_chunks > 0 && field_chunks > 0) {  // version 6: the chunks with coded fields rebuilt first
     const uint64_t blocks = (max_chunks + kDecWarps - 1) / kDecWarps;
     const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
@@ -2823,22 +2891,23 @@ int ep_lossless_decode_cuda(const uint8_t* blob, uint64_t blob_bytes, uint16_t* 
   if (max_chunks > 0 && staged) {
     const uint64_t blocks = (max_chunks + kStagedWarps - 1) / kStagedWarps;
     const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
-    cudaFuncSetAttribute(decode_kernel_staged, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    EP_LAUNCH(decode_kernel_staged, grid, 32 * kStagedWarps, stream)(blob, blob_bytes, out, ws, status);
+    const auto staged_kernel = pairs ? decode_kernel_staged : decode_kernel_staged_linear;
+    cudaFuncSetAttribute(staged_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    EP_LAUNCH(staged_kernel, grid, 32 * kStagedWarps, stream)(blob, blob_bytes, out, ws, status);
   } else if (max_chunks > 0) {
     const uint64_t blocks = (max_chunks + kDecWarps - 1) / kDecWarps;
     const int grid = static_cast<int>(blocks < 65535 ? blocks : 65535);
     // payload offsets are multiples of 4: 2-byte word loads when the blob is 2-byte aligned
+    const auto aligned = pairs ? decode_kernel_aligned : decode_kernel_aligned_linear;
+    const auto unaligned = pairs ? decode_kernel_unaligned : decode_kernel_unaligned_linear;
     if (EP_LOSSLESS_FULL_OCCUPANCY) {
-      cudaFuncSetAttribute(decode_kernel_aligned, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           EP_LOSSLESS_DEC_CARVEOUT);
-      cudaFuncSetAttribute(decode_kernel_unaligned, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           EP_LOSSLESS_DEC_CARVEOUT);
+      cudaFuncSetAttribute(aligned, cudaFuncAttributePreferredSharedMemoryCarveout, EP_LOSSLESS_DEC_CARVEOUT);
+      cudaFuncSetAttribute(unaligned, cudaFuncAttributePreferredSharedMemoryCarveout, EP_LOSSLESS_DEC_CARVEOUT);
     }
     if ((reinterpret_cast<uintptr_t>(blob) & 1) == 0)
-      EP_LAUNCH(decode_kernel_aligned, grid, 32 * kDecWarps, stream)(blob, blob_bytes, out, ws, status);
+      EP_LAUNCH(aligned, grid, 32 * kDecWarps, stream)(blob, blob_bytes, out, ws, status);
     else
-      EP_LAUNCH(decode_kernel_unaligned, grid, 32 * kDecWarps, stream)(blob, blob_bytes, out, ws, status);
+      EP_LAUNCH(unaligned, grid, 32 * kDecWarps, stream)(blob, blob_bytes, out, ws, status);
   }
   EP_LAUNCH(report_kernel, 1, 1, stream)(ws, status);
   return static_cast<int>(cudaGetLastError());

@@ -23,11 +23,11 @@ int launch_lossless_encode(const uint16_t* values, uint64_t num_values, const in
                            uint32_t chunk_values, uint32_t version, uint8_t* out, uint64_t* out_size, void* workspace,
                            size_t workspace_bytes, void* stream);
 
-// blob [blob_bytes] -> out [num_values] bf16 bits; *status (device int32) = 0 or the
-// lossless::Status the host decoder reports for the same blob.
+// blob [blob_bytes] (format `version`) -> out [num_values] bf16 bits; *status (device int32) = 0
+// or the lossless::Status the host decoder reports for the same blob.
 int launch_lossless_decode(const uint8_t* blob, uint64_t blob_bytes, uint16_t* out, uint64_t num_values,
-                           uint32_t min_chunk_values, uint64_t field_chunks, int32_t* status, void* workspace,
-                           size_t workspace_bytes, void* stream);
+                           uint32_t min_chunk_values, uint64_t field_chunks, uint32_t version, int32_t* status,
+                           void* workspace, size_t workspace_bytes, void* stream);
 
 // x [rows, hidden] bf16 bits -> q [rows, hidden] e4m3 bytes and scales ([rows, hidden / 128]
 // float32, or with use_ue8m0 [rows, hidden / 512] int32); bit-identical to the host build.

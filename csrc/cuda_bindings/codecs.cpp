@@ -47,22 +47,25 @@ void register_codecs(py::module_& m) {
       },
       py::arg("values"), py::arg("num_values"), py::arg("shape"), py::arg("chunk_values"), py::arg("version"),
       py::arg("out"), py::arg("out_size"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-      "bf16 bits [num_values] -> blob in format `version` (4 or 5) at out, its size at out_size (device u64); "
+      "bf16 bits [num_values] -> blob in format `version` (4 to 7) at out, its size at out_size (device u64); "
       "asynchronous");
   m.def(
       "lossless_decode",
       [](uintptr_t blob, uint64_t blob_bytes, uintptr_t out, uint64_t num_values, uint32_t min_chunk_values,
-         uintptr_t status, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream, uint64_t field_chunks) {
+         uint64_t field_chunks, uint32_t version, uintptr_t status, uintptr_t workspace, size_t workspace_bytes,
+         uintptr_t stream) {
         check_rc(launch_lossless_decode(device_ptr<const uint8_t>(blob), blob_bytes, device_ptr<uint16_t>(out),
-                                        num_values, min_chunk_values, field_chunks, device_ptr<int32_t>(status),
-                                        device_ptr<void>(workspace), workspace_bytes, device_ptr<void>(stream)),
+                                        num_values, min_chunk_values, field_chunks, version,
+                                        device_ptr<int32_t>(status), device_ptr<void>(workspace), workspace_bytes,
+                                        device_ptr<void>(stream)),
                  "lossless decode launch");
       },
       py::arg("blob"), py::arg("blob_bytes"), py::arg("out"), py::arg("num_values"), py::arg("min_chunk_values"),
-      py::arg("status"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-      py::arg("field_chunks") = 0,
+      py::arg("field_chunks"), py::arg("version"), py::arg("status"), py::arg("workspace"),
+      py::arg("workspace_bytes"), py::arg("stream"),
       "blob -> out [num_values] bf16 bits, status (device int32: 0 or a lossless::Status); asynchronous;\n"
-      "field_chunks: the blob's chunks with coded fields (format 6), as the workspace was sized for");
+      "field_chunks: the blob's chunks with coded fields (format 6 on), as the workspace was sized for;\n"
+      "version: the blob's format version (its header's), which picks the decode kernels");
   m.def(
       "fp8_quantize",
       [](uintptr_t x, int64_t rows, int64_t hidden, bool round_scale, bool use_ue8m0, uintptr_t q, uintptr_t scales,

@@ -208,13 +208,14 @@ bool fields_may_pay(const FieldSample& s, uint32_t num_fields, bool one_state) {
 // Version 6's recoding of a mode 0 (2) chunk (values v[0, n), entry e, payload at `payload`, for
 // which fields_may_pay held) as mode 4 (5) where its fields code smaller, in three steps, so that
 // two chunks' field streams are coded in lockstep on AVX-512:
-//   prepare_field_stream: the field stream's values, counts and checksum in fs; false when the
+//   prepare_field_stream: the field stream's values, counts and checksum (pairs: version 7's) in fs; false when the
 //     counts do not promise the least saving (field_coding_may_pay), else the field table chosen;
 //   code_field_streams: the rANS pass of `count` prepared streams at SIMD level `level` (the same
 //     words at every level);
 //   finish_field_stream: the mode 4 (5) payload assembled in fs, replacing the chunk's when
 //     smaller; false (nothing changed) otherwise.
-bool prepare_field_stream(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, const ChunkEntry& e) {
+bool prepare_field_stream(const uint16_t* v, uint32_t n, int level, FieldScratch& fs, const ChunkEntry& e,
+                          bool pairs) {
   const uint32_t num_fields = e.num_raw;
   const bool one = e.mode == kModeOneState;  // mode 2 -> 5 (one state a stream), else 0 -> 4
   uint64_t counts[1 << kRawBits] = {};
@@ -224,7 +225,7 @@ bool prepare_field_stream(const uint16_t* v, uint32_t n, int level, FieldScratch
   uint32_t checksum = 0;
 #if defined(__x86_64__)
   if (level == kSimdAvx512) {
-    field_values_avx512(v, n, w, counts, checksum);
+    field_values_avx512(v, n, w, counts, checksum, pairs);
   } else
 #endif
   {
@@ -237,7 +238,7 @@ bool prepare_field_stream(const uint16_t* v, uint32_t n, int level, FieldScratch
     for (k = 0; k + 4 <= num_fields; k += 4)
       for (int j = 0; j < 4; ++j) ++counts4[j][w[k + j] >> kRawBits];
     for (; k < num_fields; ++k) ++counts4[0][w[k] >> kRawBits];
-    for (k = 0; k < num_fields; ++k) checksum += checksum_term(w[k], k);
+    checksum = checksum_of(w, num_fields, 0, pairs);
     for (int f = 0; f < 1 << kRawBits; ++f)
       counts[f] = uint64_t(counts4[0][f]) + counts4[1][f] + counts4[2][f] + counts4[3][f];
   }
@@ -340,11 +341,12 @@ uint32_t pack_raw_fields(int level, const uint16_t* v, uint32_t n, uint32_t zero
 // chunk modes (a chunk of +0.0 only as mode 3; with `one_state`, the blob's only chunk coded as
 // mode 2, stored raw unless its payload and the table's padded bytes, `table_bytes`, are smaller
 // than its values). fields[k] (version 6; null before): chunk k's FieldScratch, its raw fields
-// coded where that pays (prepare_field_stream, code_field_streams, finish_field_stream).
+// coded where that pays (prepare_field_stream, code_field_streams, finish_field_stream), their
+// checksum version 7's where `pairs`.
 void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, const CodingTable* const* tables,
                       const ChunkSurvey* const* survey, int level, bool v4, bool one_state, uint64_t table_bytes,
                       uint8_t* const* scratch, FieldScratch* const* field_scratch, ChunkEntry* const* e,
-                      const uint8_t** payload) {
+                      const uint8_t** payload, bool pairs) {
   // the chunks coded with 32 states (mode 0), compacted for the SIMD passes
   int coded[kMaxChunksPerClaim];
   const uint16_t* cv_values[kMaxChunksPerClaim];
@@ -394,7 +396,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
       payload[k] = p;
       FieldScratch* fs = field_scratch != nullptr ? field_scratch[k] : nullptr;
       if (fs != nullptr && fields_may_pay(*fs->sample, e[k]->num_raw, true) &&
-          prepare_field_stream(v[k], n[k], level, *fs, *e[k])) {
+          prepare_field_stream(v[k], n[k], level, *fs, *e[k], pairs)) {
         code_field_streams(level, &fs, 1, true);
         finish_field_stream(n[k], *fs, *e[k], payload[k]);
       }
@@ -441,7 +443,7 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
       *e[k] = ChunkEntry{kModeRaw, 0, 0, e[k]->checksum};
       payload[k] = reinterpret_cast<const uint8_t*>(v[k]);
     } else if (try_fields[k]) {
-      if (prepare_field_stream(v[k], n[k], level, *field_scratch[k], *e[k])) {
+      if (prepare_field_stream(v[k], n[k], level, *field_scratch[k], *e[k], pairs)) {
         prepared[num_prepared] = field_scratch[k];
         prepared_chunk[num_prepared++] = k;
       } else {
@@ -469,10 +471,12 @@ void encode_chunks_in(int count, const uint16_t* const* v, const uint32_t* n, co
 // table of its own (own_table_saving_q10), from its symbol counts, kept per piece of pass 1.
 py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::vector<int64_t>& shape,
                             int64_t chunk_values, int threads, int simd, int version) {
-  if (version < int(kOldVersion) || version > int(kVersion6))
-    throw std::invalid_argument("version must be " + std::to_string(kOldVersion) + ", " + std::to_string(kVersion3) +
-                                ", " + std::to_string(kVersion4) + ", " + std::to_string(kVersion5) + " or " +
-                                std::to_string(kVersion6));
+  if (version < int(kOldVersion) || version > int(kNewestVersion)) {
+    std::string versions;
+    for (uint32_t k = kOldVersion; k < kNewestVersion; ++k) versions += std::to_string(k) + ", ";
+    throw std::invalid_argument("version must be one of " + versions + "or " + std::to_string(kNewestVersion));
+  }
+  const bool pairs = pair_checksum(uint32_t(version));
   const uint16_t* v = host_span<const uint16_t>(values, num_values, "values");
   if (shape.size() > size_t(kMaxDims)) throw std::invalid_argument("at most 8 dimensions");
   uint64_t product = 1;
@@ -715,12 +719,12 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
 #if defined(__x86_64__)
         if (use_simd) {
           piece_surveys[uint64_t(piece)] = level == kSimdAvx512
-                                               ? survey_chunk_avx2<8>(values, last - first, first, local_hist, h)
-                                               : survey_chunk_avx2<4>(values, last - first, first, local_hist, h);
+                                               ? survey_chunk_avx2<8>(values, last - first, first, local_hist, h, pairs)
+                                               : survey_chunk_avx2<4>(values, last - first, first, local_hist, h, pairs);
         } else
 #endif
         {
-          piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h);
+          piece_surveys[uint64_t(piece)] = survey_chunk_scalar(values, last - first, first, local_hist, h, pairs);
         }
         if (!field_samples.empty()) sample_fields(values, last - first, first, field_samples[uint64_t(piece)]);
         if (own_tables) {  // the piece's counts kept, and added to the thread's
@@ -778,7 +782,7 @@ py::array_t<uint8_t> encode(uintptr_t values, uint64_t num_values, const std::ve
           if (my_fields[k] != nullptr) my_fields[k]->sample = &field_samples[uint64_t(c) * parts];  // (merged)
         }
         encode_chunks_in(count, values, counts, tables, chunk_surveys, level, v4, one_state, shared->bytes, my_scratch,
-                         field_scratch.empty() ? nullptr : my_fields, entries_out, payloads);
+                         field_scratch.empty() ? nullptr : my_fields, entries_out, payloads, pairs);
         for (int k = 0; k < count; ++k) {
           const int64_t c = first + k;
           uint64_t begin = data_off;
@@ -919,7 +923,7 @@ struct Parsed {
 [[noreturn]] void fail(int status) { throw std::invalid_argument(std::string("lossless blob: ") + error_message(status)); }
 
 void parse(const uint8_t* blob, uint64_t size, Parsed& p) {
-  int st = parse_header(blob, size, p.h, kVersion6);
+  int st = parse_header(blob, size, p.h, kNewestVersion);
   if (st != kOk) fail(st);
   uint64_t shared_bytes = 0;
   st = read_table(blob, p.h, p.freq, p.start, &shared_bytes);
@@ -977,12 +981,12 @@ uint64_t metadata_bytes(const py::buffer& prefix, uint64_t blob_bytes) {
                                 std::to_string(size));
   // parse_header_fields reads only the prefix's bytes (a valid header and shape fit in it)
   Header h;
-  const int st = parse_header_fields(b, blob_bytes, h, size, kVersion6);
+  const int st = parse_header_fields(b, blob_bytes, h, size, kNewestVersion);
   if (st != kOk) fail(st);
   return h.data_offset;
 }
 
-// (shape list, chunk_values, chunks with coded fields) from a blob's first metadata_bytes bytes and
+// (shape list, chunk_values, chunks with coded fields, format version) from a blob's first metadata_bytes bytes and
 // its size: every check decode makes before it allocates (parse: header, table, metadata checksum, each directory entry,
 // payload sizes adding up to the blob's size). Raises ValueError on a bad blob.
 py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
@@ -992,7 +996,7 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
   Header h;
   // parse_header_fields reads only the metadata's bytes; parse reads bytes [0, data_offset) only,
   // data_offset itself coming from the fixed fields
-  int st = parse_header_fields(b, blob_bytes, h, size, kVersion6);
+  int st = parse_header_fields(b, blob_bytes, h, size, kNewestVersion);
   if (st != kOk) fail(st);
   if (size != h.data_offset)
     throw std::invalid_argument("metadata must hold the blob's first " + std::to_string(h.data_offset) +
@@ -1004,32 +1008,33 @@ py::tuple parse_metadata(const py::buffer& metadata, uint64_t blob_bytes) {
     const uint32_t mode = read_entry(b, p.h, c).mode & kModeMask;
     field_chunks += mode == kModeCodedFields || mode == kModeOneStateFields;
   }
-  return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values, field_chunks);
+  return py::make_tuple(std::vector<int64_t>(p.h.shape, p.h.shape + p.h.ndim), p.h.chunk_values, field_chunks,
+                        p.h.version);
 }
 
-// Decodes one mode 0 chunk at SIMD level `level` (decode_chunk's result).
+// Decodes one mode 0 chunk at SIMD level `level` (decode_chunk's result; pairs: version 7's checksum).
 int decode_rans_chunk(int level, const uint8_t* payload, const ChunkEntry& e, uint32_t n, const DecodeTable& table,
-                      uint16_t* out) {
+                      uint16_t* out, bool pairs) {
 #if defined(__x86_64__)
-  if (level == kSimdAvx512) return decode_chunk_avx512(payload, e, n, table, out);
-  if (level == kSimdAvx2) return decode_chunk_avx2(payload, e, n, table, out);
+  if (level == kSimdAvx512) return decode_chunk_avx512(payload, e, n, table, out, pairs);
+  if (level == kSimdAvx2) return decode_chunk_avx2(payload, e, n, table, out, pairs);
 #endif
   (void)level;
-  return decode_chunk_scalar(payload, e, n, table, out);
+  return decode_chunk_scalar(payload, e, n, table, out, pairs);
 }
 
 // Decodes a mode 4 chunk at SIMD level `level` (decode_coded_fields_chunk, lossless_fields.h).
 int decode_coded_fields_chunk_at(int level, const uint8_t* payload, const ChunkEntry& e, uint32_t n,
-                                 const DecodeTable& table, uint16_t* out, FieldDecodeScratch& s) {
+                                 const DecodeTable& table, uint16_t* out, FieldDecodeScratch& s, bool pairs) {
   const auto build = [level](const uint32_t* freq, const uint32_t* start, DecodeTable& t, int prob_bits) {
 #if defined(__x86_64__)
     if (level == kSimdAvx512) return build_decode_table_avx512(freq, start, t, prob_bits);
 #endif
     build_decode_table(freq, start, t, prob_bits);
   };
-  const auto decode = [level](const uint8_t* p, const ChunkEntry& c, uint32_t count, const DecodeTable& t,
-                              uint16_t* o) { return decode_rans_chunk(level, p, c, count, t, o); };
-  return decode_coded_fields_chunk(payload, e, n, table, out, s, build, decode);
+  const auto decode = [level, pairs](const uint8_t* p, const ChunkEntry& c, uint32_t count, const DecodeTable& t,
+                                     uint16_t* o) { return decode_rans_chunk(level, p, c, count, t, o, pairs); };
+  return decode_coded_fields_chunk(payload, e, n, table, out, s, pairs, build, decode);
 }
 
 // Decodes a parsed blob `b` (size bytes) into o[num_values] at SIMD level `simd` (lowered to what
@@ -1041,6 +1046,7 @@ int decode_coded_fields_chunk_at(int level, const uint8_t* payload, const ChunkE
 int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o, int threads, int simd) {
   const Header& h = p.h;
   const int nt = resolve_threads(threads, h.num_chunks, h.num_values);
+  const bool pairs = pair_checksum(h.version);
   int status = kOk;
   const int level = simd_level(simd);
   return without_gil([&]() -> int {
@@ -1122,15 +1128,15 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
         uint16_t* dst = o + uint64_t(c) * h.chunk_values;
         if (st == kOk) {
           if (e.mode == kModeRaw) {
-            st = decode_raw_chunk(payload, e, n, dst);
+            st = decode_raw_chunk(payload, e, n, dst, pairs);
           } else if (e.mode == kModeZero) {
             decode_zero_chunk(n, dst);
           } else if (e.mode == kModeOneState) {
-            st = decode_one_state_chunk(payload, e, n, shared, dst);
+            st = decode_one_state_chunk(payload, e, n, shared, dst, pairs);
           } else if (e.mode == kModeCodedFields || e.mode == kModeOneStateFields) {
             FieldDecodeScratch& fs = *field_scratch[size_t(per_task * worker + (c - task * per_task))];
             if (e.mode == kModeOneStateFields || level < kSimdAvx2) {
-              st = decode_coded_fields_chunk_at(level, payload, e, n, table_of(c), dst, fs);
+              st = decode_coded_fields_chunk_at(level, payload, e, n, table_of(c), dst, fs, pairs);
             } else {
               st = prepare_coded_fields(payload, e, n, fs, build_field_table);
               if (st == kOk) {
@@ -1148,7 +1154,7 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
             rans_chunks[num_rans++] = c;
             continue;
           } else {
-            st = decode_chunk_scalar(payload, e, n, table_of(c), dst);
+            st = decode_chunk_scalar(payload, e, n, table_of(c), dst, pairs);
           }
         }
         chunk_status[c] = st;
@@ -1169,9 +1175,9 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
           fw[k] = fields[k]->values.get();
         }
         if (level == kSimdAvx512) {
-          decode_chunks_avx512(num_fields, fp, fe, fn, ft, fw, fst);
+          decode_chunks_avx512(num_fields, fp, fe, fn, ft, fw, fst, pairs);
         } else {
-          for (int k = 0; k < num_fields; ++k) fst[k] = decode_chunk_avx2(fp[k], *fe[k], fn[k], *ft[k], fw[k]);
+          for (int k = 0; k < num_fields; ++k) fst[k] = decode_chunk_avx2(fp[k], *fe[k], fn[k], *ft[k], fw[k], pairs);
         }
         for (int k = 0; k < num_fields; ++k) {
           const int64_t c = field_chunks[k];
@@ -1194,9 +1200,9 @@ int decode_parsed(const uint8_t* b, uint64_t size, const Parsed& p, uint16_t* o,
       const DecodeTable* table[2] = {nullptr, nullptr};
       for (int k = 0; k < num_rans; ++k) table[k] = &table_of(rans_chunks[k]);
       if (level == kSimdAvx512) {
-        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, table, dsts, st);
+        decode_chunks_avx512(num_rans, payloads, rans_entries, counts, table, dsts, st, pairs);
       } else {
-        for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table[k], dsts[k]);
+        for (int k = 0; k < num_rans; ++k) st[k] = decode_chunk_avx2(payloads[k], *rans_entries[k], counts[k], *table[k], dsts[k], pairs);
       }
       for (int k = 0; k < num_rans; ++k) chunk_status[rans_chunks[k]] = st[k];
 #endif

@@ -5,14 +5,14 @@ Each BF16 value is split into a 10-bit symbol (sign, 8-bit exponent and the firs
 frequency table shared by the blob's chunks (bit-coded, 11- or 12-bit probabilities, whichever
 codes the blob smaller), and its 6 low mantissa bits, stored raw (packed) or, where they carry
 little information (gradients), entropy-coded as a second rANS stream. Values are coded in
-independent chunks (one CPU task, one GPU warp each). Format version 6, the default on the host
+independent chunks (one CPU task, one GPU warp each). Format version 7, the default on the host
 and the GPU: a chunk may carry a table of its own where that pays (messages that join values of
 different statistics) and code its low mantissa bits where that pays; a blob's only chunk of up
 to a quarter of ``chunk_values`` (4,096 to 16,384 values) is coded with one rANS state (and 6 to
-12 probability bits); a chunk of +0.0 only takes no payload. Versions 2 to 5 still decode and are
-written on request. The blob is self-describing: magic, version, shape, tables, per-chunk sizes and
-checksums; ``decode`` validates every field before use and raises ``ValueError`` on a truncated or
-corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
+12 probability bits); a chunk of +0.0 only takes no payload; each chunk's checksum mixes its
+values in pairs. Versions 2 to 6 still decode and are written on request. The blob is
+self-describing: magic, version, shape, tables, per-chunk sizes and checksums; ``decode``
+validates every field before use and raises ``ValueError`` on a truncated or corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
 
 Why this split, rANS and one table per blob (measured by bench/codec_bench.py on real
 activations, weights and gradients): the sign and the first mantissa bit depend on the exponent
@@ -51,14 +51,15 @@ MIN_CHUNK_VALUES = 32
 MAX_CHUNK_VALUES = 1 << 24
 MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
-# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 6
-# (a chunk may carry its own frequency table, and its raw fields, the 6 low mantissa bits, are
-# entropy-coded where that pays: gradients'), written by the host and the CUDA encoders alike;
-# versions 2 to 5 are written on request, and the host and CUDA decoders read 2 to 6. A version 6
-# blob is never larger than version 5's, and without a chunk of coded fields it is version 5's
-# blob but for the version (its byte and the metadata checksum over it).
-FORMAT_VERSION = 6
-FORMAT_VERSIONS = (2, 3, 4, 5, 6)
+# The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 7
+# (a chunk may carry its own frequency table, its raw fields, the 6 low mantissa bits, are
+# entropy-coded where that pays: gradients'; each chunk's checksum mixes its values in pairs, which
+# catches the changes that cancel in version 6's weighted sum of the values, such as (-d, +d, +d,
+# -d) on values 2 apart), written by the host and the CUDA encoders alike; versions 2 to 6 are written on
+# request, and the host and CUDA decoders read 2 to 7. A version 7 blob has version 6's size and
+# layout; a version 6 blob is never larger than version 5's.
+FORMAT_VERSION = 7
+FORMAT_VERSIONS = (2, 3, 4, 5, 6, 7)
 
 
 def _is_shape(shape: object) -> bool:
@@ -138,12 +139,14 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         threads: CPU threads (0 = every hardware thread); ignored on the GPU.
         simd: True: the fastest path this CPU has; False: the portable core; or a path of
             :func:`simd_paths` by name. The bytes are the same on every path.
-        version: the blob format, ``FORMAT_VERSION`` (6: version 5 where a chunk's 6 low
-            mantissa bits are entropy-coded too where that pays: gradients); 5 (a chunk may carry
-            a frequency table of its own, which shrinks messages that join values of different
-            statistics); or 4, 3 or 2 (the older formats, for comparisons). Versions 4 to 6 are coded by the
-            CUDA kernels on a GPU; 3 and 2 always on the CPU, the blob then moved to ``x``'s
-            device (every version decodes on either).
+        version: the blob format, ``FORMAT_VERSION`` (7: version 6 with a checksum that mixes
+            each pair of values, catching the corruptions that cancel in version 6's); 6 (version 5
+            where a chunk's 6 low mantissa bits are entropy-coded too where that pays:
+            gradients); 5 (a chunk may carry a frequency table of its own, which shrinks
+            messages that join values of different statistics); or 4, 3 or 2 (the older
+            formats, for comparisons). Versions 4 to 7 are coded by the CUDA kernels on a GPU; 3
+            and 2 always on the CPU, the blob then moved to ``x``'s device (every version
+            decodes on either).
 
     Returns:
         1-D uint8 tensor, self-describing (``decode`` needs nothing else): on ``x``'s GPU when
@@ -399,7 +402,7 @@ def decode(blob: torch.Tensor, *, threads: int = 0, simd: bool | str = True,
         if expected_shape is not None:
             _check_shape(layout.shape, tuple(expected_shape))
         out = torch.empty(layout.shape, dtype=torch.bfloat16, device=blob.device)
-        lossless_device.decode_into(blob, out, layout.chunk_values, layout.field_chunks)
+        lossless_device.decode_into(blob, out, layout)
         return out
     blob = _host_blob(blob)
     # one C++ call: parse, check the shape, allocate, decode; int16 bit patterns in the blob's shape
@@ -450,7 +453,7 @@ def decode_into(blob: torch.Tensor, out: torch.Tensor, *, threads: int = 0,
         blob = blob.detach().to(out.device).contiguous()
         layout = lossless_device.layouts([blob])[0]
         _check_shape(layout.shape, tuple(out.shape))
-        lossless_device.decode_into(blob, out, layout.chunk_values, layout.field_chunks)
+        lossless_device.decode_into(blob, out, layout)
         return out
     if out.device.type != "cpu" or out.is_neg() or out.data_ptr() % out.element_size():
         # not writable in place through its data pointer (another device, a negative view, an
@@ -488,8 +491,7 @@ def decode_into_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], *, thr
         found = lossless_device.layouts(blobs)
         for layout, out in zip(found, outs):
             _check_shape(layout.shape, tuple(out.shape))
-        lossless_device.decode_many(blobs, list(outs), [layout.chunk_values for layout in found],
-                                    [layout.field_chunks for layout in found])
+        lossless_device.decode_many(blobs, list(outs), found)
         return
     for blob, out in zip(blobs, outs):
         decode_into(blob, out, threads=threads, simd=simd)

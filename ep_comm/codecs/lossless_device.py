@@ -3,7 +3,7 @@
 the GPU is coded there and its blob stays there.
 
 The kernels compile the same core as the host build, so a device blob is byte-identical to the
-host encoder's of the same format version (4 or 5; the decoder reads 2 to 6) and either side
+host encoder's of the same format version (4 to 7; the decoder reads 2 to 7) and either side
 decodes the other's blobs. Each call synchronises its stream once:
 an encode to learn the blob's size, a decode to read the kernels' status (a corrupted blob raises
 the ``ValueError`` the host decoder raises for it). Workspaces come from torch's caching
@@ -33,11 +33,11 @@ def available(device: torch.device) -> bool:
 _BLOB_ALIGN = 16  # blobs coded into one buffer start 16-byte aligned (the encoder's aligned stores)
 
 
-ENCODE_VERSIONS = (4, 5, 6)  # the formats the kernels write
+ENCODE_VERSIONS = (4, 5, 6, 7)  # the formats the kernels write
 
 
 def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
-    """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob in format ``version`` (4 to 6) on
+    """``x`` (bf16 CUDA tensor, any shape) -> 1-D uint8 blob in format ``version`` (4 to 7) on
     ``x``'s device.
 
     ``chunk_values`` and ``version`` are checked by the caller (a multiple of 32 in [32, 2**24];
@@ -48,7 +48,7 @@ def encode(x: torch.Tensor, chunk_values: int, version: int) -> torch.Tensor:
 
 def encode_many(xs: list[torch.Tensor], chunk_values: int, version: int) -> list[torch.Tensor]:
     """Blobs of several bf16 CUDA tensors on one device (e.g. one message per destination) in
-    format ``version`` (4 to 6), coded one after another on the current stream with one
+    format ``version`` (4 to 7), coded one after another on the current stream with one
     synchronisation for all.
 
     Returns:
@@ -84,7 +84,7 @@ def encode_many(xs: list[torch.Tensor], chunk_values: int, version: int) -> list
 def header(blob: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """``(shape, chunk_values)`` that a blob (1-D uint8, any device) declares, after every check
     the host decoder makes before it allocates (header, table, metadata checksum, chunk
-    directory, sizes; format versions 2 to 6). ``ValueError`` if it is bad. See :func:`headers`."""
+    directory, sizes; format versions 2 to 7). ``ValueError`` if it is bad. See :func:`headers`."""
     return headers([blob])[0]
 
 
@@ -100,6 +100,7 @@ class BlobLayout(NamedTuple):
     shape: tuple[int, ...]
     chunk_values: int
     field_chunks: int  # format 6's chunks with coded fields (modes 4 and 5): workspace slots
+    version: int  # the format version, which picks the decode kernels (their checksum)
 
 
 def layouts(blobs: list[torch.Tensor]) -> list[BlobLayout]:
@@ -112,8 +113,8 @@ def layouts(blobs: list[torch.Tensor]) -> list[BlobLayout]:
     metadata = _to_host([b[:m] for b, m in zip(blobs, metadata_bytes)])
     result = []
     for m, n in zip(metadata, sizes):
-        shape, chunk_values, field_chunks = host.lossless_parse_metadata(m.numpy(), n)
-        result.append(BlobLayout(tuple(shape), int(chunk_values), int(field_chunks)))
+        shape, chunk_values, field_chunks, version = host.lossless_parse_metadata(m.numpy(), n)
+        result.append(BlobLayout(tuple(shape), int(chunk_values), int(field_chunks), int(version)))
     return result
 
 
@@ -125,23 +126,21 @@ def _to_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(joined.split([p.numel() for p in parts]))
 
 
-def decode_into(blob: torch.Tensor, out: torch.Tensor, chunk_values: int, field_chunks: int = 0) -> None:
+def decode_into(blob: torch.Tensor, out: torch.Tensor, layout: BlobLayout) -> None:
     """Decodes ``blob`` (1-D uint8, on ``out``'s device) into ``out`` (contiguous bf16 CUDA
-    tensor of the blob's shape, as :func:`layouts` read it with ``chunk_values`` and
-    ``field_chunks``).
+    tensor of the blob's shape), ``layout`` the blob's as :func:`layouts` read it.
 
     Raises:
         ValueError: the blob is corrupted (the host decoder's message); ``out`` is then
             unspecified.
     """
-    decode_many([blob], [out], [chunk_values], [field_chunks])
+    decode_many([blob], [out], [layout])
 
 
-def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], chunk_values: list[int],
-                field_chunks: list[int] | None = None) -> None:
+def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], found: list[BlobLayout]) -> None:
     """:func:`decode_into` of several blobs into their outputs (all on one device), decoded one
-    after another on the current stream with one synchronisation for all. ``field_chunks``: each
-    blob's chunks with coded fields (:func:`layouts`; None: none, format 5 and older).
+    after another on the current stream with one synchronisation for all; ``found``: each blob's
+    :func:`layouts`.
 
     Raises:
         ValueError: a blob is corrupted (the host decoder's message for the first such blob);
@@ -152,16 +151,16 @@ def decode_many(blobs: list[torch.Tensor], outs: list[torch.Tensor], chunk_value
     device = outs[0].device
     kernels = device_kernels.codec_kernels(device)
     flats = [out.view(torch.int16).reshape(-1) for out in outs]
-    fields = [0] * len(blobs) if field_chunks is None else field_chunks
     with device_kernels.launch_context(device):
         # one workspace for all: the launches run in stream order, each done before the next starts
-        workspace = torch.empty(max(kernels.lossless_decode_workspace_bytes(f.numel(), cv, k)
-                                    for f, cv, k in zip(flats, chunk_values, fields)), dtype=torch.uint8, device=device)
+        workspace = torch.empty(max(kernels.lossless_decode_workspace_bytes(f.numel(), b.chunk_values, b.field_chunks)
+                                    for f, b in zip(flats, found)), dtype=torch.uint8, device=device)
         status = torch.zeros(len(blobs), dtype=torch.int32, device=device)
         stream = device_kernels.current_stream(device)
-        for i, (blob, flat, cv, k) in enumerate(zip(blobs, flats, chunk_values, fields)):
-            kernels.lossless_decode(blob.data_ptr(), blob.numel(), flat.data_ptr(), flat.numel(), cv,
-                                    status.data_ptr() + 4 * i, workspace.data_ptr(), workspace.numel(), stream, k)
+        for i, (blob, flat, b) in enumerate(zip(blobs, flats, found)):
+            kernels.lossless_decode(blob.data_ptr(), blob.numel(), flat.data_ptr(), flat.numel(), b.chunk_values,
+                                    b.field_chunks, b.version, status.data_ptr() + 4 * i, workspace.data_ptr(),
+                                    workspace.numel(), stream)
         codes = status.tolist()  # the one synchronisation
     for code in codes:
         if code != 0:

@@ -1,6 +1,6 @@
 """The lossless codec's CUDA kernels (csrc/cuda/lossless_kernels.cu, built as a small library by
 bench/codec_gpu.py) against the host build of the same core: device blobs are byte-identical to
-the host encoder's (format versions 4 to 6), device decoding is exact, and the
+the host encoder's (format versions 4 to 7), device decoding is exact, and the
 device rejects corrupted blobs with the status the host decoder reports. The cases and checks are
 tests/support/codec_kernel_cases.py's, which tests/test_codec_kernels_emulated.py also runs on the
 CPU through the CUDA emulation."""
@@ -104,13 +104,15 @@ def test_device_encodes_format_version_5_like_the_host(lib: ctypes.CDLL, case: s
     assert status == 0 and torch.equal(y.cpu(), bits(x))
 
 
+@pytest.mark.parametrize("version", [6, 7])
 @pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
-def test_device_decodes_format_version_6(lib: ctypes.CDLL, case: str, make, chunk_values: int, coded: int) -> None:
-    """Host-encoded format 6 blobs (chunks whose raw fields are rANS-coded, rebuilt by
-    fields_kernel in workspace slots) decode exactly on the GPU; a corrupted field stream gets the
-    host's status."""
+def test_device_decodes_format_version_6(lib: ctypes.CDLL, case: str, make, chunk_values: int, coded: int,
+                                         version: int) -> None:
+    """Host-encoded format 6 and 7 blobs (chunks whose raw fields are rANS-coded, rebuilt by
+    fields_kernel in workspace slots; 7: the pair checksum) decode exactly on the GPU; a corrupted
+    field stream gets the host's status."""
     x = make()
-    blob = lossless.encode(x, chunk_values=chunk_values, version=6)
+    blob = lossless.encode(x, chunk_values=chunk_values, version=version)
     slots = field_chunks(blob)
     assert slots >= coded
     status, y = device_decode(lib, blob, x.numel(), chunk_values, "cuda", slots)
@@ -120,18 +122,20 @@ def test_device_decodes_format_version_6(lib: ctypes.CDLL, case: str, make, chun
     assert device_decode(lib, bad, x.numel(), chunk_values, "cuda", slots)[0] == host_status(bad)
 
 
+@pytest.mark.parametrize("version", [6, 7])
 @pytest.mark.parametrize("case,make,chunk_values,coded", V6_CASES, ids=[c[0] for c in V6_CASES])
 def test_device_encodes_format_version_6_like_the_host(lib: ctypes.CDLL, case: str, make, chunk_values: int,
-                                                       coded: int) -> None:
-    """The kernels' format 6 blob (field streams coded by rans_kernel<true>) is the host encoder's,
-    byte for byte, and decodes exactly on the GPU."""
+                                                       coded: int, version: int) -> None:
+    """The kernels' format 6 and 7 blobs (field streams coded by rans_fields_kernel) are the host
+    encoder's, byte for byte, and decode exactly on the GPU."""
     x = make()
-    blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cuda", x, chunk_values, version=6)
+    blob = check_blob_is_byte_identical_and_decodes_tensor(lib, "cuda", x, chunk_values, version=version)
     assert field_chunks(blob) >= coded
 
 
 @pytest.mark.parametrize("case,chunk_values", [("mixed_rows", 14336), ("normal", 4096), ("one_state", 4096)])
+@pytest.mark.parametrize("version", [6, 7])
 def test_device_encodes_format_version_6_of_other_tensors_like_the_host(lib: ctypes.CDLL, case: str,
-                                                                         chunk_values: int) -> None:
+                                                                         chunk_values: int, version: int) -> None:
     x = {**CASES, **V5_CASES}[case]()
-    check_blob_is_byte_identical_and_decodes_tensor(lib, "cuda", x, chunk_values, version=6)
+    check_blob_is_byte_identical_and_decodes_tensor(lib, "cuda", x, chunk_values, version=version)

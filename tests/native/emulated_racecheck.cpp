@@ -43,7 +43,8 @@ bool round_trip(const std::vector<uint16_t>& v, uint32_t cv, uint32_t version) {
   std::vector<uint8_t> dws(ep_lossless_decode_workspace_bytes(n, cv, 0), 0xA5);
   std::vector<uint16_t> out(n + 1, 0x5A5A);
   int status = -1;
-  if (ep_lossless_decode_cuda(blob.data(), size, out.data(), n, cv, 0, &status, dws.data(), dws.size(), nullptr) != 0)
+  if (ep_lossless_decode_cuda(blob.data(), size, out.data(), n, cv, 0, version, &status, dws.data(), dws.size(),
+                              nullptr) != 0)
     return false;
   return status == 0 && std::memcmp(out.data(), v.data(), 2 * n) == 0;
 }
@@ -67,8 +68,8 @@ bool decodes(const std::vector<uint8_t>& blob, const std::vector<uint8_t>& value
   std::vector<uint16_t> out(n + 1, 0x5A5A);
   int status = -1;
   if (blob.empty() ||
-      ep_lossless_decode_cuda(blob.data(), blob.size(), out.data(), n, cv, field_chunks, &status, dws.data(), dws.size(),
-                              nullptr) != 0)
+      ep_lossless_decode_cuda(blob.data(), blob.size(), out.data(), n, cv, field_chunks, blob[4], &status, dws.data(),
+                              dws.size(), nullptr) != 0)
     return false;
   return status == 0 && std::memcmp(out.data(), values.data(), 2 * n) == 0;
 }

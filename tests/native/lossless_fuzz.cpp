@@ -51,13 +51,31 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
-// Decodes blob b[0, size) (format 2 to 6) on `path` as ep_comm._host's decode_parsed does (the binding's own
+// A chunk's checksum written out from lossless_core.h's definition: versions 2-6, sum_i v_i (2 i +
+// 1); version 7 (pairs), sum_j mix(v_2j + 2^16 v_2j+1) (2 j + 1) with mix(u) = m XOR m >> 16, m =
+// u * 0x9E3779B1 (all mod 2^32; v_n = 0 for odd n).
+uint32_t plain_checksum(const uint16_t* v, uint32_t n, bool pairs) {
+  uint32_t sum = 0;
+  if (!pairs) {
+    for (uint32_t i = 0; i < n; ++i) sum += uint32_t(v[i]) * (2 * i + 1);
+    return sum;
+  }
+  for (uint32_t j = 0; 2 * j < n; ++j) {
+    const uint64_t u = uint64_t(v[2 * j]) + (2 * j + 1 < n ? uint64_t(v[2 * j + 1]) << 16 : 0);
+    const uint32_t m = static_cast<uint32_t>(u * 0x9E3779B1ull);
+    sum += (m ^ (m >> 16)) * (2 * j + 1);
+  }
+  return sum;
+}
+
+// Decodes blob b[0, size) (format 2 to 7) on `path` as ep_comm._host's decode_parsed does (the binding's own
 // function is internal to the Python module): the status of the first failing chunk in chunk
 // order, values to `out`.
 int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& out) {
   Header h;
-  int st = parse_header(b, size, h, kVersion6);
+  int st = parse_header(b, size, h, kNewestVersion);
   if (st != kOk) return st;
+  const bool pairs = pair_checksum(h.version);
   std::unique_ptr<uint32_t[]> freq(new uint32_t[kNumSymbols]), start(new uint32_t[kNumSymbols]);
   uint64_t shared_bytes = 0;
   st = read_table(b, h, freq.get(), start.get(), &shared_bytes);
@@ -90,12 +108,12 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
     if (path == kAvx512) build_decode_table_avx512(f, s, t, bits);
     else build_decode_table(f, s, t, bits);
   };
-  const auto decode_mode0 = [path](const uint8_t* p, const ChunkEntry& e, uint32_t n, const DecodeTable& t,
-                                   uint16_t* o) {
-    if (path == kPortable) return decode_chunk(p, e, n, t, o);
-    if (path == kScalar) return decode_chunk_scalar(p, e, n, t, o);
-    if (path == kAvx2) return decode_chunk_avx2(p, e, n, t, o);
-    return decode_chunk_avx512(p, e, n, t, o);
+  const auto decode_mode0 = [path, pairs](const uint8_t* p, const ChunkEntry& e, uint32_t n, const DecodeTable& t,
+                                          uint16_t* o) {
+    if (path == kPortable) return decode_chunk(p, e, n, t, o, pairs);
+    if (path == kScalar) return decode_chunk_scalar(p, e, n, t, o, pairs);
+    if (path == kAvx2) return decode_chunk_avx2(p, e, n, t, o, pairs);
+    return decode_chunk_avx512(p, e, n, t, o, pairs);
   };
   for (uint64_t c = 0; c < h.num_chunks; c += 2) {
     const uint8_t* payloads[2];
@@ -111,15 +129,15 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
       bool padding_ok = true;
       for (uint64_t z = offsets[q] + payload_bytes(entries[q], n); z < offsets[q + 1]; ++z) padding_ok = padding_ok && b[z] == 0;
       if (!padding_ok) status[q] = kErrPadding;
-      else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst);
+      else if (entries[q].mode == kModeRaw) status[q] = decode_raw_chunk(payload, entries[q], n, dst, pairs);
       else if (entries[q].mode == kModeZero) decode_zero_chunk(n, dst);
-      else if (entries[q].mode == kModeOneState) status[q] = decode_one_state_chunk(payload, entries[q], n, tables[0], dst);
+      else if (entries[q].mode == kModeOneState) status[q] = decode_one_state_chunk(payload, entries[q], n, tables[0], dst, pairs);
       else if (entries[q].mode == kModeCodedFields || entries[q].mode == kModeOneStateFields)
-        status[q] = decode_coded_fields_chunk(payload, entries[q], n, tables[chunk_table[q]], dst, *fields, build,
-                                              decode_mode0);
-      else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, tables[chunk_table[q]], dst);
-      else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, tables[chunk_table[q]], dst);
-      else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, tables[chunk_table[q]], dst);
+        status[q] = decode_coded_fields_chunk(payload, entries[q], n, tables[chunk_table[q]], dst, *fields, pairs,
+                                              build, decode_mode0);
+      else if (path == kPortable) status[q] = decode_chunk(payload, entries[q], n, tables[chunk_table[q]], dst, pairs);
+      else if (path == kScalar) status[q] = decode_chunk_scalar(payload, entries[q], n, tables[chunk_table[q]], dst, pairs);
+      else if (path == kAvx2) status[q] = decode_chunk_avx2(payload, entries[q], n, tables[chunk_table[q]], dst, pairs);
       else {
         payloads[pending] = payload;
         rans[pending] = &entries[q];
@@ -133,7 +151,7 @@ int decode(const uint8_t* b, uint64_t size, Path path, std::vector<uint16_t>& ou
       int st2[2];
       const DecodeTable* pair_tables[2] = {&tables[chunk_table[index[0]]],
                                            &tables[chunk_table[index[pending - 1]]]};
-      decode_chunks_avx512(pending, payloads, rans, counts, pair_tables, dsts, st2);
+      decode_chunks_avx512(pending, payloads, rans, counts, pair_tables, dsts, st2, pairs);
       for (int k = 0; k < pending; ++k) status[index[k]] = st2[k];
     }
   }
@@ -192,6 +210,7 @@ long check_decoders(const std::string& dir, int num_blobs, int mutations, const 
 long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
   long mismatches = 0, staged_trials = 0, lockstep_trials = 0, wide_trials = 0, fused_trials = 0;
   for (int trial = 0; trial < trials; ++trial) {
+    const bool pairs = trial % 2 == 0;  // version 7's checksum on even trials
     const uint32_t n = 1 + static_cast<uint32_t>(rng() % 5000);
     const int pattern = static_cast<int>(rng() % 5);
     std::vector<uint16_t> v(n);
@@ -248,7 +267,7 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
       ++fused_trials;
       std::vector<uint8_t> ref_fields(n + 8), fused(n + 16, 0xA5);
       uint32_t ref_fields_count = 0;
-      split_chunk(v.data(), n, ref_fields.data(), ref_fields_count);
+      split_chunk(v.data(), n, ref_fields.data(), ref_fields_count, pairs);
       const uint16_t* one_v[1] = {v.data()};
       uint16_t* one_end[1] = {a5.data() + n};
       uint32_t* one_states[1] = {states};
@@ -292,8 +311,8 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
       if (pack) {
         std::vector<uint8_t> ref_b(n + 8), ref_c(m + 8);
         uint32_t count_b = 0, count_c = 0;
-        split_chunk(v.data(), n, ref_b.data(), count_b);
-        split_chunk(tail, m, ref_c.data(), count_c);
+        split_chunk(v.data(), n, ref_b.data(), count_b, pairs);
+        split_chunk(tail, m, ref_c.data(), count_c, pairs);
         if (std::memcmp(b_fields.data(), ref_b.data(), (uint64_t(n) * kRawBits + 7) / 8) != 0 ||
             std::memcmp(c_fields.data(), ref_c.data(), (uint64_t(m) * kRawBits + 7) / 8) != 0)
           ++mismatches;
@@ -303,19 +322,29 @@ long check_encoders(int trials, bool avx2, bool avx512, std::mt19937_64& rng) {
           std::memcmp(c5.data() + m - tail_words, ref_tail.data() + m - tail_words, 2ull * tail_words) != 0)
         ++mismatches;
     }
-    // the portable first pass (from a random piece start) and raw-field split, into an exact-size
-    // buffer of n + 16 bytes (what the host's scratch gives them), against split_chunk
+    // the first passes (portable, AVX2 with 4 and 8 tables; from a random piece start) and the
+    // raw-field split, into an exact-size buffer of n + 16 bytes (what the host's scratch gives
+    // them), against split_chunk, whose checksum is checked against plain_checksum's
     std::vector<uint8_t> ref_raw(n + 8), raw(n + 16);
     uint32_t ref_num_raw = 0;
-    const uint32_t ref_checksum = split_chunk(v.data(), n, ref_raw.data(), ref_num_raw);
+    const uint32_t ref_checksum = split_chunk(v.data(), n, ref_raw.data(), ref_num_raw, pairs);
+    bool ok = ref_checksum == plain_checksum(v.data(), n, pairs);
+    if (avx2) ok = ok && chunk_checksum_avx2(v.data(), n, pairs) == ref_checksum;
     const uint32_t cut = static_cast<uint32_t>(rng() % (n + 1)) / 16 * 16;
-    std::unique_ptr<SymbolHistogram> local(new SymbolHistogram());
-    std::vector<uint64_t> hist(kNumSymbols, 0);
-    const ChunkSurvey a = survey_chunk_scalar(v.data(), cut, 0, *local, hist.data());
-    const ChunkSurvey b = survey_chunk_scalar(v.data() + cut, n - cut, cut, *local, hist.data());
-    local->fold_into(hist.data());
-    bool ok = a.checksum + b.checksum == ref_checksum && a.zeros + b.zeros == n - ref_num_raw;
-    for (int s = 0; s < kNumSymbols; ++s) ok = ok && hist[s] == counts[s];
+    for (int pass = 0; pass < (avx2 ? 3 : 1); ++pass) {
+      std::unique_ptr<SymbolHistogram> local(new SymbolHistogram());
+      std::vector<uint64_t> hist(kNumSymbols, 0);
+      const auto survey = [&](const uint16_t* x, uint32_t count, uint32_t first) {
+        if (pass == 1) return survey_chunk_avx2<4>(x, count, first, *local, hist.data(), pairs);
+        if (pass == 2) return survey_chunk_avx2<8>(x, count, first, *local, hist.data(), pairs);
+        return survey_chunk_scalar(x, count, first, *local, hist.data(), pairs);
+      };
+      const ChunkSurvey a = survey(v.data(), cut, 0);
+      const ChunkSurvey b = survey(v.data() + cut, n - cut, cut);
+      local->fold_into(hist.data());
+      ok = ok && a.checksum + b.checksum == ref_checksum && a.zeros + b.zeros == n - ref_num_raw;
+      for (int s = 0; s < kNumSymbols; ++s) ok = ok && hist[s] == counts[s];
+    }
     ok = ok && split_fields_scalar(v.data(), n, n - ref_num_raw, raw.data()) == ref_num_raw &&
          std::memcmp(raw.data(), ref_raw.data(), raw_bytes(ref_num_raw)) == 0;
     if (!ok) ++mismatches;
@@ -406,7 +435,8 @@ long check_division(bool avx2, bool avx512, std::mt19937_64& rng) {
   return mismatches;
 }
 
-// Mismatches of field_values_avx512 (format version 6's field stream: values, counts, checksum)
+// Mismatches of field_values_avx512 (format version 6's field stream: values, counts, checksum;
+// version 7's checksum on even trials)
 // against a plain loop, on chunks of up to 80,000 values (so that the pair counts fold once or
 // twice and end with a partial step), with random, few or one field value and +0.0 shares, into
 // exact-size buffers (n + 32 values, as documented).
@@ -424,18 +454,17 @@ long check_field_values(int trials, std::mt19937_64& rng) {
     }
     std::vector<uint16_t> ref;
     uint64_t ref_counts[1 << kRawBits] = {};
-    uint32_t ref_checksum = 0;
     for (const uint16_t x : v) {
       if (x == 0) continue;
-      const uint16_t w = static_cast<uint16_t>((x & kRawMask) << kRawBits);
-      ref_checksum += checksum_term(w, static_cast<uint32_t>(ref.size()));
       ++ref_counts[x & kRawMask];
-      ref.push_back(w);
+      ref.push_back(static_cast<uint16_t>((x & kRawMask) << kRawBits));
     }
+    const bool pairs = trial % 2 == 0;
+    const uint32_t ref_checksum = plain_checksum(ref.data(), static_cast<uint32_t>(ref.size()), pairs);
     std::vector<uint16_t> w(n + 32);
     uint64_t counts[1 << kRawBits] = {};
     uint32_t checksum = 0;
-    const uint32_t k = field_values_avx512(v.data(), n, w.data(), counts, checksum);
+    const uint32_t k = field_values_avx512(v.data(), n, w.data(), counts, checksum, pairs);
     if (k != ref.size() || checksum != ref_checksum || std::memcmp(counts, ref_counts, sizeof(counts)) != 0 ||
         std::memcmp(w.data(), ref.data(), 2ull * k) != 0)
       ++mismatches;

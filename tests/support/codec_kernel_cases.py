@@ -81,8 +81,10 @@ def device_decode(lib: ctypes.CDLL, blob: torch.Tensor, n: int, cv: int, device:
     # a value the decoder does not write keeps this pattern, not an earlier call's right answer
     y = torch.full((max(n, 1),), 0x5A5A, dtype=torch.int16, device=device)
     status = torch.full((1,), -1, dtype=torch.int32, device=device)
-    rc = lib.ep_lossless_decode_cuda(b.data_ptr(), blob.numel(), y.data_ptr(), n, cv, field_chunks, status.data_ptr(),
-                                     ws.data_ptr(), ws.numel(), _stream(device))
+    # the version the caller reads from the header (byte 4; a blob too short to hold it: the newest)
+    version = int(blob[4]) if blob.numel() > 4 else lossless.FORMAT_VERSION
+    rc = lib.ep_lossless_decode_cuda(b.data_ptr(), blob.numel(), y.data_ptr(), n, cv, field_chunks, version,
+                                     status.data_ptr(), ws.data_ptr(), ws.numel(), _stream(device))
     assert rc == 0
     _sync(device)
     return int(status.item()), y[:n].cpu()
