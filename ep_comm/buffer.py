@@ -42,7 +42,7 @@ from .placement import ExpertPlacement
 from .rows import ScratchPool
 from .stats import CommStats
 from .transports.base import Transport
-from .transports.job_store import resolve_store
+from .transports.job_store import arrive, resolve_store
 from .transports.select import make_transport, pick_device
 from .validation import (
     PAYLOAD_DTYPES,
@@ -175,6 +175,15 @@ class Buffer(RankMasking):
         self._placement: ExpertPlacement | None = None
         if expert_placement is not None:
             self._placement = ExpertPlacement.from_expert_to_rank(expert_placement, self.group_size)
+        # every rank here within timeout_s before the first collective (whose wait is the group's
+        # timeout, not timeout_s): a rank that never constructs is named, not waited for
+        global_ranks = dist.get_process_group_ranks(group)
+        try:
+            arrive(self._store, f"{group.group_name}/construct", global_ranks, self.rank, self.timeout_s,
+                   "Buffer construction")
+        except CommTimeoutError as error:
+            error.name_global_ranks(global_ranks)
+            raise
         self.transport: Transport
         self.transport, self.transport_reason = make_transport(group, backend, self.device, self.timeout_s,
                                                                num_nvl_bytes, num_rdma_bytes, num_qps_per_rank)

@@ -212,6 +212,43 @@ def test_a_subgroup_buffer_names_global_ranks_too():
         assert "rank(s) [2] did not take part" in text and "global rank(s) [3]" in text, text
 
 
+def _absent_from_construction(rank, world, group):
+    """Global rank 3 constructs neither Buffer: one over the whole group (Buffer rank 3), one over
+    global ranks [1, 2, 3] (Buffer rank 2)."""
+    import torch.distributed as dist
+
+    sub = dist.new_group([1, 2, 3])
+    if rank == 3:
+        time.sleep(2 * TIMEOUT_S + 4)
+        return {}
+    out = {}
+    for name, g in (("whole", group), ("sub", sub)):
+        if g is sub and rank == 0:
+            continue
+        started = time.monotonic()
+        try:
+            ep_comm.Buffer(g, timeout_s=TIMEOUT_S)
+            out[name] = "constructed"
+        except ep_comm.CommTimeoutError as error:
+            out[name] = (error.peers, error.global_peers, time.monotonic() - started, str(error))
+    return out
+
+
+def test_buffer_construction_names_a_rank_that_never_arrives():
+    """A rank that never constructs the Buffer is named within timeout_s by the others' constructor
+    (a CommTimeoutError with its Buffer and global rank), not waited for past it (the constructor's
+    first collective would wait for the process group's timeout)."""
+    results = spawn_once(4, _absent_from_construction, timeout=90)
+    for rank in (0, 1, 2):
+        peers, global_peers, waited, text = results[rank]["whole"]
+        assert peers == [3] and global_peers == [3] and waited < TIMEOUT_S + 2, results[rank]
+        assert "Buffer construction" in text and "rank(s) [3] did not arrive" in text, text
+    for rank in (1, 2):
+        peers, global_peers, waited, text = results[rank]["sub"]
+        assert peers == [2] and global_peers == [3] and waited < TIMEOUT_S + 2, results[rank]
+        assert "global rank(s) [3]" in text, text
+
+
 def test_global_peers_are_named_once_and_only_where_they_differ():
     error = ep_comm.CommTimeoutError("ep_comm x: rank(s) [1] did not take part", peers=[1], phase="x")
     error.name_global_ranks((0, 1, 2))

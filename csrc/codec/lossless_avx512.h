@@ -59,10 +59,10 @@ EP_COMM_AVX512 __attribute__((always_inline)) inline __m512i pair_mix_avx512(__m
 // within that harness's noise of about 5%).
 struct ChecksumSums512 {
   __m512i p0, p1, q0, q1;  // lanes 0-15 and 16-31 (pairs: p0 and q0, lanes 0-15)
-  bool pairs = false;
-  EP_COMM_AVX512 ChecksumSums512()
+  bool pairs;
+  EP_COMM_AVX512 explicit ChecksumSums512(bool pair_checksum = false)
       : p0(_mm512_setzero_si512()), p1(_mm512_setzero_si512()), q0(_mm512_setzero_si512()),
-        q1(_mm512_setzero_si512()) {}
+        q1(_mm512_setzero_si512()), pairs(pair_checksum) {}
   // One step's 32 values.
   EP_COMM_AVX512 __attribute__((always_inline)) void add(__m512i v) {
     if (pairs) {
@@ -209,7 +209,7 @@ struct ChunkCursor512 {
       : payload(p), entry(&e), n(count), out(o), words(p + kStateBytes), raw(words + 2ull * e.num_words),
         nword_bytes(2ull * e.num_words), nraw_bytes(raw_bytes(e.num_raw)), word_tail(words, nword_bytes),
         raw_tail(raw, nraw_bytes), full_steps(count / kLanes) {
-    s.sums.pairs = pairs;
+    s.sums = ChecksumSums512(pairs);
     alignas(64) uint32_t states[kLanes];
     bad_states = !load_states(payload, states);
     if (bad_states) full_steps = 0;
@@ -455,8 +455,7 @@ EP_COMM_AVX512 inline uint32_t field_values_avx512(const uint16_t* v, uint32_t n
   }
   // counts and checksum, 32 fields a step; counts by pairs where there are enough fields to pay
   // for the pair tables' clearing and folding, else one by one (the last step's fields too)
-  ChecksumSums512 sums;
-  sums.pairs = pairs;
+  ChecksumSums512 sums(pairs);
   uint32_t j = 0, steps = 0;
   if (k >= 4096) {
     FieldPairCounts pair_counts;

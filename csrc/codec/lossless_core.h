@@ -95,9 +95,8 @@
 // corrupted field stream of version 6 decodes to such changes in about 1e-5 of single-bit flips.
 // Version 7's checksum is sum_j mix(u_j) * (2 j + 1) mod 2^32 over the chunk's value pairs u_j =
 // v_2j | v_2j+1 << 16 (v_n = 0 when n is odd), mix(u) = m ^ (m >> 16) with m = u * kPairMix mod
-// 2^32: a change within one pair always changes it (mix is a bijection, the weights odd); changes
-// the linear sum misses pass only where the high halves XORed into the products' low halves
-// cancel too.
+// 2^32: a change within one pair always changes it (mix is a bijection, the weights odd), and mix
+// not being linear, no fixed pattern of changes cancels in it whatever the values.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -208,7 +207,7 @@ EP_HD uint32_t checksum_term(uint16_t v, uint32_t index) { return uint32_t(v) * 
 // weighted sum: m = u * kPairMix mod 2^32, mix = m ^ (m >> 16), a bijection of u32 (so, the
 // weights being odd, a change within one pair always changes the sum). mix(0) = 0, so +0.0 pairs
 // add nothing, as in the linear checksum.
-constexpr uint32_t kPairMix = 0x9E3779B1u;  // odd; 2^32 over the golden ratio
+constexpr uint32_t kPairMix = 0x9E3779B1u;  // odd (a prime), near 2^32 over the golden ratio
 EP_HD bool pair_checksum(uint32_t version) { return version >= kVersion7; }
 EP_HD uint32_t pair_mix(uint32_t u) {
   const uint32_t m = u * kPairMix;

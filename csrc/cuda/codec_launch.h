@@ -18,7 +18,7 @@ size_t ep_lossless_encode_workspace_bytes(uint64_t num_values, uint32_t chunk_va
 // room for the extra tables).
 size_t ep_lossless_max_blob_bytes(uint64_t num_values, uint32_t ndim, uint32_t chunk_values, uint32_t version);
 
-// values [num_values] bf16 bits -> blob in format `version` (4 to 6) in out (capacity
+// values [num_values] bf16 bits -> blob in format `version` (4 to 7) in out (capacity
 // ep_lossless_max_blob_bytes); the blob's size is written to *out_size (device). The blob is
 // byte-identical to the host encoder's of the same version. Returns a cudaError_t of the launches
 // (cudaErrorInvalidValue for bad arguments, another version among them).

@@ -59,7 +59,7 @@
 //                  its own that was stored raw drops it (the others renumbered; block 0 alone then
 //                  moves the coded payloads down by the bytes dropped and places every chunk), and
 //                  a blob of +0.0 only in several chunks is written as the fewest chunks.
-// Decode (three launches, four with format 6's coded fields; formats 2 to 6):
+// Decode (three launches, four with coded fields (formats 6 and 7); formats 2 to 7):
 //   validate_kernel one block: every check of the host decoder before any chunk is touched, in
 //                  parallel (the first failure in the host's order is the one reported), the
 //                  chunk offsets (block scan) and the decoder's tables: the shared one, and format
@@ -89,6 +89,8 @@
 //   (every decoder) a one-state chunk (mode 2) decoded by lane 0 (decode_one_state_chunk), a
 //                  +0.0 chunk (mode 3) zero-filled by its warp; a format 6 chunk with coded fields
 //                  decoded from its rebuilt payload in the slot as mode 0 (2);
+//   (every decoder) built twice: for format 7's pair checksum, and as *_linear for formats 2 to
+//                  6 (the caller passes the blob's version, which picks them);
 //   report_kernel  the status of the first failing chunk, as on the host.
 #include <cuda_runtime.h>
 
@@ -2082,22 +2084,13 @@ __global__ void __launch_bounds__(kMetaThreads) validate_kernel(const uint8_t* b
   }
 }
 
-// A raw chunk, as decode_raw_chunk (mix_pairs: version 7's checksum); the same status in every lane.
+// A raw chunk, as decode_raw_chunk (mix_pairs: version 7's checksum, taken from the values
+// stored); the same status in every lane.
 __device__ int decode_raw_warp(const uint8_t* payload, const ChunkEntry& e, uint32_t cn, uint16_t* dst,
                                bool mix_pairs, int lane) {
-  uint32_t checksum = 0;
-  for (uint32_t i = lane; i < cn; i += kLanes) {
-    const uint16_t v = load_le<uint16_t>(payload + 2ull * i);
-    dst[i] = v;
-    if (!mix_pairs) checksum += checksum_term(v, i);
-  }
-  if (mix_pairs) {
-    for (uint32_t j = lane; 2 * j < cn; j += kLanes) {
-      const uint32_t hi = 2 * j + 1 < cn ? uint32_t(load_le<uint16_t>(payload + 4ull * j + 2)) << 16 : 0u;
-      checksum += pair_term(uint32_t(load_le<uint16_t>(payload + 4ull * j)) | hi, j);
-    }
-  }
-  return warp_sum(checksum) == e.checksum ? int(kOk) : int(kErrChecksum);
+  for (uint32_t i = lane; i < cn; i += kLanes) dst[i] = load_le<uint16_t>(payload + 2ull * i);
+  __syncwarp();  // every lane's values stored
+  return warp_checksum(dst, cn, mix_pairs, lane) == e.checksum ? int(kOk) : int(kErrChecksum);
 }
 
 // A mode 3 chunk: cn values +0.0 (check_entry checked its fields); kOk in every lane.
@@ -2655,7 +2648,7 @@ __device__ __forceinline__ int decode_rans_warp_staged(const uint8_t* blob, uint
 // function-local statics of a template kernel are out of reach of the CUDA emulation's
 // shared-memory poisoning (csrc/emulation/cuda_runtime.h). MixPairs: the blob's checksum is
 // version 7's; each decode kernel is built once per checksum (the host picks by the blob's
-// version): with both checksums' staged decoders in one kernel, its 48 registers spilled).
+// version: the staged decoders of both checksums in one kernel need more than its 48 registers).
 constexpr int kDecodeUnaligned = 0, kDecodeAligned = 1, kDecodeStaged = 2;
 template <int Mode, int Warps, bool MixPairs>
 __device__ __forceinline__ void decode_block(const uint8_t* blob, uint64_t size, uint16_t* out, const DecWs& ws,

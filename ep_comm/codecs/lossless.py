@@ -12,7 +12,8 @@ to a quarter of ``chunk_values`` (4,096 to 16,384 values) is coded with one rANS
 12 probability bits); a chunk of +0.0 only takes no payload; each chunk's checksum mixes its
 values in pairs. Versions 2 to 6 still decode and are written on request. The blob is
 self-describing: magic, version, shape, tables, per-chunk sizes and checksums; ``decode``
-validates every field before use and raises ``ValueError`` on a truncated or corrupted blob. The format is documented in ``csrc/codec/lossless_core.h``.
+validates every field before use and raises ``ValueError`` on a truncated or corrupted blob. The
+format is documented in ``csrc/codec/lossless_core.h``.
 
 Why this split, rANS and one table per blob (measured by bench/codec_bench.py on real
 activations, weights and gradients): the sign and the first mantissa bit depend on the exponent
@@ -53,9 +54,10 @@ MAX_DIMENSION = 1 << 48
 MAX_DIMS = 8
 # The blob format encode writes, and the ones decode reads (csrc/codec/lossless_core.h): version 7
 # (a chunk may carry its own frequency table, its raw fields, the 6 low mantissa bits, are
-# entropy-coded where that pays: gradients'; each chunk's checksum mixes its values in pairs, which
-# catches the changes that cancel in version 6's weighted sum of the values, such as (-d, +d, +d,
-# -d) on values 2 apart), written by the host and the CUDA encoders alike; versions 2 to 6 are written on
+# entropy-coded where that pays: gradients'; each chunk's checksum mixes its values in pairs before
+# a weighted sum, so no fixed pattern of changes cancels in it, as (-d, +d, +d, -d) on values 2
+# apart does in version 6's weighted sum of the values), written by the host and the CUDA encoders
+# alike; versions 2 to 6 are written on
 # request, and the host and CUDA decoders read 2 to 7. A version 7 blob has version 6's size and
 # layout; a version 6 blob is never larger than version 5's.
 FORMAT_VERSION = 7
@@ -140,7 +142,7 @@ def encode(x: torch.Tensor, *, chunk_values: int | None = None, threads: int = 0
         simd: True: the fastest path this CPU has; False: the portable core; or a path of
             :func:`simd_paths` by name. The bytes are the same on every path.
         version: the blob format, ``FORMAT_VERSION`` (7: version 6 with a checksum that mixes
-            each pair of values, catching the corruptions that cancel in version 6's); 6 (version 5
+            each pair of values, in which no fixed pattern of changes cancels); 6 (version 5
             where a chunk's 6 low mantissa bits are entropy-coded too where that pays:
             gradients); 5 (a chunk may carry a frequency table of its own, which shrinks
             messages that join values of different statistics); or 4, 3 or 2 (the older

@@ -99,7 +99,7 @@ class BlobLayout(NamedTuple):
     """What the decoder's launch needs of a blob, read from its metadata on the host."""
     shape: tuple[int, ...]
     chunk_values: int
-    field_chunks: int  # format 6's chunks with coded fields (modes 4 and 5): workspace slots
+    field_chunks: int  # chunks with coded fields (modes 4 and 5, formats 6 and 7): workspace slots
     version: int  # the format version, which picks the decode kernels (their checksum)
 
 

@@ -142,3 +142,39 @@ def accept(store: dist.Store, global_rank: int, timeout_s: float) -> dict:
         if store_alive(store):
             raise
         raise store_lost("rejoin", error) from error
+
+
+def arrive(store: dist.Store, name: str, global_ranks: list[int], rank: int, timeout_s: float, phase: str) -> None:
+    """Waits up to ``timeout_s`` until every rank of a group has reached the same point, the
+    group's next round under ``name`` (a name the group's ranks share, e.g. its process group's):
+    each rank counts itself in (``store.add``: round ``(count - 1) // len(global_ranks)``, since no
+    rank counts itself into a round before every rank has arrived in the one before), sets its
+    key of the round and waits for the others'. For a collective step whose own wait no timeout
+    bounds (``torch.distributed``'s object collectives wait for the group's timeout, 30 minutes by
+    default).
+
+    Raises:
+        CommTimeoutError: a rank did not arrive within ``timeout_s``; ``peers`` names it (ranks of
+            the group, ``rank`` being this one's). StoreLostError: the store does not answer.
+    """
+    size = len(global_ranks)
+    prefix = f"ep_comm/arrive/{name}/"
+    started = time.monotonic()
+    try:
+        count = int(store.add(prefix + "count", 1))
+        keys = [f"{prefix}{(count - 1) // size}/{g}" for g in global_ranks]
+        store.set(keys[rank], "1")
+        try:
+            store.wait(keys, timedelta(seconds=max(timeout_s, 0.01)))
+            return
+        except dist.DistStoreError as error:
+            if "timeout" not in str(error).lower() and "timed out" not in str(error).lower():
+                raise
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    except Exception as error:  # noqa: BLE001 - the store's server is gone
+        if store_alive(store):
+            raise
+        raise store_lost(phase, error) from error
+    raise CommTimeoutError(
+        f"ep_comm {phase}: rank {rank} waited {time.monotonic() - started:.1f}s; rank(s) {missing} did not "
+        f"arrive within timeout_s={timeout_s:g}", peers=missing, phase=phase)

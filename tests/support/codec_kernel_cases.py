@@ -39,7 +39,7 @@ def _sync(device: str) -> None:
 def device_encode(lib: ctypes.CDLL, x: torch.Tensor, cv: int, device: str,
                   version: int = lossless.FORMAT_VERSION) -> torch.Tensor:
     """The kernels' blob of ``x`` (any shape, bf16) at ``cv`` values per chunk in format ``version``
-    (4 to 6), as a CPU uint8 tensor."""
+    (4 to 7), as a CPU uint8 tensor."""
     return device_encode_and_workspace(lib, x, cv, device, version)[0]
 
 
@@ -105,13 +105,37 @@ def gradient_like(rows: int = 64, seed: int = 5, zero_share: float = 0.5, kept_b
     return x.bfloat16()
 
 
+def chunk_modes(blob: torch.Tensor) -> list[int]:
+    """Each chunk's mode, from the blob's directory."""
+    layout = blob_layout(blob)
+    b = blob.numpy().tobytes()
+    return [struct.unpack_from("<I", b, layout["directory"] + 16 * c)[0] & 0xFF for c in range(layout["chunks"])]
+
+
+def silent_flips(x: torch.Tensor, version: int, chunk_values: int | None = None) -> tuple[int, int, list[int]]:
+    """Every bit of x's blob (format ``version``) flipped in turn and the blob decoded on the
+    portable path: (the flips that decode to other values without an error, the flips, the blob's
+    chunk modes)."""
+    blob = lossless.encode(x, version=version, chunk_values=chunk_values)
+    b = bytearray(blob.numpy().tobytes())
+    want = x.reshape(-1).view(torch.int16)
+    silent = 0
+    for byte in range(len(b)):
+        for bit in range(8):
+            b[byte] ^= 1 << bit
+            try:
+                y = lossless.decode(torch.frombuffer(bytearray(b), dtype=torch.uint8), simd=False)
+                silent += not torch.equal(y.reshape(-1).view(torch.int16), want)
+            except ValueError:
+                pass
+            b[byte] ^= 1 << bit
+    return silent, 8 * len(b), chunk_modes(blob)
+
+
 def field_chunks(blob: torch.Tensor) -> int:
     """A format 6 blob's chunks with coded fields (modes 4 and 5), which the decoder's workspace
     takes a slot for."""
-    layout = blob_layout(blob)
-    b = blob.numpy().tobytes()
-    modes = [struct.unpack_from("<I", b, layout["directory"] + 16 * c)[0] & 0xFF for c in range(layout["chunks"])]
-    return sum(m in (4, 5) for m in modes)
+    return sum(m in (4, 5) for m in chunk_modes(blob))
 
 
 # format 6 cases: (name, values, chunk_values, the least chunks with coded fields)
