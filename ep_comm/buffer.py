@@ -86,7 +86,8 @@ class Buffer(RankMasking):
             run the fused CUDA kernels (``ep_comm.paths.fused``; ``path_plan`` says which and why);
             ``backend="nvshmem"`` puts the Buffer on this process's current CUDA device even over
             a gloo group (the group then only bootstraps).
-        timeout_s: the longest any call waits for a peer before ``CommTimeoutError``.
+        timeout_s: the longest the constructor or any call waits for a peer before
+            ``CommTimeoutError``.
         expert_placement: optional ``[E]`` int64 map from global expert to owning rank (default:
             contiguous ``E / R`` blocks).
         ranks_per_node: ``None`` (default): DeepEP's rule, nodes of 8 NVLink peers when the group
