@@ -125,9 +125,9 @@ def silent_flips(x: torch.Tensor, version: int, chunk_values: int | None = None)
             b[byte] ^= 1 << bit
             try:
                 y = lossless.decode(torch.frombuffer(bytearray(b), dtype=torch.uint8), simd=False)
-                silent += not torch.equal(y.reshape(-1).view(torch.int16), want)
-            except ValueError:
-                pass
+            except ValueError:  # the flip is caught
+                y = None
+            silent += y is not None and not torch.equal(y.reshape(-1).view(torch.int16), want)
             b[byte] ^= 1 << bit
     return silent, 8 * len(b), chunk_modes(blob)
 
