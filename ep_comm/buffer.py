@@ -180,8 +180,11 @@ class Buffer(RankMasking):
         # timeout, not timeout_s): a rank that never constructs is named, not waited for
         global_ranks = dist.get_process_group_ranks(group)
         try:
-            arrive(self._store, f"{group.group_name}/construct", global_ranks, self.rank, self.timeout_s,
-                   "Buffer construction")
+            name = group.group_name
+        except RuntimeError:  # a group made without a name: its ranks name it (the same on every rank)
+            name = "ranks-" + "-".join(map(str, global_ranks))
+        try:
+            arrive(self._store, f"{name}/construct", global_ranks, self.rank, self.timeout_s, "Buffer construction")
         except CommTimeoutError as error:
             error.name_global_ranks(global_ranks)
             raise
