@@ -11,6 +11,7 @@ than time out.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
@@ -22,13 +23,41 @@ from .errors import BufferStateError, CommTimeoutError
 from .placement import ExpertPlacement
 from .transports.base import Transport
 
-VERSION = 3
+VERSION = 4
 """Changes whenever the wire format of any mode changes: ranks of different ep_comm versions fail
 in the header instead of misreading each other's payloads."""
 
 MODES = ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_combine", "rejoining_ranks")
 CODECS = ("none", "fp8", "lossless", "auto", "fp8_round", "fp8_ue8m0")
 DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
+
+
+class BackwardVote(enum.IntEnum):
+    """What a rank's differentiable call (``ep_comm.dispatch`` / ``combine``) says of its backward.
+
+    A call's outputs depend on every rank's inputs, so its backward runs on every rank or on none:
+    when any live rank votes ``REQUIRES``, the ``FOLLOWS`` ranks' outputs require grad too and their
+    backward runs the collective calls their peers' backward makes. ``OFF`` beside ``REQUIRES`` is
+    a disagreement (that rank can never run the backward).
+    """
+
+    OFF = 0       # grad mode is off (or not a differentiable call)
+    FOLLOWS = 1   # grad mode on, no input requires grad: takes part when a peer's inputs do
+    REQUIRES = 2  # an input requires grad
+
+
+@dataclass
+class BackwardCall:
+    """One differentiable call's vote, and the live ranks' strongest vote once the call opened
+    (this rank's own vote on a transport without an opening exchange)."""
+
+    vote: BackwardVote
+    agreed: BackwardVote | None = None
+
+    @property
+    def runs(self) -> bool:
+        """Whether the call's backward runs on every rank (its outputs require grad)."""
+        return (self.vote if self.agreed is None else self.agreed) == BackwardVote.REQUIRES
 
 
 @dataclass(frozen=True)
@@ -41,8 +70,7 @@ class CallHeader:
         topk: ``K`` of the routing or the weights carried. num_experts: ``E``. capacity: ``T`` of
         low-latency mode. codec: one of ``CODECS``. weights: whether top-k weights travel.
         placement: :func:`placement_digest` of the Buffer's ``expert_placement``.
-        backward: a differentiable call (``ep_comm.dispatch`` / ``combine``) whose inputs require
-            grad, so that its backward will run collective calls on this rank.
+        backward: a differentiable call's :class:`BackwardVote` (``OFF`` for every other call).
         handle: a call that reuses a dispatch's handle (combine, cached dispatch): this rank's
             :func:`handle_digests`; else ``(0, 0)``.
     """
@@ -58,7 +86,7 @@ class CallHeader:
     codec: str = "none"
     weights: bool = False
     placement: int = 0
-    backward: bool = False
+    backward: BackwardVote = BackwardVote.OFF
     handle: tuple[int, int] = (0, 0)
 
     def row(self) -> list[int]:
@@ -108,6 +136,10 @@ def placement_digest(placement: ExpertPlacement | None) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little") or 1
 
 
+_VOTES_SHOWN = {BackwardVote.OFF: "grad mode off", BackwardVote.FOLLOWS: "no input requires grad",
+                BackwardVote.REQUIRES: "inputs require grad"}
+
+
 def _shown(column: str, value: int) -> str:
     if column == "mode":
         return MODES[value - 1] if 1 <= value <= len(MODES) else f"mode {value}"
@@ -117,13 +149,15 @@ def _shown(column: str, value: int) -> str:
         return CODECS[value] if 0 <= value < len(CODECS) else f"codec {value}"
     if column == "placement":
         return "the default" if value == 0 else f"expert_placement digest {value:#x}"
+    if column == "backward":
+        return _VOTES_SHOWN.get(value, f"vote {value}")
     return str(value)
 
 
 def agree(transport: Transport, header: CallHeader, live: list[int],
-          global_ranks: Callable[[], Sequence[int]] | None = None) -> None:
+          global_ranks: Callable[[], Sequence[int]] | None = None) -> BackwardVote:
     """Exchanges ``header`` with every rank (one small collective) and checks the live ranks'
-    headers are equal.
+    headers are equal (their backward votes agree: no ``OFF`` beside ``REQUIRES``).
 
     Args:
         global_ranks: gives the global rank of each rank of the Buffer's group (called only to
@@ -133,6 +167,9 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
     Raises:
         ValueError: a rank rejected its arguments, or the ranks disagree; the message names the
             field and each rank's value (ranks of the Buffer's group).
+
+    Returns:
+        the live ranks' strongest :class:`BackwardVote`.
     """
     def to_global(ranks: list[int]) -> list[int]:
         table = global_ranks() if global_ranks is not None else ()
@@ -151,14 +188,16 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
         raise ValueError(f"ep_comm {header.mode}: {who} rejected their arguments to this call "
                          f"(the error on those ranks says why); no rank sent any payload")
     if not header.ok:
-        return  # this rank raises its own argument error
+        return header.backward  # this rank raises its own argument error
     for i, column in enumerate(_COLUMNS):
         values = {r: int(got[r, i]) for r in live}
-        if len(set(values.values())) > 1:
+        differ = ({BackwardVote.OFF, BackwardVote.REQUIRES} <= set(values.values()) if column == "backward"
+                  else len(set(values.values())) > 1)
+        if differ:
             shown = ", ".join(f"{named(r, g)}: {_shown(column, v)}" for (r, v), g in zip(values.items(),
                                                                                          to_global(list(values))))
             hint = (" (a rank is in another call)" if column in ("mode", "seq") else
-                    " (whether the inputs require grad: a rank without would skip the backward's calls)"
+                    " (a rank with grad mode off would skip the calls its peers' backward makes)"
                     if column == "backward" else "")
             raise ValueError(f"ep_comm {header.mode}: the ranks disagree on {column}{hint}: {shown}; "
                              f"no rank sent any payload")
@@ -170,6 +209,7 @@ def agree(transport: Transport, header: CallHeader, live: list[int],
             raise ValueError(f"ep_comm {header.mode}: the ranks' handles do not match: the rows they would "
                              f"send each other are not the rows they expect (handles of different dispatches?); "
                              f"no rank sent any payload")
+    return BackwardVote(max(int(got[r, _COLUMNS.index("backward")]) for r in live))
 
 
 def collective(mode: str):

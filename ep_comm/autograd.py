@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from .agreement import BackwardVote
 from .buffer import Buffer
 from .handle import DispatchHandle, DispatchState, OwnDispatchHandle
 from .plan import SendPlan
@@ -166,10 +167,31 @@ torch.library.register_autograd("ep_comm::scatter", _scatter_backward, setup_con
 
 
 # -- public functions ---------------------------------------------------------------------------
+def _vote(*inputs: torch.Tensor) -> BackwardVote:
+    """This rank's backward vote for a call on ``inputs``."""
+    if not torch.is_grad_enabled():
+        return BackwardVote.OFF
+    return BackwardVote.REQUIRES if any(t.requires_grad for t in inputs) else BackwardVote.FOLLOWS
+
+
+def _follower(x: torch.Tensor, vote: BackwardVote) -> torch.Tensor:
+    """``x`` as the op's input: for a ``FOLLOWS`` vote a new leaf that requires grad (its gradient
+    is dropped), so that autograd records the op and its backward can run where a peer's inputs
+    require grad; the wrapper detaches the outputs again when none does."""
+    return x.detach().requires_grad_() if vote == BackwardVote.FOLLOWS else x
+
+
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0, *,
              codec: str | None = None):
     """Differentiable ``Buffer.dispatch`` (gradients flow to ``x`` and ``topk_weights``).
+
+    The backward runs on every rank or on none: where any rank's ``x`` or ``topk_weights``
+    require grad (in grad mode), every rank's outputs do, also where this rank's inputs do not
+    (its backward then makes the calls its peers' backward waits for, and drops its gradients);
+    where none does, no output requires grad. A rank under ``torch.no_grad`` while another's
+    inputs require grad is refused on every rank (``ValueError``). On the NVSHMEM transport,
+    which exchanges no header, each rank goes by its own inputs.
 
     With ``codec="fp8"`` the payload travels as e4m3 + scales and is dequantized to ``x``'s dtype
     on arrival; the backward treats the quantization as identity (straight-through) and returns
@@ -199,11 +221,13 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         buffer._refuse("dispatch", error)
     _live_buffers[buffer.buffer_id] = buffer
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
-    # every rank must agree on whether a backward will follow (a rank without one would skip its calls)
-    backward = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
-    with buffer._backward_call(backward):
+    # the backward runs on every rank or on none (a rank without it would skip its peers' calls)
+    vote = _vote(x, topk_weights)
+    with buffer._backward_call(vote) as call:
         recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
-            x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
+            _follower(x, vote), topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
+    if vote == BackwardVote.FOLLOWS and not call.runs:
+        recv_x, recv_w = recv_x.detach(), recv_w.detach()
     from .layout import align_up
 
     handle = OwnDispatchHandle((), DispatchState(
@@ -229,7 +253,8 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
 
 def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
             topk_weights: torch.Tensor | None = None, *, codec: str | None = None):
-    """Differentiable ``Buffer.combine`` (gradients flow to ``x`` and ``topk_weights``).
+    """Differentiable ``Buffer.combine`` (gradients flow to ``x`` and ``topk_weights``); its
+    backward runs on every rank or on none, as :func:`dispatch`'s.
 
     Args:
         x: ``[M, H]`` rows in the received order (or ``[num_worst_tokens, H]``).
@@ -255,11 +280,13 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     weights = (topk_weights[:rows] if topk_weights is not None
                else x.new_empty(rows, 0, dtype=torch.float32))
-    backward = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
-    with buffer._backward_call(backward):
-        combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(),
+    vote = _vote(x, weights)
+    with buffer._backward_call(vote) as call:
+        combined, combined_w = _combine_op(_follower(x[:rows].contiguous(), vote), weights.contiguous(),
                                            handle.send_plan.token_index, handle.send_plan.send_counts,
                                            handle.recv_counts, handle.num_tokens, buffer.buffer_id, codec_name)
+    if vote == BackwardVote.FOLLOWS and not call.runs:
+        combined, combined_w = combined.detach(), combined_w.detach()
     from .event import EventOverlap
 
     return combined, (combined_w if topk_weights is not None else None), EventOverlap(None)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import handle_entries, low_latency, normal
-from .agreement import CallHeader, agree, collective, handle_digests, placement_digest
+from .agreement import BackwardCall, BackwardVote, CallHeader, agree, collective, handle_digests, placement_digest
 from .codecs import nvfp4
 from .codecs.auto import AutoCodecPolicy, agree_on_codec, check_codec_input
 from .config import Config, default_combine_config, default_dispatch_config
@@ -126,7 +126,7 @@ class Buffer(RankMasking):
     _disagreed = False
     _broken: str | None = None
     _call_mode = ""
-    _call_backward = False  # set by the differentiable wrappers around their call (_backward_call)
+    _backward: BackwardCall | None = None  # a differentiable wrapper's call (_backward_call)
     _header_collectives = 0
     _mask_request: frozenset[int] | None = None
     enable_shrink = False
@@ -327,12 +327,15 @@ class Buffer(RankMasking):
         if self.transport.name == "torch":
             live = [r for r in range(self.group_size) if r not in self.masked_ranks]
             self._header_collectives = 1
+            vote = BackwardVote.OFF if self._backward is None else self._backward.vote
             try:
-                agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement),
-                                              backward=self._call_backward), live, self._global_ranks)
+                agreed = agree(self.transport, replace(header, seq=seq, placement=placement_digest(self._placement),
+                                                       backward=vote), live, self._global_ranks)
             except ValueError:
                 self._disagreed = True
                 raise
+            if self._backward is not None:
+                self._backward.agreed = agreed
 
     def _group_key(self) -> tuple:
         placement = None if self._placement is None else tuple(self._placement.expert_to_rank.tolist())
@@ -560,14 +563,15 @@ class Buffer(RankMasking):
         return handle_digests(self.rank, sends.tolist(), expects.tolist())
 
     @contextlib.contextmanager
-    def _backward_call(self, backward: bool):
-        """Within it, calls open with ``backward`` in their header (a differentiable call whose
-        backward will run on this rank), which every rank must agree on."""
-        previous, self._call_backward = self._call_backward, backward
+    def _backward_call(self, vote: BackwardVote):
+        """Within it, calls open with ``vote`` in their header (a differentiable wrapper's call);
+        yields its :class:`BackwardCall`, whose ``agreed`` the call's opening exchange sets (on a
+        transport without one it stays None: the call goes by this rank's own vote)."""
+        previous, self._backward = self._backward, BackwardCall(vote)
         try:
-            yield
+            yield self._backward
         finally:
-            self._call_backward = previous
+            self._backward = previous
 
     def _refuse(self, mode: str, error: ValueError) -> None:
         """Raises ``error``, an argument this rank rejected before a call of ``mode`` opened (the

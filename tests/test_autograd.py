@@ -2,6 +2,8 @@
 dispatch -> expert -> combine chain against the same chain computed in one process."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -169,17 +171,14 @@ def test_a_rank_rejecting_its_arguments_fails_every_rank_and_the_next_call_is_ri
         assert torch.equal(r[4], outs[rank]), rank
 
 
-def _grad_differs(rank, world, group, case):
-    """Rank 0's inputs require grad, rank 1's do not (or rank 1 calls under no_grad)."""
+def _grad_mode_differs(rank, world, group):
+    """Rank 0's inputs require grad; rank 1 calls under no_grad."""
     buf = ep_comm.Buffer(group, timeout_s=30)
     idx, w = make_routing(rank, 9, 6, EXPERTS, TOPK, 0.0)
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_(rank == 0 or case == "no_grad")
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     error = None
     try:
-        if case == "no_grad" and rank == 1:
-            with torch.no_grad():
-                ep_comm.dispatch(buf, x, idx, w, EXPERTS)
-        else:
+        with torch.no_grad() if rank == 1 else contextlib.nullcontext():
             ep_comm.dispatch(buf, x, idx, w, EXPERTS)
     except ValueError as e:
         error = str(e)
@@ -190,12 +189,63 @@ def _grad_differs(rank, world, group, case):
     return error, x.grad
 
 
-@pytest.mark.parametrize("case", ["requires_grad", "no_grad"])
-def test_ranks_that_disagree_on_a_backward_fail_alike(ranks, case):
-    """A differentiable dispatch whose inputs require grad on one rank and not on another (the
-    second would skip the backward's calls, which the first would wait for until its timeout):
-    the same ValueError on both, before any payload moves; the next forward and backward work."""
-    results = ranks(2, _grad_differs, case)
+def test_ranks_that_disagree_on_grad_mode_fail_alike(ranks):
+    """A differentiable dispatch whose inputs require grad on one rank while another calls under
+    no_grad (the second could never run the backward's calls, which the first would wait for until
+    its timeout): the same ValueError on both, naming each rank's vote, before any payload moves;
+    the next forward and backward work."""
+    results = ranks(2, _grad_mode_differs)
     for error, grad in results:
         assert error is not None and "disagree on backward" in error, error
+        assert "rank 0: inputs require grad, rank 1: grad mode off" in error, error
         assert grad is not None and torch.isfinite(grad).all()
+
+
+def _some_ranks_require_grad(rank, world, group, requiring):
+    """The chain of _grads_vs_single_process, with inputs (x and the routing weights) that require
+    grad on the ranks in ``requiring`` only; every rank runs its backward when its output requires
+    grad."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    idx, w = make_routing(rank, 11, 5 + rank, 8, 3, 0.2)
+    g = torch.Generator().manual_seed(3 + rank)
+    x = torch.randn(5 + rank, 16, generator=g).requires_grad_(rank in requiring)
+    w = w.requires_grad_(rank in requiring)
+    upstream = torch.randn(5 + rank, 16, generator=g)
+    recv_x, recv_idx, recv_w, _, handle, _ = ep_comm.dispatch(buf, x, idx, w, 8)
+    forward_grads = (recv_x.requires_grad, recv_w.requires_grad)
+    y = torch.tanh(recv_x) * (rank + 1)
+    out, out_w, _ = ep_comm.combine(buf, y, handle, topk_weights=recv_w)
+    out = out + out_w.sum(1, keepdim=True)
+    if out.requires_grad:
+        (out * upstream).sum().backward()
+    return (x.detach(), idx, w.detach(), upstream, out.detach(), x.grad, w.grad, forward_grads, out.requires_grad)
+
+
+@pytest.mark.parametrize("world,requiring", [(2, (0,)), (2, (1,)), (4, (2,)), (4, (0, 3)), (2, ())])
+def test_ranks_whose_inputs_need_no_grad_follow_their_peers_backward(ranks, world, requiring):
+    """The outputs depend on every rank's inputs, so where any rank's inputs require grad every
+    rank's outputs do, and each rank's backward runs the calls its peers' backward waits for: the
+    gradients of the ranks that asked equal the single-process chain's. Where none does, no output
+    requires grad (no graph is kept)."""
+    results = ranks(world, _some_ranks_require_grad, requiring)
+    placement = ExpertPlacement.contiguous(8, world)
+    xs = [r[0].clone().requires_grad_(rank in requiring) for rank, r in enumerate(results)]
+    ws = [r[2].clone().requires_grad_(rank in requiring) for rank, r in enumerate(results)]
+    received = reference.dispatch(xs, [r[1] for r in results], ws, placement)
+    ys = [torch.tanh(rec.x) * (rank + 1) for rank, rec in enumerate(received)]
+    counts = [x.shape[0] for x in xs]
+    outs = [o + o_w.sum(1, keepdim=True) for o, o_w in zip(
+        reference.combine(ys, received, counts), reference.combine([rec.topk_weights for rec in received],
+                                                                   received, counts))]
+    for rank, r in enumerate(results):
+        assert r[7] == (bool(requiring), bool(requiring)) and r[8] == bool(requiring), rank
+        torch.testing.assert_close(r[4], outs[rank].detach(), rtol=1e-6, atol=1e-6)
+    if not requiring:
+        return
+    sum((o * r[3]).sum() for o, r in zip(outs, results)).backward()
+    for rank, r in enumerate(results):
+        if rank in requiring:
+            torch.testing.assert_close(r[5], xs[rank].grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(r[6], ws[rank].grad, rtol=1e-5, atol=1e-6)
+        else:
+            assert r[5] is None and r[6] is None, rank
