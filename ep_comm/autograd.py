@@ -10,8 +10,6 @@ a Buffer is passed by its id, looked up in a registry of live Buffers. Gradients
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .agreement import BackwardVote
@@ -20,14 +18,9 @@ from .handle import DispatchHandle, DispatchState, OwnDispatchHandle
 from .plan import SendPlan
 from .validation import PAYLOAD_DTYPES, check_codec, check_nonneg_int, check_num_experts, require_tensor
 
-_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
-
 
 def _buffer(buffer_id: int) -> Buffer:
-    try:
-        return _live_buffers[buffer_id]
-    except KeyError:
-        raise ValueError(f"no live ep_comm.Buffer with id {buffer_id}") from None
+    return Buffer._live(int(buffer_id))  # (a SymInt where torch.compile made the id dynamic: int() pins it)
 
 
 def _handle(buffer: Buffer, token_index: torch.Tensor, send_counts: torch.Tensor,
@@ -44,14 +37,15 @@ def _handle(buffer: Buffer, token_index: torch.Tensor, send_counts: torch.Tensor
 # -- ep_comm::dispatch --------------------------------------------------------------------------
 @torch.library.custom_op("ep_comm::dispatch", mutates_args=())
 def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
-                 num_experts: int, codec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                        torch.Tensor, torch.Tensor, torch.Tensor,
-                                                        torch.Tensor]:
+                 num_experts: int, codec: str, vote: int, anchor: torch.Tensor) -> tuple[
+                     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     torch.Tensor]:
     buffer = _buffer(buffer_id)
     num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
-        x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_expert=num_tokens_per_expert,
-        codec=codec)
+    with buffer._backward_call(BackwardVote(vote)):
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_expert=num_tokens_per_expert,
+            codec=codec)
     if isinstance(recv_x, tuple):  # codec="fp8": dequantize; the gradient passes straight through
         from .codecs import fp8
 
@@ -63,11 +57,12 @@ def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
 
 
 @_dispatch_op.register_fake
-def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec):
+def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec, vote, anchor):
     ctx = torch.library.get_ctx()
     rows, sent = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    num_ranks = _buffer(buffer_id).group_size
-    local = ctx.new_dynamic_size()
+    buffer = _buffer(buffer_id)
+    num_ranks = buffer.group_size
+    local = buffer._num_local_experts(num_experts)  # the counts' length
     k = topk_idx.shape[1]
     return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, k), topk_weights.new_empty(rows, k),
             topk_idx.new_empty(sent), topk_idx.new_empty(num_ranks),
@@ -75,8 +70,7 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    _, _, _, buffer_id, _, codec = inputs
-    x = inputs[0]
+    x, _, _, buffer_id, _, codec, _, _ = inputs
     _, recv_idx, _, token_index, send_counts, recv_counts, _ = output
     ctx.save_for_backward(recv_idx, token_index, send_counts, recv_counts)
     ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
@@ -87,8 +81,8 @@ def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *unused):
     grad_w = grad_w * (recv_idx >= 0).to(grad_w.dtype)
     gx, gw = _combine_op(grad_x.contiguous(), grad_w.contiguous(), token_index, send_counts,
                          recv_counts, ctx.num_tokens, ctx.buffer_id,
-                         "none" if ctx.codec == "fp8" else ctx.codec)
-    return gx, None, gw, None, None, None
+                         "none" if ctx.codec == "fp8" else ctx.codec, int(BackwardVote.OFF), grad_x.new_empty(0))
+    return gx, None, gw, None, None, None, None, _anchor_grad(gx, gw)
 
 
 torch.library.register_autograd("ep_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
@@ -98,23 +92,24 @@ torch.library.register_autograd("ep_comm::dispatch", _dispatch_backward, setup_c
 @torch.library.custom_op("ep_comm::combine", mutates_args=())
 def _combine_op(x: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
                 send_counts: torch.Tensor, recv_counts: torch.Tensor, num_tokens: int, buffer_id: int,
-                codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+                codec: str, vote: int, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     buffer = _buffer(buffer_id)
     handle = _handle(buffer, token_index, send_counts, recv_counts, num_tokens, x.shape[1])
     weights = topk_weights if topk_weights.shape[1] > 0 else None
-    combined, combined_w, _ = buffer.combine(x, handle, topk_weights=weights, codec=codec)
+    with buffer._backward_call(BackwardVote(vote)):
+        combined, combined_w, _ = buffer.combine(x, handle, topk_weights=weights, codec=codec)
     if combined_w is None:
         combined_w = topk_weights.new_empty(num_tokens, topk_weights.shape[1])
     return combined, combined_w.to(topk_weights.dtype)
 
 
 @_combine_op.register_fake
-def _(x, topk_weights, token_index, send_counts, recv_counts, num_tokens, buffer_id, codec):
+def _(x, topk_weights, token_index, send_counts, recv_counts, num_tokens, buffer_id, codec, vote, anchor):
     return x.new_empty(num_tokens, x.shape[1]), topk_weights.new_empty(num_tokens, topk_weights.shape[1])
 
 
 def _combine_setup(ctx, inputs, output):
-    x, _, token_index, send_counts, recv_counts, _, buffer_id, codec = inputs
+    x, _, token_index, send_counts, recv_counts, _, buffer_id, codec, _, _ = inputs
     ctx.save_for_backward(token_index, send_counts, recv_counts)
     ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
 
@@ -126,7 +121,7 @@ def _combine_backward(ctx, grad_out, grad_w):
         gw = grad_w.new_zeros(gx.shape[0], 0)
     else:
         gw = _scatter_op(grad_w.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, "none")
-    return gx, gw, None, None, None, None, None, None
+    return gx, gw, None, None, None, None, None, None, None, _anchor_grad(gx, gw)
 
 
 torch.library.register_autograd("ep_comm::combine", _combine_backward, setup_context=_combine_setup)
@@ -159,7 +154,7 @@ def _scatter_backward(ctx, grad):
     token_index, send_counts, recv_counts = ctx.saved_tensors
     empty = grad.new_empty(grad.shape[0], 0)
     gx, _ = _combine_op(grad.contiguous(), empty, token_index, send_counts, recv_counts,
-                        ctx.num_tokens, ctx.buffer_id, ctx.codec)
+                        ctx.num_tokens, ctx.buffer_id, ctx.codec, int(BackwardVote.OFF), grad.new_empty(0))
     return gx, None, None, None, None, None
 
 
@@ -174,11 +169,31 @@ def _vote(*inputs: torch.Tensor) -> BackwardVote:
     return BackwardVote.REQUIRES if any(t.requires_grad for t in inputs) else BackwardVote.FOLLOWS
 
 
-def _follower(x: torch.Tensor, vote: BackwardVote) -> torch.Tensor:
-    """``x`` as the op's input: for a ``FOLLOWS`` vote a new leaf that requires grad (its gradient
-    is dropped), so that autograd records the op and its backward can run where a peer's inputs
-    require grad; the wrapper detaches the outputs again when none does."""
-    return x.detach().requires_grad_() if vote == BackwardVote.FOLLOWS else x
+def _anchor(buffer: Buffer, vote: BackwardVote, like: torch.Tensor) -> torch.Tensor:
+    """The op's ``anchor`` input, which it ignores: in grad mode the Buffer's empty leaf that
+    requires grad, so that autograd records the op also where no other input requires grad (for a
+    ``FOLLOWS`` vote: its outputs require grad and its backward runs where a peer's inputs require
+    grad; the wrapper detaches them again when none does); else an empty tensor without grad."""
+    return like.new_empty(0) if vote == BackwardVote.OFF else buffer._grad_anchor
+
+
+def _anchor_grad(*grads: torch.Tensor) -> torch.Tensor:
+    """The anchor's (empty) gradient, taken from each gradient a backward computed: so that every
+    collective call of the backward has a use, and ``torch.compile`` never drops one as dead code
+    on a rank that needs none of its results (its peers make the call and wait for this rank).
+    On the CPU, as the anchor (an empty copy: nothing moves)."""
+    return torch.cat([g.reshape(-1)[:0].float().cpu() for g in grads])
+
+
+def _detach(buffer: Buffer, vote: BackwardVote) -> bool:
+    """Whether a ``FOLLOWS`` call's outputs leave the graph: no rank's inputs required grad (the
+    call just made says so). Under ``torch.compile`` the outputs stay in the graph (what the
+    call's opening exchange found is not known when the graph is traced): a rank that then never
+    runs the backward keeps the graph of these outputs alive until they are freed."""
+    if vote != BackwardVote.FOLLOWS or torch.compiler.is_compiling():
+        return False
+    last = buffer._last_backward
+    return last is not None and not last.runs
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -219,21 +234,20 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         check_codec(codec, ("none", "fp8", "lossless", "auto"))
     except ValueError as error:
         buffer._refuse("dispatch", error)
-    _live_buffers[buffer.buffer_id] = buffer
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     # the backward runs on every rank or on none (a rank without it would skip its peers' calls)
     vote = _vote(x, topk_weights)
-    with buffer._backward_call(vote) as call:
-        recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
-            _follower(x, vote), topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name)
-    if vote == BackwardVote.FOLLOWS and not call.runs:
+    recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
+        x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name, int(vote), _anchor(buffer, vote, x))
+    if _detach(buffer, vote):
         recv_x, recv_w = recv_x.detach(), recv_w.detach()
     from .layout import align_up
 
+    num_recv = recv_x.shape[0]  # == recv_counts.sum(), a size torch.compile traces without reading it
     handle = OwnDispatchHandle((), DispatchState(
         buffer_id=buffer.buffer_id, send_plan=SendPlan(token_index, send_counts),
         recv_counts=recv_counts, is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
-        num_tokens=x.shape[0], num_recv_tokens=int(recv_counts.sum()), num_worst_tokens=0,
+        num_tokens=x.shape[0], num_recv_tokens=num_recv, num_worst_tokens=0,
         hidden=x.shape[1], num_experts=num_experts,
         recv_src_token_index=torch.empty(0, dtype=torch.int64), mask_epoch=buffer.mask_epoch))
     counts_list = align_up(counts.tolist(), expert_alignment)
@@ -275,17 +289,15 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
         check_codec(codec, ("none", "lossless", "auto"))
     except ValueError as error:
         buffer._refuse("combine", error)
-    _live_buffers[buffer.buffer_id] = buffer
     rows = handle.num_recv_tokens
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     weights = (topk_weights[:rows] if topk_weights is not None
                else x.new_empty(rows, 0, dtype=torch.float32))
     vote = _vote(x, weights)
-    with buffer._backward_call(vote) as call:
-        combined, combined_w = _combine_op(_follower(x[:rows].contiguous(), vote), weights.contiguous(),
-                                           handle.send_plan.token_index, handle.send_plan.send_counts,
-                                           handle.recv_counts, handle.num_tokens, buffer.buffer_id, codec_name)
-    if vote == BackwardVote.FOLLOWS and not call.runs:
+    combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(), handle.send_plan.token_index,
+                                       handle.send_plan.send_counts, handle.recv_counts, handle.num_tokens,
+                                       buffer.buffer_id, codec_name, int(vote), _anchor(buffer, vote, x))
+    if _detach(buffer, vote):
         combined, combined_w = combined.detach(), combined_w.detach()
     from .event import EventOverlap
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -60,6 +61,7 @@ from .validation import (
 )
 
 _buffer_ids = itertools.count(1)
+_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
 
 
 class Buffer(RankMasking):
@@ -126,7 +128,8 @@ class Buffer(RankMasking):
     _disagreed = False
     _broken: str | None = None
     _call_mode = ""
-    _backward: BackwardCall | None = None  # a differentiable wrapper's call (_backward_call)
+    _backward: BackwardCall | None = None  # a differentiable op's call, while it runs (_backward_call)
+    _last_backward: BackwardCall | None = None  # the last one, once it returned
     _header_collectives = 0
     _mask_request: frozenset[int] | None = None
     enable_shrink = False
@@ -167,7 +170,7 @@ class Buffer(RankMasking):
         self.intranode_copy = intranode_copy
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
-        self.buffer_id = self._new_buffer_id()
+        self._take_buffer_id()
         self._store = resolve_store(store)
         self.device = pick_device(group, backend)
         # gloo stages payloads through host memory, so it takes tensors on any device (a
@@ -220,10 +223,23 @@ class Buffer(RankMasking):
         self._last_stats = stats
 
     # -- construction helpers ------------------------------------------------------------------
+    def _take_buffer_id(self) -> None:
+        """Sets ``buffer_id``, a number no other Buffer of this process has (handles remember it),
+        under which the differentiable ops find this Buffer (:meth:`_live`), and ``_grad_anchor``,
+        their input in grad mode (an empty leaf that requires grad: autograd records a call even
+        where its other inputs need none)."""
+        self.buffer_id = next(_buffer_ids)
+        _live_buffers[self.buffer_id] = self
+        self._grad_anchor = torch.zeros(0, requires_grad=True)
+
     @staticmethod
-    def _new_buffer_id() -> int:
-        """A number no other Buffer of this process has (handles remember it)."""
-        return next(_buffer_ids)
+    def _live(buffer_id: int) -> "Buffer":
+        """The live Buffer of ``buffer_id`` (the differentiable ops take Buffers by id), or
+        ValueError."""
+        try:
+            return _live_buffers[buffer_id]
+        except KeyError:
+            raise ValueError(f"no live ep_comm.Buffer with id {buffer_id}") from None
 
     def _make_paths(self, ranks_per_node: int | None) -> PathPlan:
         """The paths in order of preference (collective: the kernel paths agree on what may run,
@@ -290,6 +306,14 @@ class Buffer(RankMasking):
                                  f"which places {self._placement.num_experts} experts")
             return self._placement
         return ExpertPlacement.contiguous(num_experts, self.group_size)
+
+    def _num_local_experts(self, num_experts: int) -> int:
+        """This rank's number of experts among ``num_experts`` (already checked), from Python ints
+        (the differentiable dispatch's fake kernel asks while ``torch.compile`` traces, where a
+        new tensor would be a fake one)."""
+        if self._placement is None:
+            return num_experts // self.group_size
+        return self._placement.local_expert_counts[self.rank]
 
     # -- DeepEP static helpers -----------------------------------------------------------------
     @staticmethod
@@ -564,14 +588,16 @@ class Buffer(RankMasking):
 
     @contextlib.contextmanager
     def _backward_call(self, vote: BackwardVote):
-        """Within it, calls open with ``vote`` in their header (a differentiable wrapper's call);
-        yields its :class:`BackwardCall`, whose ``agreed`` the call's opening exchange sets (on a
-        transport without one it stays None: the call goes by this rank's own vote)."""
-        previous, self._backward = self._backward, BackwardCall(vote)
+        """Within it, calls open with ``vote`` in their header (a differentiable op's call); yields
+        its :class:`BackwardCall`, whose ``agreed`` the call's opening exchange sets (on a
+        transport without one it stays None: the call goes by this rank's own vote), and which
+        ``_last_backward`` then holds."""
+        call = BackwardCall(vote)
+        previous, self._backward, self._last_backward = self._backward, call, None
         try:
-            yield self._backward
+            yield call
         finally:
-            self._backward = previous
+            self._backward, self._last_backward = previous, call
 
     def _refuse(self, mode: str, error: ValueError) -> None:
         """Raises ``error``, an argument this rank rejected before a call of ``mode`` opened (the

@@ -325,7 +325,7 @@ class RankMasking:
         self.intranode_copy = "ring"  # masked and rejoined Buffers run flat: no fused kernels
         self.rank = int(desc["rank"])
         self.group_size = len(desc["global_ranks"])
-        self.buffer_id = self._new_buffer_id()
+        self._take_buffer_id()
         self.device = torch.device("cpu")
         self._input_device = None  # gloo stages through host memory
         self._placement = (None if desc["placement"] is None else

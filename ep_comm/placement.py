@@ -12,6 +12,7 @@ summed over ranks) and pass the result as ``Buffer(..., expert_placement=...)``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,11 @@ class ExpertPlacement:
     expert_to_local: torch.Tensor
     num_ranks: int
     num_local_experts: torch.Tensor
+
+    @functools.cached_property
+    def local_expert_counts(self) -> tuple[int, ...]:
+        """``num_local_experts`` as Python ints (cached)."""
+        return tuple(int(n) for n in self.num_local_experts.tolist())
 
     @property
     def num_experts(self) -> int:
@@ -72,7 +78,9 @@ class ExpertPlacement:
         starts = torch.cumsum(num_local, 0) - num_local
         local = torch.empty_like(owners)
         local[order] = torch.arange(owners.numel()) - starts[owners[order]]
-        return ExpertPlacement(owners, local, num_ranks, num_local)
+        placement = ExpertPlacement(owners, local, num_ranks, num_local)
+        _ = placement.local_expert_counts  # computed now: torch.compile's fake kernels read it, and cannot read tensors
+        return placement
 
     def local_experts(self, rank: int) -> torch.Tensor:
         """``[num_local_experts[rank]]`` int64: the global ids that ``rank`` owns, ascending."""

@@ -110,27 +110,52 @@ def test_custom_ops_are_registered_for_torch_compile():
         assert hasattr(torch.ops.ep_comm, name)
 
 
-def _compiled_chain(rank, world, group):
-    buf = ep_comm.Buffer(group)
+def _compiled_chain(rank, world, group, follows):
+    """dispatch -> combine compiled whole (fullgraph=True) and eager; with ``follows``, rank 1's
+    inputs require no grad, and its compiled output still joins rank 0's backward. Then rank 1
+    calls the compiled chain under no_grad: the vote traced into its graph (grad mode off) meets
+    rank 0's in the call header."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
     idx, w = make_routing(rank, 17, 5, 4, 2, 0.0)
-    x = torch.randn(5, 8, requires_grad=True)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+    grads = not (follows and rank == 1)
+    x.requires_grad_(grads)
 
     def chain(x_in, w_in):
         recv_x, _, recv_w, _, handle, _ = ep_comm.dispatch(buf, x_in, idx, w_in, 4)
         out, _, _ = ep_comm.combine(buf, recv_x * recv_w.sum(1, keepdim=True), handle)
         return out
 
-    eager = chain(x, w)
-    (eager_grad,) = torch.autograd.grad(eager.sum(), x)
-    compiled = torch.compile(chain, backend="aot_eager")(x, w)
-    (compiled_grad,) = torch.autograd.grad(compiled.sum(), x)
-    return torch.equal(eager, compiled), torch.equal(eager_grad, compiled_grad)
+    def run(fn):
+        out = fn(x, w)
+        assert out.requires_grad  # on rank 1 too, with follows: it joins rank 0's backward
+        out.sum().backward()
+        grad, x.grad = x.grad, None
+        return out.detach(), grad
+
+    eager = run(chain)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled_chain = torch.compile(chain, backend="aot_eager", fullgraph=True)
+        compiled = run(compiled_chain)
+        error = None
+        try:
+            with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+                compiled_chain(x, w)
+        except ValueError as e:
+            error = str(e)
+    same = torch.equal(eager[0], compiled[0]) and (torch.equal(eager[1], compiled[1]) if grads
+                                                   else eager[1] is None and compiled[1] is None)
+    return same, error
 
 
-def test_torch_compile_treats_the_ops_as_opaque_calls(ranks):
-    # the custom ops' fake implementations let dynamo/AOTAutograd trace around them
-    for same_out, same_grad in ranks(2, _compiled_chain):
-        assert same_out and same_grad
+@pytest.mark.parametrize("follows", [False, True])
+def test_torch_compile_traces_the_ops_whole(ranks, follows):
+    """The custom ops' fake implementations let dynamo/AOTAutograd trace dispatch and combine in
+    one graph (fullgraph=True, with capture_scalar_outputs for the counts list), with the same
+    outputs and gradients as eager, and the call header still carries each rank's vote."""
+    for same, error in ranks(2, _compiled_chain, follows):
+        assert same
+        assert error is not None and "disagree on backward" in error, error
 
 
 def _one_rank_rejects(rank, world, group, case, codec):
@@ -201,15 +226,18 @@ def test_ranks_that_disagree_on_grad_mode_fail_alike(ranks):
         assert grad is not None and torch.isfinite(grad).all()
 
 
-def _some_ranks_require_grad(rank, world, group, requiring):
+def _some_ranks_require_grad(rank, world, group, requiring, inference):
     """The chain of _grads_vs_single_process, with inputs (x and the routing weights) that require
-    grad on the ranks in ``requiring`` only; every rank runs its backward when its output requires
-    grad."""
+    grad on the ranks in ``requiring`` only (with ``inference``, the others' are inference tensors);
+    every rank runs its backward when its output requires grad."""
     buf = ep_comm.Buffer(group, timeout_s=30)
     idx, w = make_routing(rank, 11, 5 + rank, 8, 3, 0.2)
     g = torch.Generator().manual_seed(3 + rank)
     x = torch.randn(5 + rank, 16, generator=g).requires_grad_(rank in requiring)
     w = w.requires_grad_(rank in requiring)
+    if inference and rank not in requiring:
+        with torch.inference_mode():
+            x, w = x.clone(), w.clone()
     upstream = torch.randn(5 + rank, 16, generator=g)
     recv_x, recv_idx, recv_w, _, handle, _ = ep_comm.dispatch(buf, x, idx, w, 8)
     forward_grads = (recv_x.requires_grad, recv_w.requires_grad)
@@ -221,13 +249,15 @@ def _some_ranks_require_grad(rank, world, group, requiring):
     return (x.detach(), idx, w.detach(), upstream, out.detach(), x.grad, w.grad, forward_grads, out.requires_grad)
 
 
-@pytest.mark.parametrize("world,requiring", [(2, (0,)), (2, (1,)), (4, (2,)), (4, (0, 3)), (2, ())])
-def test_ranks_whose_inputs_need_no_grad_follow_their_peers_backward(ranks, world, requiring):
+@pytest.mark.parametrize("world,requiring,inference", [(2, (0,), False), (2, (1,), False), (4, (2,), False),
+                                                       (4, (0, 3), False), (2, (), False), (2, (0,), True),
+                                                       (2, (), True)])
+def test_ranks_whose_inputs_need_no_grad_follow_their_peers_backward(ranks, world, requiring, inference):
     """The outputs depend on every rank's inputs, so where any rank's inputs require grad every
     rank's outputs do, and each rank's backward runs the calls its peers' backward waits for: the
     gradients of the ranks that asked equal the single-process chain's. Where none does, no output
-    requires grad (no graph is kept)."""
-    results = ranks(world, _some_ranks_require_grad, requiring)
+    requires grad (no graph is kept). Inference tensors as the inputs that need no grad alike."""
+    results = ranks(world, _some_ranks_require_grad, requiring, inference)
     placement = ExpertPlacement.contiguous(8, world)
     xs = [r[0].clone().requires_grad_(rank in requiring) for rank, r in enumerate(results)]
     ws = [r[2].clone().requires_grad_(rank in requiring) for rank, r in enumerate(results)]

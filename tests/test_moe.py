@@ -179,23 +179,24 @@ def test_a_rank_without_experts_takes_part_in_the_backward(ranks):
     torch.testing.assert_close(torch.cat([r[3] for r in results]), x.grad, rtol=1e-5, atol=1e-6)
 
 
-def _frozen_router_case(rank: int, world_size: int, group: dist.ProcessGroup):
+def _frozen_router_case(rank: int, world_size: int, group: dist.ProcessGroup, compiled: bool):
     """As _zero_expert_case, with the router frozen and tokens that do not require grad: only rank
     0's experts have gradients, which rank 1's tokens reach through its combine's backward."""
-    buf = ep_comm.Buffer(group, expert_placement=torch.zeros(EXPERTS, dtype=torch.int64), timeout_s=30)
+    buf = ep_comm.Buffer(group, expert_placement=torch.zeros(EXPERTS, dtype=torch.int64), timeout_s=60)
     layer = MoE(HIDDEN, FFN, EXPERTS, TOP_K, buffer=buf, init_seed=1)
     layer.router_weight.requires_grad_(False)
     x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(rank))
-    out = layer(x)
+    out = (torch.compile(layer, backend="aot_eager") if compiled else layer)(x)
     (out * (rank + 1)).sum().backward()
     return out.detach(), [p.grad for p in layer.expert_parameters()]
 
 
-def test_a_rank_without_experts_follows_the_backward_with_a_frozen_router(ranks):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_rank_without_experts_follows_the_backward_with_a_frozen_router(ranks, compiled):
     """Rank 1's inputs to dispatch and combine require no grad, rank 0's expert outputs do: rank
     1's output still requires grad and its backward sends its share of rank 0's expert gradients,
-    which equal the single-process layer's."""
-    results = ranks(2, _frozen_router_case)
+    which equal the single-process layer's (eager, and the layer under torch.compile)."""
+    results = ranks(2, _frozen_router_case, compiled)
     x = torch.cat([torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(rank)) for rank in range(2)])
     ref = MoE(HIDDEN, FFN, EXPERTS, TOP_K, init_seed=1)
     ref.router_weight.requires_grad_(False)
