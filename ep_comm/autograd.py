@@ -39,7 +39,7 @@ def _handle(buffer: Buffer, token_index: torch.Tensor, send_counts: torch.Tensor
 def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
                  num_experts: int, codec: str, vote: int, anchor: torch.Tensor) -> tuple[
                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                     torch.Tensor]:
+                     torch.Tensor, torch.Tensor]:
     buffer = _buffer(buffer_id)
     num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     with buffer._backward_call(BackwardVote(vote)):
@@ -53,7 +53,7 @@ def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     counts = torch.bincount(recv_idx[recv_idx >= 0],
                             minlength=int(buffer.placement(num_experts).num_local_experts[buffer.rank]))
     return (recv_x, recv_idx, recv_w.to(topk_weights.dtype), handle.send_plan.token_index.clone(),
-            handle.send_plan.send_counts.clone(), handle.recv_counts.clone(), counts)
+            handle.send_plan.send_counts.clone(), handle.recv_counts.clone(), counts, torch.zeros(1))
 
 
 @_dispatch_op.register_fake
@@ -66,23 +66,29 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec, vote, anchor):
     k = topk_idx.shape[1]
     return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, k), topk_weights.new_empty(rows, k),
             topk_idx.new_empty(sent), topk_idx.new_empty(num_ranks),
-            torch.empty(num_ranks, dtype=torch.int64, device="cpu"), topk_idx.new_empty(local))
+            torch.empty(num_ranks, dtype=torch.int64, device="cpu"), topk_idx.new_empty(local), torch.empty(1))
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, _, _, buffer_id, _, codec, _, _ = inputs
-    _, recv_idx, _, token_index, send_counts, recv_counts, _ = output
+    x, _, w, buffer_id, _, codec, _, _ = inputs
+    recv_x, recv_idx, _, token_index, send_counts, recv_counts, _, _ = output
     ctx.save_for_backward(recv_idx, token_index, send_counts, recv_counts)
     ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
+    ctx.recv_x_like, ctx.w_dtype = recv_x.new_empty(0, recv_x.shape[1]), w.dtype
 
 
 def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *unused):
     recv_idx, token_index, send_counts, recv_counts = ctx.saved_tensors
+    if grad_x is None:  # the backward came through the link alone (the expert output used no row)
+        grad_x = ctx.recv_x_like.new_zeros(recv_idx.shape[0], ctx.recv_x_like.shape[1])
+    if grad_w is None:
+        grad_w = torch.zeros(recv_idx.shape, dtype=ctx.w_dtype, device=recv_idx.device)
     grad_w = grad_w * (recv_idx >= 0).to(grad_w.dtype)
     gx, gw = _combine_op(grad_x.contiguous(), grad_w.contiguous(), token_index, send_counts,
                          recv_counts, ctx.num_tokens, ctx.buffer_id,
-                         "none" if ctx.codec == "fp8" else ctx.codec, int(BackwardVote.OFF), grad_x.new_empty(0))
-    return gx, None, gw, None, None, None, None, _anchor_grad(gx, gw)
+                         "none" if ctx.codec == "fp8" else ctx.codec, int(BackwardVote.OFF), grad_x.new_empty(0),
+                         torch.zeros(1))
+    return gx, None, gw, None, None, None, None, _anchor_grad([gx, gw])
 
 
 torch.library.register_autograd("ep_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
@@ -92,7 +98,7 @@ torch.library.register_autograd("ep_comm::dispatch", _dispatch_backward, setup_c
 @torch.library.custom_op("ep_comm::combine", mutates_args=())
 def _combine_op(x: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
                 send_counts: torch.Tensor, recv_counts: torch.Tensor, num_tokens: int, buffer_id: int,
-                codec: str, vote: int, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                codec: str, vote: int, anchor: torch.Tensor, link: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     buffer = _buffer(buffer_id)
     handle = _handle(buffer, token_index, send_counts, recv_counts, num_tokens, x.shape[1])
     weights = topk_weights if topk_weights.shape[1] > 0 else None
@@ -104,12 +110,12 @@ def _combine_op(x: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.
 
 
 @_combine_op.register_fake
-def _(x, topk_weights, token_index, send_counts, recv_counts, num_tokens, buffer_id, codec, vote, anchor):
+def _(x, topk_weights, token_index, send_counts, recv_counts, num_tokens, buffer_id, codec, vote, anchor, link):
     return x.new_empty(num_tokens, x.shape[1]), topk_weights.new_empty(num_tokens, topk_weights.shape[1])
 
 
 def _combine_setup(ctx, inputs, output):
-    x, _, token_index, send_counts, recv_counts, _, buffer_id, codec, _, _ = inputs
+    x, _, token_index, send_counts, recv_counts, _, buffer_id, codec, _, _, _ = inputs
     ctx.save_for_backward(token_index, send_counts, recv_counts)
     ctx.buffer_id, ctx.codec, ctx.num_tokens = buffer_id, codec, x.shape[0]
 
@@ -121,7 +127,8 @@ def _combine_backward(ctx, grad_out, grad_w):
         gw = grad_w.new_zeros(gx.shape[0], 0)
     else:
         gw = _scatter_op(grad_w.contiguous(), token_index, send_counts, recv_counts, ctx.buffer_id, "none")
-    return gx, gw, None, None, None, None, None, None, None, _anchor_grad(gx, gw)
+    kept = _anchor_grad([gx, gw])
+    return gx, gw, None, None, None, None, None, None, None, kept, kept
 
 
 torch.library.register_autograd("ep_comm::combine", _combine_backward, setup_context=_combine_setup)
@@ -154,7 +161,8 @@ def _scatter_backward(ctx, grad):
     token_index, send_counts, recv_counts = ctx.saved_tensors
     empty = grad.new_empty(grad.shape[0], 0)
     gx, _ = _combine_op(grad.contiguous(), empty, token_index, send_counts, recv_counts,
-                        ctx.num_tokens, ctx.buffer_id, ctx.codec, int(BackwardVote.OFF), grad.new_empty(0))
+                        ctx.num_tokens, ctx.buffer_id, ctx.codec, int(BackwardVote.OFF), grad.new_empty(0),
+                        torch.zeros(1))
     return gx, None, None, None, None, None
 
 
@@ -170,19 +178,28 @@ def _vote(*inputs: torch.Tensor) -> BackwardVote:
 
 
 def _anchor(buffer: Buffer, vote: BackwardVote, like: torch.Tensor) -> torch.Tensor:
-    """The op's ``anchor`` input, which it ignores: in grad mode the Buffer's empty leaf that
+    """The op's ``anchor`` input, which it ignores: in grad mode the Buffer's ``[1]`` leaf that
     requires grad, so that autograd records the op also where no other input requires grad (for a
     ``FOLLOWS`` vote: its outputs require grad and its backward runs where a peer's inputs require
-    grad; the wrapper detaches them again when none does); else an empty tensor without grad."""
+    grad; the wrapper detaches them again when none does); else an empty tensor without grad (only
+    the op's schema needs one)."""
     return like.new_empty(0) if vote == BackwardVote.OFF else buffer._grad_anchor
 
 
-def _anchor_grad(*grads: torch.Tensor) -> torch.Tensor:
-    """The anchor's (empty) gradient, taken from each gradient a backward computed: so that every
-    collective call of the backward has a use, and ``torch.compile`` never drops one as dead code
-    on a rank that needs none of its results (its peers make the call and wait for this rank).
-    On the CPU, as the anchor (an empty copy: nothing moves)."""
-    return torch.cat([g.reshape(-1)[:0].float().cpu() for g in grads])
+# -- ep_comm::anchor_grad -----------------------------------------------------------------------
+@torch.library.custom_op("ep_comm::anchor_grad", mutates_args=())
+def _anchor_grad(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The anchor's gradient (``[1]`` float32 zeros on the CPU) from every gradient a backward
+    computed: an opaque op that uses each, so ``torch.compile`` never drops one of the backward's
+    collective calls as dead code on a rank that needs none of its results (its peers make the
+    call and wait for this rank). (Inductor replaces any empty result by an allocation, and would
+    fold a gradient computed from the values.)"""
+    return torch.zeros(1)
+
+
+@_anchor_grad.register_fake
+def _(grads):
+    return torch.empty(1)
 
 
 def _detach(buffer: Buffer, vote: BackwardVote) -> bool:
@@ -237,10 +254,10 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     # the backward runs on every rank or on none (a rank without it would skip its peers' calls)
     vote = _vote(x, topk_weights)
-    recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts = _dispatch_op(
+    recv_x, recv_idx, recv_w, token_index, send_counts, recv_counts, counts, link = _dispatch_op(
         x, topk_idx, topk_weights, buffer.buffer_id, num_experts, codec_name, int(vote), _anchor(buffer, vote, x))
     if _detach(buffer, vote):
-        recv_x, recv_w = recv_x.detach(), recv_w.detach()
+        recv_x, recv_w, link = recv_x.detach(), recv_w.detach(), link.detach()
     from .layout import align_up
 
     num_recv = recv_x.shape[0]  # == recv_counts.sum(), a size torch.compile traces without reading it
@@ -249,11 +266,15 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         recv_counts=recv_counts, is_token_in_rank=torch.empty(0, 0, dtype=torch.bool),
         num_tokens=x.shape[0], num_recv_tokens=num_recv, num_worst_tokens=0,
         hidden=x.shape[1], num_experts=num_experts,
-        recv_src_token_index=torch.empty(0, dtype=torch.int64), mask_epoch=buffer.mask_epoch))
+        recv_src_token_index=torch.empty(0, dtype=torch.int64), mask_epoch=buffer.mask_epoch, grad_link=link))
     counts_list = align_up(counts.tolist(), expert_alignment)
     if num_worst_tokens > 0:
         rows = handle.num_recv_tokens
-        buffer._check_num_worst_tokens(rows, num_worst_tokens)
+        if torch.compiler.is_compiling():  # rows is a size known when the graph runs: a check there
+            torch._check(rows <= num_worst_tokens, lambda: f"num_worst_tokens ({num_worst_tokens}) is smaller "
+                         f"than the tokens this rank received")
+        else:
+            buffer._check_num_worst_tokens(rows, num_worst_tokens)
         pad = num_worst_tokens - rows
         recv_x = torch.nn.functional.pad(recv_x, (0, 0, 0, pad))
         recv_w = torch.nn.functional.pad(recv_w, (0, 0, 0, pad))
@@ -293,10 +314,12 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
     codec_name = "none" if codec is None else codec  # "auto": voted inside the Buffer's call, after it opened
     weights = (topk_weights[:rows] if topk_weights is not None
                else x.new_empty(rows, 0, dtype=torch.float32))
-    vote = _vote(x, weights)
+    # a handle of ep_comm.dispatch links this call to it (see DispatchState.grad_link)
+    link = handle.grad_link if handle.grad_link is not None else torch.zeros(1)
+    vote = _vote(x, weights, link)
     combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(), handle.send_plan.token_index,
                                        handle.send_plan.send_counts, handle.recv_counts, handle.num_tokens,
-                                       buffer.buffer_id, codec_name, int(vote), _anchor(buffer, vote, x))
+                                       buffer.buffer_id, codec_name, int(vote), _anchor(buffer, vote, x), link)
     if _detach(buffer, vote):
         combined, combined_w = combined.detach(), combined_w.detach()
     from .event import EventOverlap

@@ -77,6 +77,10 @@ class DispatchState:
     group_key: tuple = ()
     """The making Buffer's group (global ranks), placement and node size: another Buffer with the
     same key takes the handle, as DeepEP's handles work with any Buffer of the group."""
+    grad_link: torch.Tensor | None = None
+    """``ep_comm.dispatch``'s (autograd) ``[1]`` float32 output that ``ep_comm.combine`` takes, so
+    that the combine's backward always reaches the dispatch's, which makes collective calls, also on
+    a rank whose combine input does not depend on the received rows."""
 
     @property
     def num_recv_rows(self) -> int:

@@ -110,7 +110,33 @@ def test_custom_ops_are_registered_for_torch_compile():
         assert hasattr(torch.ops.ep_comm, name)
 
 
-def _compiled_chain(rank, world, group, follows):
+def _rows_unused(rank, world, group):
+    """Rank 1's combine input does not depend on the rows it received (an expert that outputs
+    zeros); every rank's x requires grad."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    idx, w = make_routing(rank, 13, 6, 4, 2, 0.0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    recv_x, _, _, _, handle, _ = ep_comm.dispatch(buf, x, idx, w, 4)
+    y = recv_x * 2 if rank == 0 else torch.zeros(recv_x.shape)
+    out, _, _ = ep_comm.combine(buf, y, handle)
+    out.sum().backward()
+    return x.detach(), idx, w, x.grad
+
+
+def test_a_combine_input_that_ignores_the_received_rows_still_runs_the_dispatch_backward(ranks):
+    """The dispatch's handle links the combine to it, so rank 1's backward reaches its dispatch's
+    backward (whose calls rank 0's waits for) although its combine input used no received row."""
+    results = ranks(2, _rows_unused)
+    xs = [r[0].clone().requires_grad_() for r in results]
+    received = reference.dispatch(xs, [r[1] for r in results], [r[2] for r in results],
+                                  ExpertPlacement.contiguous(4, 2))
+    ys = [received[0].x * 2, torch.zeros(received[1].x.shape)]
+    sum(o.sum() for o in reference.combine(ys, received, [6, 6])).backward()
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r[3], xs[rank].grad)
+
+
+def _compiled_chain(rank, world, group, follows, backend):
     """dispatch -> combine compiled whole (fullgraph=True) and eager; with ``follows``, rank 1's
     inputs require no grad, and its compiled output still joins rank 0's backward. Then rank 1
     calls the compiled chain under no_grad: the vote traced into its graph (grad mode off) meets
@@ -134,8 +160,9 @@ def _compiled_chain(rank, world, group, follows):
         return out.detach(), grad
 
     eager = run(chain)
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        compiled_chain = torch.compile(chain, backend="aot_eager", fullgraph=True)
+    no_cache = torch._inductor.config.patch(force_disable_caches=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), no_cache:
+        compiled_chain = torch.compile(chain, backend=backend, fullgraph=True)
         compiled = run(compiled_chain)
         error = None
         try:
@@ -148,14 +175,44 @@ def _compiled_chain(rank, world, group, follows):
     return same, error
 
 
-@pytest.mark.parametrize("follows", [False, True])
-def test_torch_compile_traces_the_ops_whole(ranks, follows):
+@pytest.mark.parametrize("follows,backend", [(False, "aot_eager"), (True, "aot_eager"), (True, "inductor")])
+def test_torch_compile_traces_the_ops_whole(ranks, follows, backend):
     """The custom ops' fake implementations let dynamo/AOTAutograd trace dispatch and combine in
     one graph (fullgraph=True, with capture_scalar_outputs for the counts list), with the same
-    outputs and gradients as eager, and the call header still carries each rank's vote."""
-    for same, error in ranks(2, _compiled_chain, follows):
+    outputs and gradients as eager, and the call header still carries each rank's vote. Inductor
+    keeps every backward collective of a rank that needs none of their results (rank 1 with
+    ``follows``), which its peer waits for."""
+    for same, error in ranks(2, _compiled_chain, follows, backend):
         assert same
         assert error is not None and "disagree on backward" in error, error
+
+
+def _compiled_worst_tokens(rank, world, group):
+    """dispatch with num_worst_tokens (padded rows) -> combine, compiled whole and eager."""
+    buf = ep_comm.Buffer(group, timeout_s=30)
+    idx, w = make_routing(rank, 17, 5, 4, 2, 0.0)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+
+    def chain(x_in):
+        recv_x, recv_idx, _, counts, handle, _ = ep_comm.dispatch(buf, x_in, idx, w, 4, num_worst_tokens=16)
+        out, _, _ = ep_comm.combine(buf, recv_x * 2, handle)
+        return out, recv_x.shape[0], (recv_idx[:, 0] >= 0).sum(), counts
+
+    results = []
+    for fn in (chain, torch.compile(chain, backend="aot_eager", fullgraph=True)):
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            out, rows, real, counts = fn(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        results.append((out.detach(), int(rows), int(real), counts, grad))
+    return results
+
+
+def test_torch_compile_traces_num_worst_tokens(ranks):
+    """num_worst_tokens pads the received rows to a fixed count: under torch.compile the check that
+    the rows fit is made when the graph runs, and the results equal eager's."""
+    for eager, compiled in ranks(2, _compiled_worst_tokens):
+        assert eager[1] == compiled[1] == 16 and eager[2] == compiled[2] and eager[3] == compiled[3] == []
+        assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[4], compiled[4])
 
 
 def _one_rank_rejects(rank, world, group, case, codec):
