@@ -48,8 +48,13 @@ class BackwardVote(enum.IntEnum):
 
 @dataclass
 class BackwardCall:
-    """One differentiable call's vote, and the live ranks' strongest vote once the call opened
-    (this rank's own vote on a transport without an opening exchange)."""
+    """One differentiable call's backward vote.
+
+    Attributes:
+        vote: this rank's :class:`BackwardVote`.
+        agreed: the live ranks' strongest vote, set by the call's opening exchange; None before it
+            and on a transport without one, where :attr:`runs` goes by ``vote``.
+    """
 
     vote: BackwardVote
     agreed: BackwardVote | None = None

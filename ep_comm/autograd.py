@@ -53,7 +53,8 @@ def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     counts = torch.bincount(recv_idx[recv_idx >= 0],
                             minlength=int(buffer.placement(num_experts).num_local_experts[buffer.rank]))
     return (recv_x, recv_idx, recv_w.to(topk_weights.dtype), handle.send_plan.token_index.clone(),
-            handle.send_plan.send_counts.clone(), handle.recv_counts.clone(), counts, torch.zeros(1))
+            handle.send_plan.send_counts.clone(), handle.recv_counts.clone(), counts,
+            torch.zeros(1, dtype=torch.float32))
 
 
 @_dispatch_op.register_fake
@@ -66,7 +67,8 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, codec, vote, anchor):
     k = topk_idx.shape[1]
     return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, k), topk_weights.new_empty(rows, k),
             topk_idx.new_empty(sent), topk_idx.new_empty(num_ranks),
-            torch.empty(num_ranks, dtype=torch.int64, device="cpu"), topk_idx.new_empty(local), torch.empty(1))
+            torch.empty(num_ranks, dtype=torch.int64, device="cpu"), topk_idx.new_empty(local),
+            torch.empty(1, dtype=torch.float32))
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -87,7 +89,7 @@ def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *unused):
     gx, gw = _combine_op(grad_x.contiguous(), grad_w.contiguous(), token_index, send_counts,
                          recv_counts, ctx.num_tokens, ctx.buffer_id,
                          "none" if ctx.codec == "fp8" else ctx.codec, int(BackwardVote.OFF), grad_x.new_empty(0),
-                         torch.zeros(1))
+                         torch.zeros(1, dtype=torch.float32))
     return gx, None, gw, None, None, None, None, _anchor_grad([gx, gw])
 
 
@@ -162,7 +164,7 @@ def _scatter_backward(ctx, grad):
     empty = grad.new_empty(grad.shape[0], 0)
     gx, _ = _combine_op(grad.contiguous(), empty, token_index, send_counts, recv_counts,
                         ctx.num_tokens, ctx.buffer_id, ctx.codec, int(BackwardVote.OFF), grad.new_empty(0),
-                        torch.zeros(1))
+                        torch.zeros(1, dtype=torch.float32))
     return gx, None, None, None, None, None
 
 
@@ -194,12 +196,12 @@ def _anchor_grad(grads: list[torch.Tensor]) -> torch.Tensor:
     collective calls as dead code on a rank that needs none of its results (its peers make the
     call and wait for this rank). (Inductor replaces any empty result by an allocation, and would
     fold a gradient computed from the values.)"""
-    return torch.zeros(1)
+    return torch.zeros(1, dtype=torch.float32)
 
 
 @_anchor_grad.register_fake
 def _(grads):
-    return torch.empty(1)
+    return torch.empty(1, dtype=torch.float32)
 
 
 def _detach(buffer: Buffer, vote: BackwardVote) -> bool:
@@ -221,8 +223,9 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     The backward runs on every rank or on none: where any rank's ``x`` or ``topk_weights``
     require grad (in grad mode), every rank's outputs do, also where this rank's inputs do not
     (its backward then makes the calls its peers' backward waits for, and drops its gradients);
-    where none does, no output requires grad. A rank under ``torch.no_grad`` while another's
-    inputs require grad is refused on every rank (``ValueError``). On the NVSHMEM transport,
+    where none does, the outputs are detached (in eager mode; under ``torch.compile`` they stay
+    in the graph). On the portable transport a rank under ``torch.no_grad`` while another's
+    inputs require grad is refused on every rank (``ValueError``); on the NVSHMEM transport,
     which exchanges no header, each rank goes by its own inputs.
 
     With ``codec="fp8"`` the payload travels as e4m3 + scales and is dequantized to ``x``'s dtype
@@ -315,7 +318,7 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle,
     weights = (topk_weights[:rows] if topk_weights is not None
                else x.new_empty(rows, 0, dtype=torch.float32))
     # a handle of ep_comm.dispatch links this call to it (see DispatchState.grad_link)
-    link = handle.grad_link if handle.grad_link is not None else torch.zeros(1)
+    link = handle.grad_link if handle.grad_link is not None else torch.zeros(1, dtype=torch.float32)
     vote = _vote(x, weights, link)
     combined, combined_w = _combine_op(x[:rows].contiguous(), weights.contiguous(), handle.send_plan.token_index,
                                        handle.send_plan.send_counts, handle.recv_counts, handle.num_tokens,

@@ -226,16 +226,16 @@ class Buffer(RankMasking):
     def _take_buffer_id(self) -> None:
         """Sets ``buffer_id``, a number no other Buffer of this process has (handles remember it),
         under which the differentiable ops find this Buffer (:meth:`_live`), and ``_grad_anchor``,
-        their input in grad mode (a leaf that requires grad: autograd records a call even
-        where its other inputs need none)."""
+        their input in grad mode: a ``[1]`` float32 CPU leaf of zeros that requires grad
+        (autograd records a call even where its other inputs need none)."""
         self.buffer_id = next(_buffer_ids)
         _live_buffers[self.buffer_id] = self
         self._grad_anchor = torch.zeros(1, dtype=torch.float32, device="cpu", requires_grad=True)
 
     @staticmethod
     def _live(buffer_id: int) -> "Buffer":
-        """The live Buffer of ``buffer_id`` (the differentiable ops take Buffers by id), or
-        ValueError."""
+        """The Buffer of ``buffer_id`` while it has not been freed (a weak registry: the
+        differentiable ops take Buffers by id), or ValueError."""
         try:
             return _live_buffers[buffer_id]
         except KeyError:

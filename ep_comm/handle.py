@@ -80,7 +80,8 @@ class DispatchState:
     grad_link: torch.Tensor | None = None
     """``ep_comm.dispatch``'s (autograd) ``[1]`` float32 output that ``ep_comm.combine`` takes, so
     that the combine's backward always reaches the dispatch's, which makes collective calls, also on
-    a rank whose combine input does not depend on the received rows."""
+    a rank whose combine input does not depend on the received rows. None for a handle of
+    ``Buffer.dispatch``; detached where the dispatch's backward does not run."""
 
     @property
     def num_recv_rows(self) -> int:

@@ -37,7 +37,7 @@ class ExpertPlacement:
 
     @functools.cached_property
     def local_expert_counts(self) -> tuple[int, ...]:
-        """``num_local_experts`` as Python ints (cached)."""
+        """``num_local_experts`` as Python ints, one per rank (``num_ranks``; cached)."""
         return tuple(int(n) for n in self.num_local_experts.tolist())
 
     @property
@@ -79,7 +79,8 @@ class ExpertPlacement:
         local = torch.empty_like(owners)
         local[order] = torch.arange(owners.numel()) - starts[owners[order]]
         placement = ExpertPlacement(owners, local, num_ranks, num_local)
-        _ = placement.local_expert_counts  # computed now: torch.compile's fake kernels read it, and cannot read tensors
+        # computed here, on the CPU tensors: torch.compile's fake kernels read it and cannot read tensors
+        _ = placement.local_expert_counts
         return placement
 
     def local_experts(self, rank: int) -> torch.Tensor:
