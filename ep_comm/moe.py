@@ -199,12 +199,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]`` (same dtype): ``sum_k w_k * expert_{i_k}(x)`` per token."""
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
-        # (the experts' dtype now: .to(), .bfloat16() and the like may have changed it since)
-        expert_dtype = self.experts[0].fc1.weight.dtype if len(self.experts) else x.dtype
-        if x.dtype != expert_dtype and not _autocast(x):
-            raise ValueError(f"x is {x.dtype}, this layer's experts are {expert_dtype}")
+        try:
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.hidden_size:
+                shown = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"x must be [..., {self.hidden_size}], got {shown}")
+            # (the experts' dtype now: .to(), .bfloat16() and the like may have changed it since)
+            expert_dtype = self.experts[0].fc1.weight.dtype if len(self.experts) else x.dtype
+            if x.dtype != expert_dtype and not _autocast(x):
+                raise ValueError(f"x is {x.dtype}, this layer's experts are {expert_dtype}")
+        except ValueError as error:
+            if self.buffer is None:
+                raise
+            self.buffer._refuse("dispatch", error)  # the peers' dispatch fails naming this rank, no timeout
         tokens = x.reshape(-1, self.hidden_size)
         topk_idx, topk_weights = route(tokens, self.router_weight, self.top_k, self.normalize_weights)
         if self.buffer is None:

@@ -10,6 +10,8 @@ choices), and the loss must fall by at least half.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -254,3 +256,37 @@ def test_bad_arguments_are_refused_when_the_layer_is_built_or_called():
     # a layer cast after it was built takes inputs of its new dtype
     cast = MoE(HIDDEN, FFN, EXPERTS, TOP_K, init_seed=1).to(torch.bfloat16)
     assert cast(torch.randn(3, HIDDEN).bfloat16()).dtype == torch.bfloat16
+
+
+def _one_rank_passes_bad_input(rank: int, world_size: int, group: dist.ProcessGroup, bad: str):
+    """Rank 0 calls the layer with an input it refuses, rank 1 with a good one; then both make a
+    valid call."""
+    layer = MoE(HIDDEN, FFN, EXPERTS, TOP_K, buffer=ep_comm.Buffer(group, timeout_s=30), init_seed=1)
+    good = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    x = good
+    if rank == 0:
+        x = torch.randn(6, HIDDEN + 1) if bad == "hidden" else good.double()
+    start = time.monotonic()
+    try:
+        layer(x)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    waited = time.monotonic() - start
+    with torch.no_grad():
+        return error, waited, layer(good)
+
+
+@pytest.mark.parametrize("bad", ["hidden", "dtype"])
+def test_a_rank_refusing_its_input_fails_its_peers_without_a_timeout(ranks, bad):
+    """The layer's own checks of ``x`` open the call with a failed status, as Buffer's do: the
+    peers raise a ValueError naming the rank at once (not a timeout, nor pairing with its next
+    call), and the next call is right on every rank."""
+    results = ranks(2, _one_rank_passes_bad_input, bad)
+    assert (f"x must be [..., {HIDDEN}]" if bad == "hidden" else "x is torch.float64") in results[0][0]
+    assert "rank(s) [0] rejected their arguments" in results[1][0], results[1][0]
+    assert max(r[1] for r in results) < 10
+    ref = MoE(HIDDEN, FFN, EXPERTS, TOP_K, init_seed=1)
+    with torch.no_grad():
+        want = ref(torch.cat([torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)]))
+    torch.testing.assert_close(torch.cat([r[2] for r in results]), want, rtol=1e-5, atol=1e-6)
