@@ -50,8 +50,7 @@ def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         from .codecs import fp8
 
         recv_x = fp8.dequantize(*recv_x, dtype=x.dtype)
-    counts = torch.bincount(recv_idx[recv_idx >= 0],
-                            minlength=int(buffer.placement(num_experts).num_local_experts[buffer.rank]))
+    counts = torch.bincount(recv_idx[recv_idx >= 0], minlength=buffer._num_local_experts(num_experts))
     return (recv_x, recv_idx, recv_w.to(topk_weights.dtype), handle.send_plan.token_index.clone(),
             handle.send_plan.send_counts.clone(), handle.recv_counts.clone(), counts,
             torch.zeros(1, dtype=torch.float32))
